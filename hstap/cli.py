@@ -1,0 +1,193 @@
+"""The `hstap` command line, generated from each stage's `@dataclass` config.
+
+Every field of a stage config becomes a flag, spelled `--max-len`, `--max_len` or `--prepare.max_len` (the dotted form
+is the one `--config` files and `config.json` use). The field's docstring is its help text, so each default and each
+explanation exists in exactly one place. `--config run.yaml` loads values (YAML or JSON: a flat mapping, a mapping
+under the stage name, or an artifact's `config.json`), and flags given on the command line override them, so
+`hstap train --config RUN/config.json` replays a run.
+
+    hstap prepare --tokenizer DIR --data corpus.jsonl --out PREPARED
+    hstap train --config RUN/config.json --train.steps 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import sys
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from hstap.common import HstapError
+
+# subcommand -> (module, config class, entry function, one-line help). Only stages that work are listed.
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "prepare": ("hstap.data", "PrepareConfig", "prepare", "conversations -> input_ids + assistant loss_mask + draft vocab map"),
+    "train": ("hstap.train", "TrainConfig", "train", "train an EAGLE-3 drafter on a store (offline) or a live target (online)"),
+    "export": ("hstap.export", "ExportConfig", "export", "drafter -> SGLang / vLLM (speculators) / hf checkpoint, validated"),
+    "verify": ("hstap.verify", "VerifyConfig", "verify",
+               "store integrity, recompute vs the target, layer-offset detection, compare two stores"),
+    "generate": ("hstap.generate", "GenerateConfig", "generate",
+                 "regenerate assistant turns with the target (embedded, or an OpenAI-compatible server)"),
+}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (a string literal right after a field) of a dataclass, read from its source."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:] + [None]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _base_type(tp: Any) -> tuple[Any, bool, bool]:
+    """(scalar type, optional?, list?) of a field annotation."""
+    optional = False
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        tp = args[0]
+        origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        return typing.get_args(tp)[0], optional, True
+    return tp, optional, False
+
+
+def _parse_bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
+
+
+def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParser:
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    p = argparse.ArgumentParser(prog=f"hstap {stage}", description=helptext,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    p.add_argument("--config", metavar="FILE", help="YAML/JSON with values for this stage (an artifact's config.json replays it)")
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp, optional, is_list = _base_type(hints[f.name])
+        names = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else []) + [f"--{stage}.{f.name}"]
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": docs.get(f.name, "")}
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
+        if default is not None and default != []:
+            kw["help"] += f" (default: {default})"
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kw["help"] += " (required)"
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        if tp is bool:
+            kw.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
+            p.add_argument(*names, **kw)
+            p.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                           help=argparse.SUPPRESS)
+            continue
+        kw["type"] = tp
+        kw["metavar"] = tp.__name__.upper() if tp in (int, float) else "STR"
+        if is_list:
+            kw["nargs"] = "+"
+        p.add_argument(*names, **kw)
+    return p
+
+
+def load_config_file(path: str, stage: str) -> dict:
+    text = Path(path).read_text()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parse failure is the user's file
+        raise HstapError(f"{path}: cannot parse config: {e}") from None
+    if not isinstance(data, dict):
+        raise HstapError(f"{path}: a config file must hold a mapping")
+    if "config" in data and "stage" in data:  # an artifact's config.json
+        if data["stage"] != stage:
+            raise HstapError(f"{path}: this config.json belongs to stage {data['stage']!r}, not {stage!r}")
+        data = data["config"]
+    elif stage in data and isinstance(data[stage], dict):
+        data = data[stage]
+    return data
+
+
+def make_config(stage: str, cls: type, argv: list[str], helptext: str = "") -> Any:
+    parser = build_parser(stage, cls, helptext)
+    ns = vars(parser.parse_args(argv))
+    values: dict[str, Any] = {}
+    cfg_file = ns.pop("config", None)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    if cfg_file:
+        for k, v in load_config_file(cfg_file, stage).items():
+            k = k.split(".")[-1].replace("-", "_")
+            if k not in names:
+                raise HstapError(f"{cfg_file}: unknown field {k!r} for stage {stage!r}")
+            values[k] = v
+    values.update(ns)
+    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        parser.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise HstapError(str(e)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: hstap <command> [options]\n\ncommands:")
+        for name, (_, _, _, h) in COMMANDS.items():
+            print(f"  {name:10s} {h}")
+        print("\n`hstap <command> --help` lists a command's options.")
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        import hstap
+        print(f"hstap {hstap.__version__}")
+        return 0
+    stage = argv[0]
+    if stage not in COMMANDS:
+        print(f"hstap: error: unknown command {stage!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    mod_name, cls_name, fn_name, helptext = COMMANDS[stage]
+    try:
+        mod = importlib.import_module(mod_name)
+        cfg = make_config(stage, getattr(mod, cls_name), argv[1:], helptext)
+        getattr(mod, fn_name)(cfg)
+    except HstapError as e:
+        print(f"hstap: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hstap: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Small shared utilities: user-facing errors, atomic writes, hashing, run metadata.
+
+Every artifact hstap writes goes through `atomic_write_*` (temp file in the same directory, fsync, rename, fsync of the
+directory) so a crash leaves either the old file or the new one, never a torn one. `write_run_config` puts the resolved
+stage config, the git commit and the package version as `config.json` next to each output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import hstap
+
+
+class HstapError(Exception):
+    """A user-facing error: the CLI prints `hstap: error: <message>` (one line) and exits with status 2."""
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> None:
+    """Write `data` to `path` atomically: temp file in the same directory, fsync, rename, fsync the directory."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the permissions open() would
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False, default=_json_default) + "\n").encode())
+
+
+def _json_default(o: Any) -> Any:
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def sha256_bytes(data: bytes | str) -> str:
+    if isinstance(data, str):
+        data = data.encode()
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+_GIT_COMMIT: str | None | bool = False
+
+
+def git_commit() -> str | None:
+    """The commit of the hstap checkout (None when not installed from a git checkout)."""
+    global _GIT_COMMIT
+    if _GIT_COMMIT is False:
+        root = Path(hstap.__file__).resolve().parent.parent
+        try:
+            out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+            _GIT_COMMIT = out.stdout.strip() if out.returncode == 0 and (root / ".git").exists() else None
+            if _GIT_COMMIT:
+                dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                       capture_output=True, text=True, timeout=10).stdout.strip()
+                if dirty:
+                    _GIT_COMMIT += "-dirty"
+        except (OSError, subprocess.SubprocessError):
+            _GIT_COMMIT = None
+    return _GIT_COMMIT  # type: ignore[return-value]
+
+
+def run_meta(stage: str, cfg: Any) -> dict:
+    """The resolved config of a stage plus provenance, as stored in `config.json` next to every artifact."""
+    return {
+        "stage": stage,
+        "config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg,
+        "git_commit": git_commit(),
+        "hstap_version": hstap.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_run_config(out_dir: str | os.PathLike, stage: str, cfg: Any) -> None:
+    atomic_write_json(Path(out_dir) / "config.json", run_meta(stage, cfg))

@@ -1,0 +1,521 @@
+"""The embedded engine: run a HF causal LM in this process and stream its hidden states into a store.
+
+Capture is plain batched prefill. Samples are sorted by length and packed so that B * max_len <= batch_tokens,
+right-padded, and run with causal attention and no mask: causality already keeps every real token from seeing the
+padding after it, so the real rows equal those of the sample run alone (tests/test_capture_hf.py checks it against
+`output_hidden_states`).
+Hooks (`Target.capture`) keep only the K tapped layers instead of all N+1 hidden states; padding rows are dropped on the
+device before anything is copied, so nothing padded is ever stored.
+
+The pipeline (`CaptureRunner`) keeps the GPU busy while storage works:
+
+    main thread:  forward(batch i) -> demux real rows -> convert to the store dtype on the GPU (fp8: half the D2H)
+                  -> event on the compute stream -> side stream waits on it, copies into a pinned buffer -> done event
+                  -> queue.put((done, buffer, samples))           (blocks only when `queue_size` batches are waiting)
+    writer thread: done.synchronize() -> copy out of the pinned buffer -> StoreWriter.add() per sample (commits shards)
+
+The compute stream never waits for the copy (the side stream does), and the pinned buffers come from a small pool
+reused in rotation, so pinning (slow, page-locking) happens a few times per run, not per batch. The writer copies each
+batch out of its pinned buffer before `add` because the store keeps added tensors by reference until their shard is
+written (a shard can be many GB; pinning that much host memory would be unsafe). On the CPU the same pipeline runs with
+plain tensors: the writer thread still overlaps disk writes with compute. An error in the writer thread (e.g. ENOSPC)
+stops it and is raised in the main thread at its next call.
+
+    from hstap.engines.hf import load_target, capture_batch
+    target, tok = load_target("models/Llama-3.1-8B-Instruct", device="cuda", dtype="bf16")
+    [(aux, final)] = capture_batch(target, [ids], layers=[1, 15, 28])  # (T, K, H), (T, H)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from hstap.common import HstapError, sha256_bytes
+from hstap.target import Target
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a weight file
+_ALIGN = 512  # byte alignment of each tensor inside a pinned buffer (any dtype view stays aligned)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" -> cuda if available else cpu; "cuda" without an index -> the current CUDA device."""
+    if str(device) == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HstapError(f"--device: {device} requested but CUDA is not available (torch {torch.__version__})")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise HstapError(f"--device: expected cpu, cuda or auto, got {device!r}")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto" -> fp32 on the CPU (exact, tests), bf16 on CUDA (what serving engines run)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in COMPUTE_DTYPES:
+        raise HstapError(f"--compute-dtype: expected auto, fp32 or bf16, got {dtype!r}")
+    return COMPUTE_DTYPES[dtype]
+
+
+def _check_model_dir(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise HstapError(f"{p}: target model directory does not exist")
+    if not (p / "config.json").is_file():
+        raise HstapError(f"{p}: not a HF model directory (no config.json)")
+    return p
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved with the model, or None when the directory has none."""
+    p = Path(path)
+    if not has_tokenizer(p):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:  # noqa: BLE001 - any failure here is a broken model directory
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise HstapError(f"{p}: cannot load the tokenizer: {type(e).__name__}: {first}") from None
+
+
+def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str = "fp32"):
+    """Load a local HF causal LM directory -> (Target in eval mode with frozen weights, tokenizer or None).
+
+    dtype: "fp32" | "bf16" | "auto" (fp32 on CPU, bf16 on CUDA). Attention is SDPA, or eager for architectures without
+    it."""
+    p = _check_model_dir(path)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
+    kw: dict = {"dtype": dt}
+    if dev.type == "cuda" and is_accelerate_available():  # transformers needs accelerate for device_map
+        kw["device_map"] = {"": dev.index}  # load straight into GPU memory, not through a full CPU copy
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(p), attn_implementation="sdpa", **kw)
+        except ValueError as e:
+            if "attention" not in str(e).lower() and "sdpa" not in str(e).lower():
+                raise
+            model = AutoModelForCausalLM.from_pretrained(str(p), attn_implementation="eager", **kw)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise HstapError(f"{p}: cannot load the target model: {type(e).__name__}: {first}") from None
+    if "device_map" not in kw:
+        model.to(dev)
+    model.eval()
+    model.requires_grad_(False)
+    return Target(model), load_tokenizer(p)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fingerprint (the `target` block of a store header)
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """A fingerprint of the weight files, NOT a full hash: sha256 over, for each weight file sorted by name, its name,
+    its size, its safetensors header (tensor names, dtypes, shapes, offsets) and its first and last 1 MiB.
+
+    Why not a full hash: hashing 16 GB (8B bf16) to 1.4 TB (a 700B model) would dominate a short capture and run again
+    on every resume. Renamed, resized, re-sharded, re-typed or re-shaped weights change the fingerprint; so does
+    anything that touches the ends of a file. An in-place edit of bytes in the middle of a file with the same layout
+    does not."""
+    p = Path(path)
+    h = hashlib.sha256()
+    files = sorted(f for f in p.iterdir()
+                   if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES) and not f.name.startswith("."))
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            if f.name.endswith(".safetensors") and size >= 8:
+                n = int.from_bytes(fh.read(8), "little")
+                if 8 + n <= min(size, 1 << 28):  # a sane header; a corrupt length just falls back to the edges
+                    h.update(fh.read(n))
+            fh.seek(0)
+            h.update(fh.read(FINGERPRINT_EDGE))
+            if size > FINGERPRINT_EDGE:
+                fh.seek(max(FINGERPRINT_EDGE, size - FINGERPRINT_EDGE))
+                h.update(fh.read(FINGERPRINT_EDGE))
+    return f"edges-sha256:{h.hexdigest()}"
+
+
+def target_fingerprint(path: str | Path, tokenizer=None) -> dict:
+    """The `target` block of a store header; reads config.json, the tokenizer files and the ends of the weight files.
+
+    tokenizer_sha256 / chat_template_sha256 are computed as `hstap prepare` does (hstap.data), None when the directory
+    has no (fast) tokenizer or no chat template. `vocab_size` (the embedding rows) is added for the data check."""
+    from transformers import AutoConfig
+
+    from hstap.data import chat_template_of, chat_template_sha256, tokenizer_sha256
+
+    p = _check_model_dir(path)
+    raw = (p / "config.json").read_bytes()
+    try:
+        cfg = AutoConfig.from_pretrained(str(p))
+    except (OSError, ValueError, KeyError) as e:
+        raise HstapError(f"{p / 'config.json'}: cannot read the model config: {type(e).__name__}: {e}") from None
+    cfg = getattr(cfg, "text_config", None) or cfg  # multimodal wrappers keep the LM's shape in text_config
+    tok_sha = tmpl_sha = None
+    if tokenizer is None:
+        tokenizer = load_tokenizer(p)
+    if tokenizer is not None:
+        try:
+            tok_sha = tokenizer_sha256(tokenizer)
+        except (AttributeError, HstapError):  # a slow tokenizer: prepare could not have used it either
+            tok_sha = None
+        try:
+            tmpl_sha = chat_template_sha256(chat_template_of(tokenizer, str(p)))
+        except HstapError:
+            tmpl_sha = None
+    return {"path": str(p.resolve()), "model_type": cfg.model_type, "num_layers": int(cfg.num_hidden_layers),
+            "hidden_size": int(cfg.hidden_size), "vocab_size": int(cfg.vocab_size), "config_sha256": sha256_bytes(raw),
+            "weights_fingerprint": weights_fingerprint(p), "tokenizer_sha256": tok_sha,
+            "chat_template_sha256": tmpl_sha}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batching and demultiplexing
+
+
+def batches_by_tokens(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Indices sorted by length (descending, ties by index) and packed so that len(batch) * max_len <= batch_tokens.
+
+    A sample longer than batch_tokens runs alone. Longest first: an out-of-memory shows up in the first batch."""
+    if batch_tokens < 1:
+        raise HstapError(f"--batch-tokens: must be >= 1, got {batch_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        # descending order: the first sample of `cur` is its longest
+        if cur and (len(cur) + 1) * int(lengths[cur[0]]) > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _pad(seqs: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad with 0 -> (input_ids (B, T), rows (S,) flat indices b*T+t of the real tokens), both on `device`."""
+    lens = [int(s.shape[0]) for s in seqs]
+    B, T = len(seqs), max(lens)
+    ids = torch.zeros(B, T, dtype=torch.long)  # (B, T); the pad id is irrelevant: causal attention hides it
+    for b, s in enumerate(seqs):
+        ids[b, : lens[b]] = s
+    rows = torch.cat([torch.arange(L, dtype=torch.long) + b * T for b, L in enumerate(lens)])  # (S,)
+    if device.type == "cuda":  # pinned + non_blocking: the host does not wait for the GPU to drain before each batch
+        return ids.pin_memory().to(device, non_blocking=True), rows.pin_memory().to(device, non_blocking=True)
+    return ids, rows
+
+
+def forward_packed(target: Target, seqs: Sequence[torch.Tensor | Sequence[int]], layers: list[int]):
+    """One right-padded batch -> (aux (S, K, H), final (S, H), lengths) with S = sum(lengths): real rows only, sample
+    after sample, in the target's dtype and on its device."""
+    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in seqs]
+    if any(s.shape[0] == 0 for s in seqs):
+        raise HstapError("capture: a sample has no tokens")
+    ids, rows = _pad(seqs, target.device)
+    aux, final, _ = target.capture(ids, layers)  # (B, T, K, H), (B, T, H)
+    B, T, K, H = aux.shape
+    aux = aux.reshape(B * T, K, H).index_select(0, rows)  # (S, K, H): padding rows dropped before any copy
+    final = final.reshape(B * T, H).index_select(0, rows)  # (S, H)
+    return aux, final, [int(s.shape[0]) for s in seqs]
+
+
+@torch.no_grad()
+def capture_batch(target: Target, samples: Sequence[torch.Tensor | Sequence[int]], layers: list[int],
+                  batch_tokens: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Synchronous capture for online training: per sample (aux (T, K, H), final (T, H)) on the target's device and
+    dtype, in input order. With batch_tokens, the samples are split into length-sorted batches like offline capture."""
+    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in samples]
+    groups = batches_by_tokens([s.shape[0] for s in seqs], batch_tokens) if batch_tokens else [list(range(len(seqs)))]
+    out: list = [None] * len(seqs)
+    for g in groups:
+        if not g:
+            continue
+        aux, final, lens = forward_packed(target, [seqs[i] for i in g], layers)  # (S, K, H), (S, H)
+        for i, a, f in zip(g, aux.split(lens), final.split(lens)):
+            out[i] = (a, f)  # (T, K, H), (T, H) views of the packed batch
+    return out
+
+
+def to_store_dtype(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """Packed (S, K, H), (S, H) -> the store's tensors, converted where they are (on the GPU, fp8 halves the D2H)."""
+    if dtype == "fp8":
+        from hstap.store import quantize_fp8
+
+        aux_q, aux_scale = quantize_fp8(aux)  # (S, K, H) float8, (S, K) float32
+        final_q, final_scale = quantize_fp8(final)  # (S, H) float8, (S,) float32
+        return {"aux": aux_q, "final": final_q, "aux_scale": aux_scale.contiguous(),
+                "final_scale": final_scale.contiguous()}
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype)
+    if dt is None:
+        raise HstapError(f"--dtype: expected bf16, fp8 or fp32, got {dtype!r}")
+    return {"aux": aux.to(dt).contiguous(), "final": final.to(dt).contiguous()}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The pipeline
+
+
+class PinnedPool:
+    """Pinned host buffers (uint8) by size class (powers of two >= 1 MiB), reused in rotation; thread-safe."""
+
+    def __init__(self, keep_per_class: int = 8):
+        self.keep = keep_per_class
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.allocated = 0  # pinned allocations made (a reuse costs nothing)
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        cap = max(1 << 20, 1 << (max(1, nbytes) - 1).bit_length())
+        with self._lock:
+            free = self._free.get(cap)
+            if free:
+                return free.pop()
+            self.allocated += 1
+        return torch.empty(cap, dtype=torch.uint8, pin_memory=True)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            free = self._free.setdefault(buf.numel(), [])
+            if len(free) < self.keep:
+                free.append(buf)
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[int, int, torch.dtype, tuple]], int]:
+    """Byte offsets of each tensor in one buffer (aligned), and the total size."""
+    out, off = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        out[name] = (off, n, t.dtype, tuple(t.shape))
+        off += -(-n // _ALIGN) * _ALIGN
+    return out, off
+
+
+def _pack(buf: torch.Tensor, tensors: dict[str, torch.Tensor], layout: dict, non_blocking: bool = False) -> None:
+    """Copy each tensor's raw bytes (any dtype, fp8 included) to its place in the uint8 buffer `buf`."""
+    for name, t in tensors.items():
+        o, n, _, _ = layout[name]
+        buf[o: o + n].copy_(t.view(torch.uint8).reshape(-1), non_blocking=non_blocking)
+
+
+def _views(buf: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
+    return {name: buf[o: o + n].view(dt).view(shape) for name, (o, n, dt, shape) in layout.items()}
+
+
+class CaptureRunner:
+    """Batches in, samples committed to a `StoreWriter` by a writer thread (see the module docstring).
+
+        with CaptureRunner(target, layers, writer, dtype="bf16") as run:
+            for batch in batches:            # batch: list of {"id", "input_ids", "loss_mask"}
+                run.submit(batch)
+        # leaving the block waits for the writer thread; the caller then closes the StoreWriter
+
+    `submit` returns once the batch's forward pass is queued (CUDA) or done (CPU); the writer thread owns the
+    StoreWriter until `close()`. `samples`, `tokens`, `bytes` count what the writer thread has handed to the store."""
+
+    def __init__(self, target: Target, layers: list[int], writer, dtype: str = "bf16", queue_size: int = 4):
+        if queue_size < 1:
+            raise HstapError(f"--queue-size: must be >= 1, got {queue_size}")
+        self.target, self.layers, self.writer, self.dtype = target, list(layers), writer, dtype
+        self.device = target.device
+        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self.vocab_size = int(target.vocab_size)
+        self.pool = PinnedPool(keep_per_class=queue_size + 2) if self.cuda else None
+        self.side = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.samples = self.tokens = self.bytes = 0
+        self.submitted_tokens = 0
+        self.writer_wait_s = 0.0  # time the main thread spent blocked on a full queue (the GPU waiting for storage)
+        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._error: BaseException | None = None
+        self._abort = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._writer_loop, name="hstap-capture-writer", daemon=True)
+        self._thread.start()
+
+    # -- main thread ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def submit(self, samples: list[dict]) -> None:
+        """Capture one batch: samples are dicts with "id", "input_ids" (list/1-D tensor), "loss_mask" (same length)."""
+        self._raise_if_failed()
+        if not samples:
+            return
+        seqs, metas = [], []
+        for s in samples:
+            ids = torch.as_tensor(s["input_ids"], dtype=torch.long).reshape(-1)  # (T,)
+            mask = torch.as_tensor(s["loss_mask"], dtype=torch.uint8).reshape(-1)  # (T,)
+            if ids.numel() == 0:
+                raise HstapError(f"sample {s['id']!r}: no tokens")
+            if mask.shape != ids.shape:
+                raise HstapError(f"sample {s['id']!r}: loss_mask has {mask.numel()} entries for {ids.numel()} tokens")
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.vocab_size:  # out of range is a device assert on CUDA: say it here instead
+                bad = hi if hi >= self.vocab_size else lo
+                raise HstapError(f"sample {s['id']!r}: token id {bad} is outside the target's vocabulary "
+                                 f"(0..{self.vocab_size - 1}); was the data prepared with another tokenizer?")
+            seqs.append(ids)
+            metas.append({"id": str(s["id"]), "input_ids": ids.to(torch.int32), "loss_mask": mask,
+                          "len": int(ids.numel())})
+        aux, final, _ = forward_packed(self.target, seqs, self.layers)  # (S, K, H), (S, H)
+        payload = to_store_dtype(aux, final, self.dtype)  # name -> (S, ...) on the device
+        del aux, final
+        if self.cuda:
+            item = self._copy_to_host(payload, metas)
+        else:
+            item = (None, None, payload, metas)
+        self.submitted_tokens += sum(m["len"] for m in metas)
+        self._put(item)
+
+    def _copy_to_host(self, payload: dict[str, torch.Tensor], metas: list[dict]):
+        layout, nbytes = _layout(payload)
+        buf = self.pool.acquire(nbytes)  # (cap,) uint8, pinned
+        compute = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(compute)  # payload is complete on the compute stream once this fires
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(ready)  # the side stream waits; the compute stream goes on with the next batch
+            _pack(buf, payload, layout, non_blocking=True)  # D2H into pinned memory: truly asynchronous
+            for t in payload.values():
+                t.record_stream(self.side)  # the allocator must not reuse t's memory before this copy has run
+            done = torch.cuda.Event(blocking=True)  # blocking: the writer thread sleeps instead of spinning a core
+            done.record(self.side)
+        return (done, buf, layout, metas)
+
+    def _put(self, item) -> None:
+        t0 = time.perf_counter()
+        while True:
+            try:
+                self._q.put(item, timeout=0.5)
+                break
+            except queue.Full:
+                self._raise_if_failed()
+                if not self._thread.is_alive():
+                    raise HstapError("capture: the writer thread stopped unexpectedly")
+        self.writer_wait_s += time.perf_counter() - t0
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        err = self._error
+        if err is not None:
+            if isinstance(err, HstapError):
+                raise HstapError(str(err)) from err
+            if isinstance(err, OSError):
+                raise HstapError(f"{getattr(self.writer, 'path', 'store')}: writing failed: {err}") from err
+            raise RuntimeError(f"capture writer thread failed: {type(err).__name__}: {err}") from err
+
+    def close(self) -> None:
+        """Wait until every submitted batch is handed to the store; re-raise a writer error."""
+        if not self._closed:
+            self._closed = True
+            self._q.put(None)
+            self._thread.join()
+        self._raise_if_failed()
+
+    def abort(self) -> None:
+        """Stop without writing what is still queued (an exception in the main thread); never raises."""
+        self._abort = True
+        if not self._closed:
+            self._closed = True
+            self._q.put(None)  # the writer drains (and discards) the queue, so this cannot block for long
+            self._thread.join()
+
+    def __enter__(self) -> CaptureRunner:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    # -- writer thread -------------------------------------------------------------------------------------------------
+
+    def _writer_loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            done, buf, tensors, metas = item
+            try:
+                if done is not None:
+                    done.synchronize()  # the D2H copy into buf has landed (also before a discard: buf is reused)
+                    if self._error is None and not self._abort:
+                        layout, nbytes = tensors, max(o + n for o, n, _, _ in tensors.values())
+                        # the store keeps added tensors until their shard is written: move them out of the
+                        # pinned buffer, which the next batches reuse
+                        owned = buf[:nbytes].clone()  # (nbytes,) uint8, pageable
+                        tensors = _views(owned, layout)
+                    self.pool.release(buf)
+                    buf = None
+                if self._error is None and not self._abort:
+                    self._write(tensors, metas)
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+                if self._error is None:
+                    self._error = e
+                if buf is not None:
+                    self.pool.release(buf)  # only reached after done.synchronize() or when it failed
+
+    def _write(self, t: dict[str, torch.Tensor], metas: list[dict]) -> None:
+        off = 0
+        fp8 = "aux_scale" in t
+        for m in metas:
+            L = m["len"]
+            sl = slice(off, off + L)
+            self.writer.add(m["id"], m["input_ids"], m["loss_mask"], t["aux"][sl], t["final"][sl],  # (T, K, H), (T, H)
+                            aux_scale=t["aux_scale"][sl] if fp8 else None,  # (T, K)
+                            final_scale=t["final_scale"][sl] if fp8 else None)  # (T,)
+            off += L
+            self.samples += 1
+            self.tokens += L
+            self.bytes += sum(x[sl].numel() * x.element_size() for x in t.values()) + 5 * L  # + int32 ids, u8 mask
+
+
+def run_capture(target: Target, layers: list[int], writer, batches: Iterable[list[dict]], dtype: str = "bf16",
+                queue_size: int = 4, progress=None) -> dict:
+    """Drive a CaptureRunner over `batches` (lists of sample dicts) into `writer`; returns counts and timings.
+
+    `progress(runner, batch)` is called after each submitted batch. The caller closes the writer (which commits the
+    last shard)."""
+    t0 = time.perf_counter()
+    with CaptureRunner(target, layers, writer, dtype=dtype, queue_size=queue_size) as run:
+        for batch in batches:
+            run.submit(batch)
+            if progress is not None:
+                progress(run, batch)
+    if run.cuda:
+        torch.cuda.synchronize(run.device)
+    dt = time.perf_counter() - t0
+    return {"samples": run.samples, "tokens": run.tokens, "bytes": run.bytes, "seconds": dt,
+            "writer_wait_s": run.writer_wait_s, "pinned_allocations": run.pool.allocated if run.pool else 0}

@@ -1,0 +1,879 @@
+"""The `sglang` engine: capture hidden states inside a running SGLang server (>= 0.5.11; written against 0.5.23).
+
+Three pieces, all in this file (docs/engines.md has the launch command and what each flag is for):
+
+1. `make_hook(config)`: the factory named in SGLang's `--forward-hooks`, attached to the `logits_processor` module. SGLang
+   calls it positionally as `logits_processor(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)`;
+   `hidden_states` is the final-norm output (Llama: `residual_batch.final_norm(...)` just before the call) and
+   `aux_hidden_states` the EAGLE-3 taps, a packed (T, K*H) tensor or a list of K (T, H) tensors (both are handled).
+   The hook demultiplexes the batch per request, copies the rows it needs off the GPU without a sync and hands them to a
+   writer thread that feeds the same `StoreWriter` as the embedded engine.
+2. `plugin()`: the `sglang.srt.plugins` entry point. Only when `HSTAP_CAPTURE_LAYERS` (canonical ids, e.g. "1,15,28") is
+   set in the server's environment, it makes the target model capture those layers (`set_eagle3_layers_to_capture`)
+   before CUDA-graph capture, with no draft model. SGLang 0.5.23 can do the same natively with
+   `--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids ...`.
+3. `run_sglang_capture(cfg)`: the `hstap capture --engine sglang --server URL` driver. It checks the server's settings,
+   sends each prepared sample as a prefill-only `/generate` request (`max_new_tokens: 0`) and waits until the hook has
+   committed it to the store. The hook runs in the server's processes, so the store path must be shared by both.
+
+Demultiplexing (per forward pass, all from host-side lists, so it never waits for the GPU):
+ - only EXTEND and MIXED batches carry prompt rows; DECODE / IDLE / TARGET_VERIFY / others are ignored; so are DP-attention
+   fake extends (`_original_forward_mode` set, or `len(rids) != batch_size`) and any rows past `sum(extend_seq_lens_cpu)`;
+ - request i owns rows `start_i : start_i + extend_seq_lens_cpu[i]` (start = cumulative sum), which are prompt positions
+   `extend_prefix_lens_cpu[i] + j`; chunks are stitched by that prefix. A request is complete when it has T rows, T being
+   its prepared length (for a prefill-only request that equals SGLang's `orig_seq_lens[i]`, which only exists on the GPU
+   in 0.5.23: reading it would cost a sync per batch). Rows at positions >= T (decode rows of a MIXED batch) are ignored;
+ - a request whose first chunk starts after position 0 got its prefix from the radix cache: those rows were never computed
+   here, so the request is dropped (an event in the store's `sglang-events/`), never stored truncated;
+ - only attention-TP rank 0 of each DP group writes (DP group d writes store rank d).
+
+Request ids: the driver sends `rid = "hstap:<session>:<row>:<sha256(id)[:16]>:<attempt>"`: ASCII, short, and validated
+against the prepared set (row in range and digest equal) before anything is kept. Sample ids (any string, e.g. "../x")
+are only ever stored as ids (the store never makes file names from them); other clients' requests are ignored. The hook
+reads input_ids and loss_mask of the sample from the prepared set (config `data`) and refuses rows whose token ids differ.
+A new session (a new driver run, maybe after `--new` wiped the store) makes the hook drop its writer and re-open the store.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fcntl
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from hstap.common import HstapError
+
+log = logging.getLogger("hstap.sglang")
+
+HOOK_FACTORY = "hstap.engines.sglang:make_hook"
+ENV_LAYERS = "HSTAP_CAPTURE_LAYERS"
+RID_PREFIX = "hstap:"
+EVENTS_DIR = "sglang-events"  # inside the store; hstap/store.py ignores other files
+_MANIFEST_ONLY = ("format", "version", "created", "created_unix", "shards")  # manifest keys that are not header keys
+_FINISHED_KEEP = 1 << 16  # finished rids remembered (to ignore their decode rows / late echoes)
+_ALIGN = 512  # byte alignment of each tensor in a pinned staging buffer
+
+
+def _layout(tensors: dict) -> tuple[dict, int]:
+    """Byte offset, size, dtype and shape of each tensor packed into one staging buffer; and the total size."""
+    out, off = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        out[name] = (off, n, t.dtype, tuple(t.shape))
+        off += -(-n // _ALIGN) * _ALIGN
+    return out, off
+
+
+def _views(buf: torch.Tensor, layout: dict) -> dict:
+    return {name: buf[o:o + n].view(dt).view(shape) for name, (o, n, dt, shape) in layout.items()}
+
+
+def sample_digest(sample_id: str) -> str:
+    return hashlib.sha256(str(sample_id).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def encode_rid(session: str, row: int, sample_id: str, attempt: int = 0) -> str:
+    return f"{RID_PREFIX}{session}:{int(row)}:{sample_digest(sample_id)}:{int(attempt)}"
+
+
+def decode_rid(rid) -> tuple[str, int, str] | None:
+    """(session, row, digest) of an hstap rid, None for anything else (other clients, hostile strings)."""
+    if not isinstance(rid, str) or not rid.startswith(RID_PREFIX) or len(rid) > 128:
+        return None
+    parts = rid[len(RID_PREFIX):].split(":")
+    if len(parts) != 4 or not parts[0].isalnum() or not parts[1].isdigit() or not parts[3].isdigit():
+        return None
+    if len(parts[2]) != 16 or any(c not in "0123456789abcdef" for c in parts[2]):
+        return None
+    return parts[0], int(parts[1]), parts[2]
+
+
+def hook_spec(store: str, data: str, layers: list[int], name: str = "hstap", **extra) -> dict:
+    """One `--forward-hooks` entry: `--forward-hooks '[<this as JSON>]'`."""
+    return {"name": name, "target_modules": ["logits_processor"], "hook_factory": HOOK_FACTORY,
+            "config": {"store": os.path.abspath(store), "data": os.path.abspath(data), "layers": [int(i) for i in layers],
+                       **extra}}
+
+
+@dataclasses.dataclass
+class HookConfig:
+    """The `config` object of the `--forward-hooks` spec."""
+    store: str
+    """Store directory (created by the driver before it sends requests; shared with the driver's machine)."""
+    data: str
+    """Prepared dataset directory (hstap prepare): the hook reads input_ids and loss_mask of each sample from it."""
+    layers: list[int]
+    """Canonical layer ids the server captures (must equal the store's `layers`)."""
+    queue_size: int = 16
+    """Batches waiting for the writer thread before the scheduler waits (backpressure)."""
+    flush_s: float = 1.0
+    """Commit the open shard after this many idle seconds, so the driver sees every sample without waiting for a full shard."""
+    shard_tokens: int = 1 << 20
+    """Tokens per shard file (as `hstap capture --shard-tokens`)."""
+    stale_s: float = 1800.0
+    """Forget a request not seen for this long (aborted by its client); it is logged as dropped."""
+    attn_tp_rank: int | None = None
+    """Override the attention-TP rank (tests); default: read from SGLang."""
+    dp_rank: int | None = None
+    """Override the attention-DP rank (= store rank); default: read from SGLang."""
+    dp_size: int | None = None
+    """Override the attention-DP size (= store world size); default: read from SGLang."""
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "HookConfig":
+        if not isinstance(cfg, dict):
+            raise HstapError(f"--forward-hooks: hstap: config must be an object, got {type(cfg).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg) - names)
+        missing = [k for k in ("store", "data", "layers") if k not in cfg]
+        if unknown or missing:
+            raise HstapError(f"--forward-hooks: hstap: config: unknown keys {unknown}, missing keys {missing}")
+        c = cls(**cfg)
+        if not isinstance(c.layers, list) or not c.layers or not all(isinstance(i, int) for i in c.layers):
+            raise HstapError(f"--forward-hooks: hstap: config.layers: expected a list of canonical ids, got {c.layers!r}")
+        return c
+
+
+def parallel_ranks() -> tuple[int, int, int]:
+    """(attn_tp_rank, attn_dp_rank, attn_dp_size) of this process: SGLang >= 0.5.2x `runtime_context.get_parallel()`,
+    then `layers/dp_attention` (0.5.10-era), then torch.distributed's rank (plain TP), then (0, 0, 1)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        tp = int(p.attn_tp_rank)
+        try:
+            dp, dps = int(p.attn_dp_rank), int(p.attn_dp_size)
+        except (RuntimeError, ValueError, AttributeError):
+            dp, dps = 0, 1
+        return tp, dp, dps
+    except (ImportError, RuntimeError, ValueError, AttributeError):
+        pass
+    try:
+        from sglang.srt.layers.dp_attention import get_attention_dp_rank, get_attention_dp_size, get_attention_tp_rank
+
+        return int(get_attention_tp_rank()), int(get_attention_dp_rank()), int(get_attention_dp_size())
+    except (ImportError, RuntimeError, ValueError, AttributeError, AssertionError, TypeError):
+        pass
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank()), 0, 1
+    return 0, 0, 1
+
+
+class _Prepared:
+    """Read-only access to the prepared set in the server process (Arrow, memory-mapped)."""
+
+    def __init__(self, path: str):
+        import pyarrow.compute as pc
+
+        from hstap.data import load_prepared
+
+        self.ds = load_prepared(path)
+        table = self.ds.flatten_indices().data if getattr(self.ds, "_indices", None) is not None else self.ds.data
+        self.ids = table.column("id")
+        self.lengths = [int(x or 0) for x in pc.list_value_length(table.column("input_ids")).to_pylist()]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sample_id(self, row: int) -> str:
+        return str(self.ids[row].as_py())
+
+    def sample(self, row: int) -> tuple[list[int], list[int]]:
+        r = self.ds[row]
+        return r["input_ids"], r["loss_mask"]
+
+
+@dataclasses.dataclass
+class _Active:
+    row: int
+    sid: str
+    T: int
+    next_pos: int = 0
+    seen: float = 0.0
+
+
+class CaptureHook:
+    """The forward hook (see the module docstring). `stats` counts what it saw; `close()` flushes and stops the thread."""
+
+    def __init__(self, config: dict | HookConfig):
+        self.cfg = config if isinstance(config, HookConfig) else HookConfig.from_dict(config)
+        if not (Path(self.cfg.data) / "meta.json").is_file():
+            raise HstapError(f"--forward-hooks: hstap: config.data: {self.cfg.data} is not a prepared dataset (no meta.json)")
+        self.K = len(self.cfg.layers)
+        self.stats: collections.Counter = collections.Counter()
+        self._ranks: tuple[int, int, int] | None = None
+        self._data: _Prepared | None = None
+        self._active: dict[str, _Active] = {}
+        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._session: str | None = None
+        self._store_dtype: str | None = None
+        self._last_gc = time.monotonic()
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, int(self.cfg.queue_size)))
+        self._thread: threading.Thread | None = None
+        self._side = None
+        self._pool = None
+        self._disabled: str | None = None
+        self._warned: set[tuple] = set()
+        self._hint: str | None = None  # session of the latest hstap request seen (keys the one-time notes)
+        self._lock = threading.Lock()
+
+    # -- forward thread ------------------------------------------------------------------------------------------------
+
+    def __call__(self, module, inputs, output):
+        try:
+            self._forward(inputs)
+        except Exception as e:  # noqa: BLE001 - never take the server down; the driver sees the event
+            self.stats["hook_errors"] += 1
+            self._note("hook_error", f"{type(e).__name__}: {e}")
+            log.exception("hstap capture hook failed")
+        return None
+
+    def ranks(self) -> tuple[int, int, int]:
+        if self._ranks is None:
+            tp, dp, dps = parallel_ranks()
+            c = self.cfg
+            self._ranks = (tp if c.attn_tp_rank is None else c.attn_tp_rank, dp if c.dp_rank is None else c.dp_rank,
+                           dps if c.dp_size is None else c.dp_size)
+        return self._ranks
+
+    def _note(self, kind: str, message: str) -> None:
+        """Tell the driver, once per kind and driver session (an event line in the store, written by the writer thread)."""
+        key = (self._hint, kind)
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("hstap capture hook: %s: %s", kind, message)
+            self._put({"actions": [("event", {"event": "error", "kind": kind, "message": message,
+                                              "session": self._hint})]})
+
+    def _forward(self, inputs) -> None:
+        if self._disabled or self.ranks()[0] != 0:  # TP ranks replicate the residual stream: attention-TP rank 0 writes
+            return
+        if len(inputs) < 4:
+            self._note("signature", f"logits_processor got {len(inputs)} positional inputs, expected >= 4 "
+                                    "(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)")
+            return
+        input_ids, hidden, fb = inputs[0], inputs[1], inputs[3]
+        aux = inputs[4] if len(inputs) > 4 else None
+        mode = getattr(getattr(fb, "forward_mode", None), "name", None)
+        if mode not in ("EXTEND", "MIXED"):
+            self.stats[f"skipped_{str(mode).lower()}"] += 1
+            return
+        rids, bs = getattr(fb, "rids", None), getattr(fb, "batch_size", None)
+        if getattr(fb, "_original_forward_mode", None) is not None or rids is None or len(rids) != bs:
+            self.stats["skipped_dp_fake"] += 1  # DP attention: an idle rank's dummy extend (or no rids before 0.5.10)
+            return
+        ext, pre = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        if ext is None or pre is None or len(ext) != bs or len(pre) != bs:
+            self.stats["skipped_malformed"] += 1
+            return
+        ours = next((d for d in map(decode_rid, rids) if d is not None), None)
+        if ours is None:
+            self.stats["batches_foreign"] += 1  # no request of ours in this batch
+            return
+        self._hint = ours[0]
+        if aux is None or (isinstance(aux, (list, tuple)) and len(aux) == 0):
+            self._note("no_aux", f"the model passes no aux hidden states: start the server with {ENV_LAYERS}="
+                                 f"{','.join(map(str, self.cfg.layers))} (hstap plugin) or --enable-return-aux-hidden-states")
+            return
+        H = int(hidden.shape[-1])
+        width = sum(int(a.shape[-1]) for a in aux) if isinstance(aux, (list, tuple)) else int(aux.shape[-1])
+        if width != self.K * H:
+            self._note("aux_width", f"aux hidden states are {width} wide, expected {self.K} layers x {H} = {self.K * H}: "
+                                    f"the server captures other layers than config.layers={self.cfg.layers}")
+            return
+        total = sum(int(n) for n in ext)
+        if int(hidden.shape[0]) < total:
+            self._note("rows", f"hidden_states has {hidden.shape[0]} rows for {total} extend tokens")
+            return
+        self.stats["batches"] += 1
+        actions, ranges = self._demux(rids, [int(n) for n in ext], [int(p) for p in pre])
+        if not actions:
+            return
+        item: dict = {"actions": actions}
+        if ranges:
+            item.update(self._copy(ranges, input_ids, hidden, aux, H))
+        self._put(item)
+
+    def _demux(self, rids, ext: list[int], pre: list[int]):
+        """Host-side bookkeeping: which rows of this batch belong to which sample position. Returns (actions, ranges)."""
+        now = time.monotonic()
+        actions: list = []
+        ranges: list[tuple[int, int]] = []
+        start = 0
+        for rid, n, p in zip(rids, ext, pre):
+            lo, start = start, start + n
+            if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
+                continue  # another client's request
+            if rid in self._finished:
+                continue  # a finished request's decode row (MIXED) or a late duplicate
+            st = self._active.get(rid)
+            if st is None:
+                st = self._start(rid, actions, now)
+                if st is None:
+                    continue
+            st.seen = now
+            if p == 0 and st.next_pos > 0:  # the scheduler restarted the request (retraction): start over
+                actions.append(("reset", rid))
+                st.next_pos = 0
+            if p != st.next_pos:
+                self._drop(rid, st, actions, "prefix_cache_hit" if st.next_pos == 0 else "gap",
+                           f"chunk starts at position {p}, expected {st.next_pos}" +
+                           (" (its prefix came from the radix cache and was never computed)" if st.next_pos == 0 else ""))
+                continue
+            take = min(n, st.T - p)  # rows past the prompt are generated tokens (decode rows of a MIXED batch)
+            if take <= 0:
+                continue
+            actions.append(("piece", rid, p, take))
+            ranges.append((lo, lo + take))
+            st.next_pos = p + take
+            self.stats["rows"] += take
+            if st.next_pos >= st.T:
+                actions.append(("done", rid, st.row, st.sid))
+                self._finish(rid)
+        if now - self._last_gc > 60.0:
+            self._last_gc = now
+            for rid, st in list(self._active.items()):
+                if now - st.seen > self.cfg.stale_s:
+                    self._drop(rid, st, actions, "stale", f"not seen for {self.cfg.stale_s:.0f} s (aborted by its client?)")
+        return actions, ranges
+
+    def _start(self, rid: str, actions: list, now: float) -> _Active | None:
+        dec = decode_rid(rid)
+        if self._data is None:
+            self._data = _Prepared(self.cfg.data)
+        if dec is not None and dec[1] < len(self._data) and sample_digest(self._data.sample_id(dec[1])) == dec[2]:
+            session, row, _ = dec
+            if session != self._session:  # a new driver run: the writer thread re-opens the store
+                self._session = session
+                self._store_dtype = _store_dtype(self.cfg.store)  # fp8 is quantized on the device, before the copy
+                actions.append(("session", session))
+            st = self._active[rid] = _Active(row, self._data.sample_id(row), self._data.lengths[row], 0, now)
+            return st
+        self.stats["bad_rid"] += 1
+        self._finish(rid)
+        actions.append(("event", {"event": "dropped", "reason": "bad_rid", "rid": rid[:200], "session": self._hint,
+                                  "detail": "rid does not name a sample of config.data (another prepared set?)"}))
+        return None
+
+    def _drop(self, rid: str, st: _Active, actions: list, reason: str, detail: str) -> None:
+        self.stats[f"dropped_{reason}"] += 1
+        actions.append(("drop", rid, st.row, st.sid, reason, detail, self._session))
+        self._finish(rid)
+
+    def _finish(self, rid: str) -> None:
+        self._active.pop(rid, None)
+        self._finished[rid] = None
+        if len(self._finished) > _FINISHED_KEEP:
+            self._finished.popitem(last=False)
+
+    def _copy(self, ranges: list[tuple[int, int]], input_ids, hidden, aux, H: int) -> dict:
+        """Gather this batch's kept rows and start their device-to-host copy (async on CUDA)."""
+        def rows(t):  # (R, ...) on t's device
+            return t[ranges[0][0]:ranges[0][1]] if len(ranges) == 1 else torch.cat([t[a:b] for a, b in ranges])
+
+        R = sum(b - a for a, b in ranges)
+        if isinstance(aux, (list, tuple)):
+            a = torch.stack([rows(x) for x in aux], dim=1)  # (R, K, H)
+        else:
+            a = rows(aux).reshape(R, self.K, H)  # (R, K*H) -> (R, K, H)
+        t = {"input_ids": rows(input_ids).to(torch.int32), "aux": a, "final": rows(hidden)}  # (R,), (R,K,H), (R,H)
+        if self._store_dtype == "fp8":  # quantize where the data is: halves the D2H bytes
+            from hstap.store import quantize_fp8
+
+            t["aux"], t["aux_scale"] = quantize_fp8(t["aux"])  # (R, K, H) fp8, (R, K)
+            t["final"], t["final_scale"] = quantize_fp8(t["final"])  # (R, H) fp8, (R,)
+        dev = hidden.device
+        if dev.type != "cuda":
+            return {"tensors": {k: v.clone() if len(ranges) == 1 else v for k, v in t.items()}}
+        from hstap.engines.hf import PinnedPool
+
+        t = {k: v.contiguous() for k, v in t.items()}
+        if self._side is None:
+            self._side, self._pool = torch.cuda.Stream(device=dev), PinnedPool(keep_per_class=self.cfg.queue_size + 2)
+        layout, nbytes = _layout(t)
+        buf = self._pool.acquire(nbytes)  # (cap,) uint8, pinned
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(dev))  # rows are complete on the compute stream once this fires
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(ready)  # the side stream waits, the scheduler's stream goes on
+            for name, x in t.items():
+                o, n, _, _ = layout[name]
+                buf[o:o + n].copy_(x.view(torch.uint8).reshape(-1), non_blocking=True)
+                x.record_stream(self._side)  # keep x's memory until the copy ran
+            done = torch.cuda.Event(blocking=True)
+            done.record(self._side)
+        return {"done": done, "buf": buf, "layout": layout}
+
+    def _put(self, item: dict) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._writer_loop, name="hstap-sglang-writer", daemon=True)
+                    self._thread.start()
+        while True:  # blocks only while queue_size batches wait for storage (backpressure)
+            try:
+                self._q.put(item, timeout=1.0)
+                return
+            except queue.Full:
+                if not self._thread.is_alive():
+                    self._disabled = "writer thread stopped"
+                    return
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Commit everything handed over so far and stop the writer thread (tests; atexit in a server)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join(timeout)
+
+    # -- writer thread -------------------------------------------------------------------------------------------------
+
+    def _writer_loop(self) -> None:
+        w = _Writer(self)
+        while True:
+            try:
+                item = self._q.get(timeout=self.cfg.flush_s)
+            except queue.Empty:
+                w.flush()
+                continue
+            if item is None:
+                w.flush()
+                return
+            try:
+                w.handle(item)
+            except Exception as e:  # noqa: BLE001 - keep serving; the driver reads the event
+                log.exception("hstap writer failed")
+                w.event({"event": "error", "kind": "writer", "message": f"{type(e).__name__}: {e}"})
+                if isinstance(e, HstapError) and "writer stopped" in str(e):
+                    self._disabled = str(e)
+                    return
+
+
+class _Writer:
+    """Writer-thread state: pieces of requests in progress, the StoreWriter, the event file."""
+
+    def __init__(self, hook: CaptureHook):
+        self.hook = hook
+        self.pieces: dict[str, list] = {}
+        self.writer = None
+        self.added: set[str] = set()
+        self.dirty = False
+        self.events_path: Path | None = None
+
+    def event(self, obj: dict) -> None:
+        rank = self.hook.ranks()[1]
+        d = Path(self.hook.cfg.store) / EVENTS_DIR
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            with open(d / f"r{rank:03d}-{os.getpid()}.jsonl", "a") as f:
+                f.write(json.dumps({"t": round(time.time(), 3), "session": self.hook._session, **obj}) + "\n")
+                f.flush()
+        except OSError:
+            log.exception("hstap: cannot write an event to %s", d)
+
+    def open(self) -> None:
+        from hstap.store import StoreWriter, open_store
+
+        _, dp, dps = self.hook.ranks()
+        s = open_store(self.hook.cfg.store)  # created by the driver; HstapError if it is not there
+        header = {k: v for k, v in s.header.items() if k not in _MANIFEST_ONLY}
+        if list(header.get("layers", [])) != list(self.hook.cfg.layers):
+            raise HstapError(f"{self.hook.cfg.store}: store layers {header.get('layers')} != hook config.layers "
+                             f"{self.hook.cfg.layers}")
+        self.writer = StoreWriter(self.hook.cfg.store, header, rank=dp, world_size=max(dps, dp + 1),
+                                  shard_tokens=self.hook.cfg.shard_tokens, wait_s=30.0)
+        self.added = set(self.writer.committed_ids())
+        self.hook._store_dtype = header["dtype"]
+
+    def flush(self) -> None:
+        if self.writer is not None and self.dirty:
+            self.writer.flush()
+            self.dirty = False
+
+    def handle(self, item: dict) -> None:
+        tensors = item.get("tensors")
+        if "done" in item:
+            item["done"].synchronize()  # the D2H copy landed
+            buf, layout = item["buf"], item["layout"]
+            nbytes = max(o + n for o, n, _, _ in layout.values())
+            tensors = _views(buf[:nbytes].clone(), layout)  # own it: the pinned buffer goes back to the pool
+            self.hook._pool.release(buf)
+        off = 0
+        for act in item["actions"]:
+            kind = act[0]
+            if kind == "piece":
+                _, rid, pos, n = act
+                self.pieces.setdefault(rid, []).append((pos, {k: v[off:off + n] for k, v in tensors.items()}))
+                off += n
+            elif kind == "done":
+                self.finish(act[1], act[2], act[3])
+            elif kind == "drop":
+                _, rid, row, sid, reason, detail, session = act
+                self.pieces.pop(rid, None)
+                self.event({"event": "dropped", "id": sid, "row": row, "reason": reason, "detail": detail,
+                            "session": session})
+            elif kind == "reset":
+                self.pieces.pop(act[1], None)
+            elif kind == "session":
+                self.flush()
+                self.writer, self.pieces = None, {}  # drop, never close: --new may have wiped the old store
+            elif kind == "event":
+                self.event(act[1])
+
+    def finish(self, rid: str, row: int, sid: str) -> None:
+        pieces = sorted(self.pieces.pop(rid, []), key=lambda p: p[0])
+        if self.writer is None:
+            self.open()
+        if sid in self.added:
+            self.hook.stats["duplicates"] += 1
+            return
+        ids_ref, mask = self.hook._data.sample(row)
+        T = len(ids_ref)
+        pos = [p for p, _ in pieces]
+        lens = [int(t["input_ids"].shape[0]) for _, t in pieces]
+        if not pieces or pos[0] != 0 or any(pos[i] + lens[i] != pos[i + 1] for i in range(len(pos) - 1)) or sum(lens) != T:
+            self.event({"event": "dropped", "id": sid, "row": row, "reason": "incomplete",
+                        "detail": f"chunks at {pos} of lengths {lens} do not cover 0..{T}"})
+            return
+        t = {k: (pieces[0][1][k] if len(pieces) == 1 else torch.cat([p[1][k] for p in pieces])) for k in pieces[0][1]}
+        ids = t["input_ids"].long()  # (T,)
+        if not torch.equal(ids, torch.as_tensor(ids_ref, dtype=torch.long)):
+            bad = int((ids != torch.as_tensor(ids_ref, dtype=torch.long)).nonzero()[0, 0])
+            self.hook.stats["dropped_token_mismatch"] += 1
+            self.event({"event": "dropped", "id": sid, "row": row, "reason": "token_mismatch",
+                        "detail": f"position {bad}: the server computed token {int(ids[bad])}, the prepared set has "
+                                  f"{ids_ref[bad]}"})
+            return
+        self.writer.add(sid, ids, torch.as_tensor(mask, dtype=torch.uint8), t["aux"], t["final"],  # (T,K,H), (T,H)
+                        aux_scale=t.get("aux_scale"), final_scale=t.get("final_scale"))
+        self.added.add(sid)
+        self.dirty = True
+        self.hook.stats["samples"] += 1
+
+
+def _store_dtype(store: str) -> str | None:
+    try:
+        return json.loads((Path(store) / "manifest.json").read_bytes()).get("dtype")
+    except (OSError, ValueError):
+        return None  # no store yet: the writer thread reports it when it tries to open it
+
+
+def make_hook(config: dict):
+    """`--forward-hooks` factory: `{"hook_factory": "hstap.engines.sglang:make_hook", "config": {...}}` (HookConfig)."""
+    import atexit
+
+    hook = CaptureHook(config)
+    atexit.register(hook.close, 10.0)
+    return hook
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Plugin: turn on EAGLE-3 aux capture of the chosen layers without a draft model (only when HSTAP_CAPTURE_LAYERS is set)
+
+
+def capture_layers_from_env() -> list[int] | None:
+    spec = os.environ.get(ENV_LAYERS, "").strip()
+    if not spec:
+        return None
+    try:
+        ids = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise HstapError(f"{ENV_LAYERS}={spec!r}: expected comma-separated canonical layer ids") from None
+    if not ids or ids != sorted(set(ids)) or ids[0] < 0:
+        raise HstapError(f"{ENV_LAYERS}={spec!r}: expected strictly increasing non-negative layer ids")
+    return ids
+
+
+def set_capture_layers(model, layers: list[int]) -> list[int] | None:
+    """Call `model.set_eagle3_layers_to_capture` with the SGLang ids of canonical `layers`; returns them (None: no-op)."""
+    from hstap.layers import to_sglang
+
+    setter = getattr(model, "set_eagle3_layers_to_capture", None)
+    if setter is None:
+        return None  # a draft model or a model without EAGLE-3 support: nothing to do here
+    cfg = getattr(model, "config", None)
+    model_type = getattr(getattr(cfg, "text_config", None) or cfg, "model_type", "llama")
+    ids = to_sglang(layers, model_type)
+    setter(ids)
+    log.info("hstap: %s captures canonical layers %s (SGLang ids %s)", type(model).__name__, layers, ids)
+    return ids
+
+
+def _around_configure(original, *args, **kwargs):
+    """AROUND hook on `configure_aux_hidden_state_capture` (runs before CUDA-graph capture in SGLang >= 0.5.11)."""
+    out = original(*args, **kwargs)
+    layers = capture_layers_from_env()
+    model = kwargs.get("model", args[0] if args else None)
+    if layers is not None and model is not None:
+        if kwargs.get("eagle_use_aux_hidden_state") and kwargs.get("eagle_aux_hidden_state_layer_ids") is not None:
+            log.warning("hstap: the server also configures EAGLE-3 aux capture; %s=%s takes precedence",
+                        ENV_LAYERS, layers)
+        set_capture_layers(model, layers)
+    return out
+
+
+def _after_load_model(result, runner, *args, **kwargs):
+    """AFTER hook on `ModelRunner.load_model` (SGLang versions without configure_aux_hidden_state_capture)."""
+    layers = capture_layers_from_env()
+    if layers is not None and not getattr(runner, "is_draft_worker", False):
+        set_capture_layers(runner.model, layers)
+    return None
+
+
+def plugin() -> None:
+    """`sglang.srt.plugins` entry point (pyproject.toml). A no-op unless HSTAP_CAPTURE_LAYERS is set."""
+    if capture_layers_from_env() is None:
+        return
+    import importlib
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    try:
+        importlib.import_module("sglang.srt.model_executor.model_runner_components.attention_backend_setup")
+        HookRegistry.register("sglang.srt.model_executor.model_runner_components.attention_backend_setup."
+                              "configure_aux_hidden_state_capture", _around_configure, HookType.AROUND)
+    except ImportError:
+        HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model", _after_load_model,
+                              HookType.AFTER)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Driver: hstap capture --engine sglang --server URL
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 30.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def server_info(server: str) -> dict:
+    """GET /server_info (0.5.10+), falling back to the older /get_server_info."""
+    last: Exception | None = None
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            return _http(server.rstrip("/") + path)
+        except urllib.error.HTTPError as e:
+            last = e
+            if e.code != 404:
+                break
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise HstapError(f"--server {server}: cannot reach the SGLang server ({e})") from None
+    raise HstapError(f"--server {server}: /server_info failed ({last})")
+
+
+def server_problems(info: dict, store: str, data: str, layers: list[int], model_type: str = "llama") -> list[str]:
+    """Settings of a running server that would make the capture wrong or hang, each with its fix."""
+    from hstap.layers import to_sglang
+
+    p: list[str] = []
+    spec = json.dumps(hook_spec(store, data, layers))
+    hooks = [h for h in (info.get("forward_hooks") or []) if isinstance(h, dict) and h.get("hook_factory") == HOOK_FACTORY]
+    if not hooks:
+        p.append(f"the hstap forward hook is not configured: relaunch with --forward-hooks '[{spec}]'")
+    for h in hooks:
+        c = h.get("config") or {}
+        if not any(fnmatch.fnmatch("logits_processor", t) for t in h.get("target_modules") or []):
+            p.append("the hstap forward hook must target 'logits_processor' (\"target_modules\": [\"logits_processor\"])")
+        for k, want in (("store", os.path.abspath(store)), ("data", os.path.abspath(data)), ("layers", list(layers))):
+            got = c.get(k)
+            if (os.path.abspath(got) if k != "layers" and isinstance(got, str) else got) != want:
+                p.append(f"the hook's config.{k} is {got!r}, this run needs {want!r}: relaunch with --forward-hooks "
+                         f"'[{spec}]'")
+    graph = info.get("cuda_graph_config")
+    prefill_backend = (graph.get("prefill") or {}).get("backend") if isinstance(graph, dict) else None
+    if info.get("disable_cuda_graph"):
+        pass
+    elif prefill_backend is not None:
+        if str(prefill_backend).lower() != "disabled":
+            p.append(f"prefill CUDA graphs are on (backend {prefill_backend}): forward hooks do not run on graph "
+                     "replay; add --disable-prefill-cuda-graph")
+    elif "disable_prefill_cuda_graph" in info:
+        if not info["disable_prefill_cuda_graph"]:
+            p.append("prefill CUDA graphs are on: forward hooks do not run on graph replay; add --disable-prefill-cuda-graph")
+    elif "disable_piecewise_cuda_graph" in info and not info["disable_piecewise_cuda_graph"]:
+        p.append("piecewise (prefill) CUDA graphs are on: hooks do not run on replay; add --disable-piecewise-cuda-graph")
+    if info.get("enable_mixed_chunk"):
+        p.append("mixed chunks are on: drop --enable-mixed-chunk (prefill and decode rows share a batch)")
+    if info.get("enable_pdmux"):
+        p.append("PD multiplexing (--enable-pdmux) runs split prefills without aux hidden states: drop it")
+    if info.get("enable_two_batch_overlap"):
+        p.append("two-batch overlap is on: layers run through TBO skip the aux capture; drop --enable-two-batch-overlap")
+    if int(info.get("pp_size") or 1) > 1:
+        p.append(f"pipeline parallelism (--pp-size {info.get('pp_size')}) is not supported: use --pp-size 1")
+    if info.get("speculative_algorithm"):
+        p.append(f"speculative decoding ({info['speculative_algorithm']}) is on: capture needs no draft and prefill-only "
+                 "requests are not available under it; drop --speculative-algorithm and the draft model")
+    if info.get("enable_return_aux_hidden_states"):
+        want = to_sglang(layers, model_type)
+        got = info.get("return_aux_hidden_state_layer_ids")
+        if got is not None and list(got) != list(want):
+            p.append(f"--return-aux-hidden-state-layer-ids is {got}, canonical layers {layers} need {want} "
+                     f"(or drop --enable-return-aux-hidden-states and set {ENV_LAYERS}={','.join(map(str, layers))})")
+    return p
+
+
+def _read_events(store: str) -> list[dict]:
+    out = []
+    d = Path(store) / EVENTS_DIR
+    if d.is_dir():
+        for f in sorted(d.glob("*.jsonl")):
+            for line in f.read_text(errors="replace").splitlines():
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass  # a line being written
+    return out
+
+
+def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0, request_timeout_s: float = 3600.0) -> dict:
+    """`hstap capture --engine sglang --server URL`: cfg is a CaptureConfig (target, data, out, layers, dtype, new,
+    max_samples, shard_tokens, server, concurrency). Returns the summary dict it prints."""
+    import shutil
+
+    from hstap.capture import check_tokenizer, store_header
+    from hstap.common import write_run_config
+    from hstap.data import load_prepared, read_meta
+    from hstap.engines.hf import target_fingerprint
+    from hstap.layers import parse_layers
+    from hstap.store import StoreWriter, merge_manifest, open_store
+
+    if not cfg.server:
+        raise HstapError("--server: required with --engine sglang (e.g. http://127.0.0.1:30000)")
+    t0 = time.perf_counter()
+    server = cfg.server.rstrip("/")
+    meta = read_meta(cfg.data)
+    ds = load_prepared(cfg.data)
+    n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
+    target_block = target_fingerprint(cfg.target)
+    check_tokenizer(cfg.data, meta, target_block)
+    layers = parse_layers(cfg.layers, target_block["num_layers"])
+    info = server_info(server)
+    problems = server_problems(info, cfg.out, cfg.data, layers, target_block["model_type"])
+    if problems:
+        raise HstapError(f"--server {server}: " + "; ".join(problems))
+    ctx = int(info.get("context_length") or 0)
+    engine = {"name": "sglang", "version": str(info.get("version")), "device": f"server {server}",
+              "compute_dtype": str(info.get("dtype")), "model_path": info.get("model_path")}
+    header = store_header(target_block, engine, cfg.dtype, layers, cfg, meta)
+    StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens).close()  # create / check; the hook writes
+    events_dir = Path(cfg.out) / EVENTS_DIR
+    if cfg.new and events_dir.exists():
+        shutil.rmtree(events_dir)
+    events_dir.mkdir(exist_ok=True)
+    lock = open(events_dir / "driver.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise HstapError(f"{cfg.out}: another hstap capture is driving a server into this store") from None
+    session = uuid.uuid4().hex[:12]
+    t_wall0 = time.time() - 1.0  # events older than this run belong to earlier runs
+
+    committed = set(open_store(cfg.out).ids)
+    table = ds.flatten_indices().data if getattr(ds, "_indices", None) is not None else ds.data
+    ids = [str(x) for x in table.column("id").slice(0, n).to_pylist()]
+    import pyarrow.compute as pc
+
+    lens = [int(x or 0) for x in pc.list_value_length(table.column("input_ids").slice(0, n)).to_pylist()]
+    too_long = [i for i in range(n) if ctx and lens[i] > ctx]
+    todo = [i for i in range(n) if ids[i] not in committed and lens[i] > 0 and not (ctx and lens[i] > ctx)]
+    skipped = sum(1 for i in range(n) if ids[i] in committed)
+    errors: list[str] = []
+    sem = threading.BoundedSemaphore(cfg.concurrency)
+
+    def send(row: int, input_ids: list[int]) -> None:
+        try:
+            for attempt in range(3):
+                body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0},
+                        "rid": encode_rid(session, row, ids[row], attempt),
+                        "extra_key": uuid.uuid4().hex}  # own radix-cache namespace: no prefix hits, radix cache can stay on
+                try:
+                    r = _http(server + "/generate", body, timeout=request_timeout_s)
+                    got = (r.get("meta_info") or {}).get("prompt_tokens")
+                    if got is not None and int(got) != len(input_ids):
+                        errors.append(f"sample {ids[row]!r}: the server ran {got} of its {len(input_ids)} tokens")
+                    return
+                except urllib.error.HTTPError as e:
+                    errors.append(f"sample {ids[row]!r}: HTTP {e.code}: {e.read()[:300]!r}")
+                    return
+                except (urllib.error.URLError, OSError) as e:
+                    if attempt == 2:
+                        errors.append(f"sample {ids[row]!r}: {e}")
+                    time.sleep(1.0 + 2 * attempt)
+        finally:
+            sem.release()
+
+    pending = {ids[i] for i in todo}
+    dropped: dict[str, str] = {}
+    last_progress, seen = time.monotonic(), 0
+
+    def poll() -> None:
+        nonlocal last_progress, seen
+        for e in _read_events(cfg.out):
+            if e.get("session") not in (session, None) or float(e.get("t", 0)) < t_wall0:
+                continue
+            if e.get("event") == "dropped" and e.get("id") in pending:
+                dropped[e["id"]] = f"{e.get('reason')}: {e.get('detail')}"
+                pending.discard(e["id"])
+            elif e.get("event") == "error":
+                msg = f"server hook: {e.get('kind')}: {e.get('message')}"
+                if msg not in errors:
+                    errors.append(msg)
+        done = pending & set(open_store(cfg.out).ids)
+        if done:
+            pending.difference_update(done)
+            seen += len(done)
+            last_progress = time.monotonic()
+
+    with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+        next_poll = time.monotonic() + poll_s
+        for i in todo:
+            while not sem.acquire(timeout=poll_s):
+                poll()
+            if errors:
+                sem.release()
+                break
+            pool.submit(send, i, list(ds[i]["input_ids"]))
+            if time.monotonic() > next_poll:
+                poll()
+                next_poll = time.monotonic() + poll_s
+    last_progress = time.monotonic()
+    while pending and not errors and time.monotonic() - last_progress < commit_timeout_s:
+        poll()
+        if pending:
+            time.sleep(poll_s)
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    lock.close()
+    summary_store = merge_manifest(cfg.out)
+    if errors:
+        raise HstapError(f"--server {server}: {errors[0]}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+    if pending:
+        raise HstapError(f"{cfg.out}: {len(pending)} sample(s) were answered by the server but never committed by its "
+                         f"hook within {commit_timeout_s:.0f} s (e.g. {sorted(pending)[0]!r}); is the hook writing to "
+                         f"this directory? re-run to resume")
+    write_run_config(cfg.out, "capture", cfg)
+    reasons = collections.Counter(v.split(":")[0] for v in dropped.values())
+    summary = {"samples": len(todo) - len(dropped), "tokens": sum(lens[i] for i in todo if ids[i] not in dropped),
+               "skipped_committed": skipped, "skipped_too_long": len(too_long), "dropped": dict(reasons),
+               "seconds": round(time.perf_counter() - t0, 3), "layers": layers, "dtype": cfg.dtype, "out": cfg.out,
+               "store_samples": summary_store["samples"], "server": server, "session": session}
+    print(f"capture: {summary['samples']} samples via SGLang {engine['version']} at {server} in {summary['seconds']:.1f} s; "
+          f"{skipped} already in the store, {len(too_long)} longer than the context, dropped {dict(reasons) or 0}")
+    for sid, why in list(dropped.items())[:5]:
+        print(f"capture: dropped {sid!r}: {why}")
+    return summary

@@ -1,0 +1,416 @@
+"""`hstap eval`: speculative decoding with a trained drafter, measured against target-only decoding on the same prompts
+and the same hardware in the same process.
+
+    hstap eval --target MODEL_DIR --drafter RUN --data PREPARED --out REPORT                       # chain, k=5
+    hstap eval --target MODEL_DIR --drafter RUN --data prompts.jsonl --mode tree --topk 8 --depth 6 --tokens 60 \
+               --baseline ngram --num-prompts 80 --device cuda --out REPORT
+
+Prompts: from a prepared dataset, each sample cut where its last assistant answer starts (the first token of the last
+run of loss_mask = 1); from a conversations JSONL, each conversation up to its last user turn, rendered with the chat
+template and the generation prompt (`hstap.data.render_prompt`); `{"id", "messages": [{"role": "user", ...}]}` works as
+is. Generation stops at an eos / end-of-turn id (kept in the output) or after --max-new-tokens.
+
+Methods, run one after the other over all prompts after one warm-up prompt each: `target` (plain decoding with a KV
+cache: the baseline), `ngram` (prompt lookup, with --baseline ngram, k = --k) and `eagle` (the drafter, --mode chain or
+tree). Figures: tau = tokens produced by verify forwards / verify forwards (the prefill's first token is excluded;
+SGLang's accept length counts it); per-position acceptance = fraction of rounds whose accepted draft reached depth i;
+tokens/s = generated tokens / wall time including the prefill, summed over prompts; speedup = tokens/s over the
+target's. With --drafter RUN, the training run's simulated tau (the last eval `sim_tau` in RUN/metrics.jsonl: expected
+accepted drafts of a greedy chain, so comparable to tau - 1) is reported next to the measured one.
+
+Losslessness: at temperature 0 every method's output must equal the target's, token for token. A mismatch is reported
+loudly and fails the command (exit status 2) unless the target's own logits (a fresh full forward) put both tokens
+within --tie-tol of the top at the diverging position: a near-tie that low-precision kernels may break either way.
+
+Output (REPORT/): report.json (top-level tau, per_position_acceptance, timings, speedup, lossless, simulated_tau,
+methods, prompts [{id, prompt_ids, output_ids}]), report.md, acceptance.png (when matplotlib is installed), config.json.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, write_run_config
+from hstap.speculate import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
+
+@dataclass
+class EvalConfig:
+    target: str
+    """Target model directory (HF format, with its tokenizer)."""
+    data: str
+    """Prompts: a prepared dataset directory (hstap prepare) or a conversations JSONL (.jsonl/.json, optionally .gz)."""
+    out: str
+    """Report directory (report.json, report.md, acceptance.png, config.json)."""
+    drafter: str | None = None
+    """Drafter: an hstap drafter dir, a training RUN (best/, else newest checkpoint) or an SGLang/vLLM export; unset =
+    baselines only."""
+    mode: str = field(default="chain", metadata={"choices": ["chain", "tree"]})
+    """Drafting: a chain of --k tokens, or an EAGLE-2 dynamic tree (--topk, --depth, --tokens)."""
+    k: int = 5
+    """Chain length: draft tokens per verify forward (also the n-gram baseline's proposal length)."""
+    topk: int = 8
+    """Tree: children drafted per expanded node, and nodes expanded per level."""
+    depth: int = 6
+    """Tree: draft levels (the longest acceptable draft)."""
+    tokens: int = 60
+    """Tree: nodes verified per target forward, root included (SGLang's --speculative-num-draft-tokens)."""
+    temperature: float = 0.0
+    """0 = greedy (outputs must equal the target's); > 0 = lossless rejection sampling at this temperature."""
+    max_new_tokens: int = 256
+    """Generated tokens per prompt at most (generation also stops at eos / end of turn)."""
+    baseline: str = field(default="none", metadata={"choices": ["none", "ngram"]})
+    """Extra baseline next to target-only decoding: n-gram prompt lookup."""
+    num_prompts: int | None = None
+    """Use the first N usable prompts of --data (unset = all)."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto (cuda when available)."""
+    dtype: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
+    """Compute dtype of target and drafter (auto: bf16 on CUDA, fp32 on CPU)."""
+    seed: int = 0
+    """Sampling seed (temperature > 0); prompt i of every method uses seed + i."""
+    tie_tol: float | None = None
+    """Logit gap under which a greedy mismatch counts as a numerical near-tie (unset: 1e-3 in fp32, 0.5 in bf16)."""
+
+    def __post_init__(self):
+        for name, lo in (("k", 1), ("topk", 1), ("depth", 1), ("tokens", 2), ("max_new_tokens", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise HstapError(f"--{name.replace('_', '-')}: expected an integer >= {lo}, got {v!r}")
+        if self.num_prompts is not None and (not isinstance(self.num_prompts, int) or self.num_prompts < 1):
+            raise HstapError(f"--num-prompts: expected a positive integer, got {self.num_prompts!r}")
+        if self.temperature < 0:
+            raise HstapError(f"--temperature: must be >= 0, got {self.temperature}")
+        if self.tie_tol is not None and self.tie_tol < 0:
+            raise HstapError(f"--tie-tol: must be >= 0, got {self.tie_tol}")
+        for name, choices in (("mode", ("chain", "tree")), ("baseline", ("none", "ngram")),
+                              ("dtype", ("auto", "fp32", "bf16"))):
+            if getattr(self, name) not in choices:
+                raise HstapError(f"--{name}: expected one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        self.target, self.data, self.out = (os.path.abspath(p) for p in (self.target, self.data, self.out))
+        if self.drafter is not None:
+            self.drafter = os.path.abspath(self.drafter)
+
+
+# --- prompts ----------------------------------------------------------------------------------------------------------
+def prompt_from_mask(input_ids: list[int], loss_mask: list[int]) -> list[int] | None:
+    """The tokens before the last assistant answer: input_ids up to the first token of the last run of 1s."""
+    end = len(loss_mask) - 1
+    while end >= 0 and not loss_mask[end]:
+        end -= 1
+    if end < 0:
+        return None
+    start = end
+    while start > 0 and loss_mask[start - 1]:
+        start -= 1
+    return list(input_ids[:start]) or None
+
+
+def load_prompts(data: str, tokenizer, num_prompts: int | None = None) -> list[tuple[str, list[int]]]:
+    """[(id, prompt ids)] from a prepared dataset directory or a conversations file; samples without a usable turn
+    are skipped."""
+    out: list[tuple[str, list[int]]] = []
+    want = num_prompts or float("inf")
+    if Path(data).is_dir():
+        from hstap.data import load_prepared
+
+        ds = load_prepared(data)
+        for row in ds:
+            p = prompt_from_mask(row["input_ids"], row["loss_mask"])
+            if p:
+                out.append((str(row["id"]), p))
+            if len(out) >= want:
+                break
+    else:
+        from hstap.data import read_conversations, render_prompt
+
+        if tokenizer is None:
+            raise HstapError(f"{data}: conversations need the target's tokenizer, and the target directory has none")
+        for cid, messages in read_conversations([data]):
+            last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+            if last_user >= 0:
+                out.append((cid, render_prompt(tokenizer, messages[:last_user + 1])))
+            if len(out) >= want:
+                break
+    if not out:
+        raise HstapError(f"{data}: no usable prompt (need an assistant turn in prepared data, a user turn in JSONL)")
+    return out
+
+
+def eos_ids(tokenizer, target) -> list[int]:
+    """End ids: the model's and tokenizer's eos and the template's end-of-turn token (what `hstap generate` stops at)."""
+    from hstap.generate import stop_token_ids
+
+    return stop_token_ids(target.model, tokenizer)
+
+
+def load_any_drafter(path: str, target):
+    """(drafter on the target's device and dtype, its metadata) from an hstap drafter dir, a training RUN, or an
+    SGLang / vLLM export (whose missing embedding is the target's)."""
+    from hstap.export import load_drafter, load_exported
+
+    p = Path(path)
+    if (p / "model.safetensors").is_file() and not (p / "drafter.safetensors").is_file():
+        return load_exported(p, embed_weight=target.embed_tokens.weight, device=target.device, dtype=target.dtype)
+    return load_drafter(p, device=target.device, dtype=target.dtype)
+
+
+def read_sim_tau(drafter_path: str) -> dict | None:
+    """The training run's simulated tau for this drafter: from metrics.jsonl next to it (RUN, RUN/best or a checkpoint),
+    the eval line of the checkpoint's own step (trainer_state.json) when there is one, else the last eval line."""
+    from hstap.export import resolve_drafter_dir
+
+    p = Path(drafter_path)
+    try:
+        d = resolve_drafter_dir(p)
+    except HstapError:
+        d = p
+    step = None
+    if (d / "trainer_state.json").is_file():
+        try:
+            step = json.loads((d / "trainer_state.json").read_text()).get("step")
+        except (OSError, ValueError, AttributeError):
+            step = None
+    for run in dict.fromkeys((p, d.parent, d.parent.parent)):  # RUN itself, RUN for best/, RUN for checkpoints/step_*
+        f = run / "metrics.jsonl"
+        if not f.is_file():
+            continue
+        evals = []
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a torn last line of a killed run
+            if isinstance(rec, dict) and rec.get("sim_tau") is not None:
+                evals.append(rec)
+        if evals:
+            own = [r for r in evals if step is not None and r.get("step") == step]
+            rec = (own or evals)[-1]
+            return {"sim_tau": float(rec["sim_tau"]), "step": rec.get("step"), "checkpoint_step": step,
+                    "acc_cond": rec.get("acc_cond"), "file": str(f)}
+    return None
+
+
+# --- running and summing up -------------------------------------------------------------------------------------------
+def run_method(fn, prompts: list[tuple[str, list[int]]], seed: int, device) -> tuple[list[list[int]], dict]:
+    """fn(prompt, generator) -> (output, stats) on every prompt; returns the outputs and the summed figures."""
+    outs, per = [], []
+    for i, (_, prompt) in enumerate(prompts):
+        gen = torch.Generator(device=device).manual_seed(seed + i)
+        out, s = fn(prompt, gen)
+        outs.append(out)
+        per.append(s)
+    return outs, aggregate(per)
+
+
+def aggregate(per: list[dict]) -> dict:
+    """Sum per-prompt stats: tau and acceptance over all verify rounds, tokens/s over all wall time."""
+    tot = lambda key: sum(s.get(key) or 0 for s in per)  # noqa: E731
+    steps, new, wall = tot("verify_forwards"), tot("new_tokens"), tot("total_s")
+    agg = {"method": per[0]["method"], "prompts": len(per), "new_tokens": new, "verify_forwards": steps,
+           "tau": tot("verify_tokens") / steps if steps else 0.0, "total_s": wall,
+           "tokens_per_s": new / wall if wall > 0 else 0.0}
+    for key in ("prefill_s", "draft_s", "verify_s", "decode_s"):
+        if any(key in s for s in per):
+            agg[key] = tot(key)
+    if "accept_counts" in per[0]:
+        counts = [sum(c) for c in zip(*(s["accept_counts"] for s in per))]
+        agg["accept_counts"] = counts
+        agg["per_position_acceptance"] = [c / steps if steps else 0.0 for c in counts]
+        agg["mean_accepted"] = sum(counts) / steps if steps else 0.0
+    if "mean_tree_nodes" in per[0]:
+        agg["mean_tree_nodes"] = sum(s["mean_tree_nodes"] * s["verify_forwards"] for s in per) / steps if steps else 0.0
+    return agg
+
+
+def check_lossless(target, prompts, ref: list[list[int]], outs: list[list[int]], method: str, tol: float) -> list[dict]:
+    """Mismatches of `outs` against the target-only outputs, with the target's logit gap at the first difference."""
+    bad = []
+    for (pid, prompt), a, b in zip(prompts, ref, outs):
+        if a == b:
+            continue
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        rec = {"id": pid, "method": method, "position": i, "target_len": len(a), "output_len": len(b)}
+        if i < min(len(a), len(b)):  # both continue but differ: how close were the two tokens in the target's eyes?
+            logits, _ = target_forward(target, torch.tensor([prompt + a[:i]], device=target.device), [], new_cache())
+            top = logits[-1].max()
+            gap = float(max(top - logits[-1, a[i]], top - logits[-1, b[i]]))
+            rec.update(target_token=a[i], output_token=b[i], logit_gap=gap, near_tie=gap <= tol)
+        else:
+            rec["near_tie"] = False  # one stopped earlier than the other at equal prefixes: never a tie
+        bad.append(rec)
+    return bad
+
+
+# --- the stage --------------------------------------------------------------------------------------------------------
+def evaluate(cfg: EvalConfig) -> dict:
+    from hstap.engines.hf import load_target
+
+    target, tok = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    dev = target.device
+    drafter, meta = load_any_drafter(cfg.drafter, target) if cfg.drafter is not None else (None, None)
+    prompts = load_prompts(cfg.data, tok, cfg.num_prompts)
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)  # after the input checks, before the long runs
+    eos = eos_ids(tok, target)
+    T, n = cfg.temperature, cfg.max_new_tokens
+    methods = {"target": lambda p, g, m=n: target_generate(target, p, m, T, eos, g)}
+    if cfg.baseline == "ngram":
+        methods["ngram"] = lambda p, g, m=n: ngram_generate(target, p, m, cfg.k, 3, T, eos, g)
+    if drafter is not None:
+        methods["eagle"] = lambda p, g, m=n: speculative_generate(target, drafter, p, m, cfg.mode, cfg.k, cfg.topk,
+                                                                  cfg.depth, cfg.tokens, T, eos, g)
+    outputs, results = {}, {}
+    for name, fn in methods.items():
+        fn(prompts[0][1], torch.Generator(device=dev).manual_seed(cfg.seed), min(n, 32))  # warm-up, not counted
+        outputs[name], results[name] = run_method(fn, prompts, cfg.seed, dev)
+        r = results[name]
+        print(f"hstap eval: {name:6s} tau {r['tau']:.3f}  {r['tokens_per_s']:.1f} tok/s  ({r['new_tokens']} tokens, "
+              f"{len(prompts)} prompts)", file=sys.stderr)
+    base = results["target"]["tokens_per_s"]
+    for r in results.values():
+        r["speedup"] = r["tokens_per_s"] / base if base > 0 else 0.0
+
+    mismatches = []
+    if T == 0:
+        tol = cfg.tie_tol if cfg.tie_tol is not None else (1e-3 if target.dtype == torch.float32 else 0.5)
+        for name in methods:
+            if name != "target":
+                mismatches += check_lossless(target, prompts, outputs["target"], outputs[name], name, tol)
+    failed = [m for m in mismatches if not m["near_tie"]]
+    primary = "eagle" if drafter is not None else ("ngram" if "ngram" in results else "target")
+    sim = read_sim_tau(cfg.drafter) if cfg.drafter is not None else None
+    p = results[primary]
+    report = {
+        "method": primary, "tau": p["tau"], "per_position_acceptance": p.get("per_position_acceptance", []),
+        "mean_accepted": p.get("mean_accepted"), "tokens_per_s": p["tokens_per_s"], "target_tokens_per_s": base,
+        "speedup": p["speedup"], "draft_s": p.get("draft_s"), "verify_s": p.get("verify_s"),
+        "prefill_s": p.get("prefill_s"), "total_s": p["total_s"],
+        "simulated_tau": sim["sim_tau"] if sim else None, "simulated": sim,
+        "lossless": (not failed) if T == 0 else None, "mismatches": mismatches,
+        "methods": results, "num_prompts": len(prompts), "eos_ids": eos,
+        "hardware": _hardware(dev), "dtype": str(target.dtype).replace("torch.", ""),
+        "drafter": {"path": cfg.drafter, "aux_layers": list(drafter.config.aux_layers),
+                    "draft_vocab_size": drafter.config.draft_vocab_size} if drafter is not None else None,
+        "prompts": [{"id": pid, "prompt_ids": pr, "output_ids": outputs[primary][i],
+                     **({"target_output_ids": outputs["target"][i]} if T > 0 and primary != "target" else {})}
+                    for i, (pid, pr) in enumerate(prompts)],
+    }
+    if drafter is not None:
+        report["drafter"]["trained_on_this_target"] = _same_target(cfg.target, meta)
+    report["plot"] = _plot(results, out_dir)
+    write_run_config(out_dir, "eval", cfg)
+    atomic_write_bytes(out_dir / "report.md", _markdown(cfg, report).encode())
+    atomic_write_json(out_dir / "report.json", report)
+    print(f"hstap eval: wrote {out_dir / 'report.json'}", file=sys.stderr)
+    summary = {k: report[k] for k in ("method", "tau", "per_position_acceptance", "tokens_per_s", "target_tokens_per_s",
+                                      "speedup", "simulated_tau", "lossless", "num_prompts")}
+    print(json.dumps(summary))
+    for m in mismatches:
+        print(f"hstap eval: {'warning' if m['near_tie'] else 'LOSSLESSNESS VIOLATION'}: {m['method']} output of prompt "
+              f"{m['id']} differs from the target's at token {m['position']}: {json.dumps(m)}", file=sys.stderr)
+    if failed:
+        raise HstapError(f"{out_dir / 'report.json'}: lossless: {len(failed)} greedy output(s) differ from target-only "
+                         f"decoding beyond a near-tie (first: {failed[0]['method']} on prompt {failed[0]['id']} at "
+                         f"token {failed[0]['position']}): a bug")
+    return summary
+
+
+def _same_target(target_dir: str, meta: dict) -> bool | None:
+    """Whether the drafter was trained on this target's states (weights fingerprint in drafter.json); None = unknown."""
+    want = ((meta or {}).get("store") or {}).get("target", {}).get("weights_fingerprint")
+    if not want:
+        return None
+    from hstap.engines.hf import weights_fingerprint
+
+    same = weights_fingerprint(target_dir) == want
+    if not same:
+        print("hstap eval: warning: the drafter was trained on hidden states of another target (weights fingerprint "
+              "differs): expect low acceptance", file=sys.stderr)
+    return same
+
+
+def _hardware(dev: torch.device) -> dict:
+    import transformers
+
+    hw = {"device": str(dev), "torch": torch.__version__, "transformers": transformers.__version__,
+          "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    if dev.type == "cuda":
+        hw["gpu"] = torch.cuda.get_device_name(dev)
+    return hw
+
+
+def _plot(results: dict, out_dir: Path) -> str | None:
+    """acceptance.png: per-position acceptance of each drafting method; None (and a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("hstap eval: matplotlib is not installed: no acceptance plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, r in results.items():
+        acc = r.get("per_position_acceptance")
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {r['tau']:.2f})")
+    ax.set_xlabel("draft position (tree: depth)")
+    ax.set_ylabel("fraction of rounds accepted")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(out_dir / "acceptance.png", buf.getvalue())
+    return "acceptance.png"
+
+
+def _markdown(cfg: EvalConfig, r: dict) -> str:
+    hw = r["hardware"]
+    lines = [f"# hstap eval: {r['method']}", "",
+             f"target `{cfg.target}`, drafter `{cfg.drafter}`, data `{cfg.data}`, {r['num_prompts']} prompts, "
+             f"max {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, {r['dtype']} on "
+             f"{hw.get('gpu', hw['device'])} (torch {hw['torch']}, transformers {hw['transformers']})",
+             f"drafting: " + (f"chain k={cfg.k}" if cfg.mode == "chain" else
+                              f"tree topk={cfg.topk} depth={cfg.depth} tokens={cfg.tokens}"), "",
+             "| method | tau | tokens/s | speedup | draft s | verify s | per-position acceptance |",
+             "|---|---|---|---|---|---|---|"]
+    for name, m in r["methods"].items():
+        acc = " ".join(f"{a:.2f}" for a in m.get("per_position_acceptance", [])) or "-"
+        fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else "-"  # noqa: E731
+        lines.append(f"| {name} | {m['tau']:.3f} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
+                     f"{fmt(m.get('draft_s'))} | {fmt(m.get('verify_s'))} | {acc} |")
+    lines.append("")
+    if r["simulated_tau"] is not None:
+        lines.append(f"simulated tau (training eval at step {r['simulated']['step']}: expected accepted drafts of a "
+                     f"greedy chain of --ttt steps, teacher-forced): {r['simulated_tau']:.3f}; measured accepted drafts "
+                     f"per round: {r['tau'] - 1:.3f} (measured tau {r['tau']:.3f} includes the bonus token)")
+    if r["lossless"] is not None:
+        lines.append(f"lossless (greedy outputs equal target-only): **{r['lossless']}**"
+                     + (f", {len(r['mismatches'])} mismatch(es), see report.json" if r["mismatches"] else ""))
+    lines.append("tau = tokens from verify forwards / verify forwards (the prefill's token excluded); tokens/s include "
+                 "the prefill.")
+    if r.get("plot"):
+        lines += ["", f"![per-position acceptance]({r['plot']})"]
+    else:
+        lines += ["", "(no acceptance plot: matplotlib is not installed)"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # `python -m hstap.evaluate ...` until `hstap eval` is registered in hstap/cli.py
+    from hstap.cli import make_config
+
+    try:
+        evaluate(make_config("eval", EvalConfig, sys.argv[1:], "speculative decoding vs target-only decoding"))
+    except HstapError as e:
+        print(f"hstap: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,127 @@
+"""Layer-id conventions: the single source of truth for "which hidden state is layer i".
+
+hstap's canonical id `i` (0-based) names the **output of decoder layer i**, i.e. the residual stream after layer i has
+added its attention and MLP outputs. The "final" state is the output of the final norm (what `lm_head` consumes); it is
+stored separately and never named by a layer id.
+
+Each engine speaks its own dialect; converting is where silent off-by-ones come from, so every conversion lives here:
+
+| convention | id j means | canonical i |
+|---|---|---|
+| hstap canonical | output of layer i | i |
+| HF `output_hidden_states[j]` | j=0 embeddings, j in 1..N-1 output of layer j-1, **j=N post-norm** | j-1 (j < N) |
+| SGLang draft config `eagle_aux_hidden_state_layer_ids` (Llama, Qwen, ...) | output of layer j; SGLang captures the input of layer j+1 | j |
+| SGLang draft config, DeepSeek family | +1 applied only when the first id is 1; otherwise j is the input of layer j | j or j-1 |
+| vLLM `extract_hidden_states` / speculators | input to layer j (= output of layer j-1); j = N is the last layer's pre-norm output | j-1 |
+
+Example (Kimi-K2.5, DeepSeek-V3 architecture, N=61): canonical [2, 30, 58] = SGLang captures the inputs of layers
+[3, 31, 59] = vLLM ids [3, 31, 59].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hstap.common import HstapError
+
+DEEPSEEK_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32"})
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's default low/mid/high taps for an N-layer target: outputs of layers [1, N//2-1, N-4]."""
+    if num_layers < 7:  # below 7 layers the three taps collide ([1, 2, 2] for N=6)
+        raise HstapError(f"default aux layers [1, N//2-1, N-4] need a target with >= 7 layers (got {num_layers}); "
+                         "pass --layers")
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def parse_layers(spec: str | Sequence[int] | None, num_layers: int) -> list[int]:
+    """Parse `--layers 1,3,4` (or a list) into validated canonical ids; None/"" means the default."""
+    if spec is None or spec == "" or spec == "default":
+        return default_aux_layers(num_layers)
+    if isinstance(spec, str):
+        try:
+            ids = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            raise HstapError(f"--layers: expected comma-separated integers, got {spec!r}") from None
+    else:
+        ids = [int(x) for x in spec]
+    check_layers(ids, num_layers)
+    return ids
+
+
+def check_layers(ids: Sequence[int], num_layers: int) -> None:
+    if not ids:
+        raise HstapError("--layers: at least one layer id is needed")
+    for i in ids:
+        if not 0 <= i < num_layers:
+            raise HstapError(f"--layers: layer id {i} is out of range for a {num_layers}-layer target (valid: 0..{num_layers - 1})")
+    if list(ids) != sorted(set(ids)):
+        raise HstapError(f"--layers: ids must be strictly increasing, got {list(ids)}")
+
+
+def to_hf_index(i: int, num_layers: int) -> int:
+    """Canonical id -> index into HF `output_hidden_states` (only for i < N-1: HF's index N is post-norm)."""
+    if not 0 <= i < num_layers - 1:
+        raise HstapError(f"canonical layer {i} has no HF hidden_states index in a {num_layers}-layer model "
+                         f"(hidden_states[{num_layers}] is taken after the final norm)")
+    return i + 1
+
+
+def from_hf_index(j: int, num_layers: int) -> int:
+    if not 1 <= j < num_layers:
+        raise HstapError(f"HF hidden_states index {j} is not the output of a decoder layer (valid: 1..{num_layers - 1})")
+    return j - 1
+
+
+def is_deepseek(model_type: str) -> bool:
+    return model_type in DEEPSEEK_MODEL_TYPES
+
+
+def to_sglang(ids: Sequence[int], model_type: str = "llama") -> list[int]:
+    """Canonical ids -> the `eagle_aux_hidden_state_layer_ids` to write into an SGLang draft config.
+
+    Llama-family models capture the input of layer id+1 for every id. DeepSeek models add +1 only when the first id is 1
+    (SGLang PR #25454), otherwise they take the ids as layer inputs; we write whichever form resolves to our layers.
+    """
+    ids = [int(i) for i in ids]
+    if not is_deepseek(model_type) or ids[0] == 1:
+        return ids
+    raw = [i + 1 for i in ids]  # DeepSeek without the +1 rule: the ids are layer inputs
+    if raw[0] == 1:
+        raise HstapError(f"canonical layers {ids} cannot be expressed for SGLang's DeepSeek loader "
+                         "(input-of-layer-1 ids would trigger its +1 rule)")
+    return raw
+
+
+def sglang_capture_inputs(config_ids: Sequence[int], model_type: str = "llama") -> list[int]:
+    """Which layer *inputs* SGLang captures for the given draft-config ids (what `layers_to_capture` ends up holding)."""
+    config_ids = [int(i) for i in config_ids]
+    if is_deepseek(model_type) and config_ids[0] != 1:
+        return config_ids
+    return [i + 1 for i in config_ids]
+
+
+def from_sglang(config_ids: Sequence[int], model_type: str = "llama") -> list[int]:
+    """SGLang draft-config ids -> canonical ids."""
+    return [i - 1 for i in sglang_capture_inputs(config_ids, model_type)]
+
+
+def sglang_default_capture_inputs(num_layers: int) -> list[int]:
+    """The layer inputs SGLang captures when the draft config names no ids: [2, N//2, N-3], used as-is."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def to_vllm(ids: Sequence[int]) -> list[int]:
+    """Canonical ids -> vLLM / speculators `eagle_aux_hidden_state_layer_ids` ("input to layer j")."""
+    return [int(i) + 1 for i in ids]
+
+
+def from_vllm(ids: Sequence[int], num_layers: int) -> list[int]:
+    """vLLM ids -> canonical ids; j = N (the last layer's pre-norm output) maps to canonical N-1."""
+    out = []
+    for j in ids:
+        if not 1 <= j <= num_layers:
+            raise HstapError(f"vLLM layer id {j} is out of range for a {num_layers}-layer target (valid: 1..{num_layers})")
+        out.append(int(j) - 1)
+    return out

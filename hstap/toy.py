@@ -1,0 +1,180 @@
+"""Toy targets built offline: a byte-level BPE tokenizer with a chat template, and small random-weight HF models.
+
+Used by the tests (tiny random configs built in-process), by `hstap demo` (which trains such a target for a few CPU
+minutes on text that ships with Python) and by the benchmarks (Llama-3.1-8B-shaped random weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+# Same chat layout as the reference target: <|bos|><|user|>\n...<|end|>\n<|assistant|>\n...<|end|>\n
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+
+def build_tokenizer(texts: Iterable[str], vocab_size: int = 512, out_dir: str | Path | None = None):
+    """Train a byte-level BPE tokenizer (ids 0..5 are the special tokens) and wrap it as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>", pad_token="<|pad|>")
+    hf.chat_template = CHAT_TEMPLATE
+    if out_dir is not None:
+        hf.save_pretrained(str(out_dir))
+    return hf
+
+
+def sample_texts() -> list[str]:
+    """A few KB of varied English/code text for tiny tokenizers in tests (no files needed)."""
+    import inspect
+    import json
+    import textwrap
+
+    return [textwrap.dedent(inspect.getsource(m)) for m in (json.decoder, json.encoder, textwrap)]
+
+
+def build_random_target(out_dir: str | Path, tokenizer=None, *, model_type: str = "llama", num_layers: int = 6,
+                        hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                        vocab_size: int | None = None, seed: int = 0, dtype: str = "float32", **extra):
+    """Save a random-weight HF causal LM (llama | qwen2 | qwen3 | mistral | deepseek_v3) and the tokenizer to `out_dir`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if vocab_size is None:
+        vocab_size = len(tokenizer) if tokenizer is not None else 512
+    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+              num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size, max_position_embeddings=4096,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if model_type == "deepseek_v3":
+        kw["num_key_value_heads"] = num_heads  # MLA: one latent KV per head
+        kw.update(moe_intermediate_size=intermediate_size // 2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                  first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=32,
+                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, qk_head_dim=24)
+    elif model_type in ("llama", "qwen2", "qwen3", "mistral"):
+        kw["head_dim"] = hidden_size // num_heads
+    kw.update(extra)
+    cfg = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    # HF's default init (std 0.02) makes every layer output nearly identical; a wider init keeps layers distinguishable.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5 if "embed" not in name else 1.0)
+    model.eval()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    return model
+
+
+# --- the demo's toy target: Python's own documentation as chat data ----------------------------------------------
+DEMO_MODULES = ("json", "os", "os.path", "collections", "itertools", "functools", "textwrap", "string", "re", "pathlib",
+                "random", "statistics", "heapq", "bisect", "csv", "argparse", "shutil", "glob", "fnmatch", "math",
+                "datetime", "calendar", "hashlib", "base64", "struct", "copy", "enum", "dataclasses", "typing", "abc",
+                "contextlib", "operator", "pprint", "difflib", "html", "urllib.parse", "uuid", "zlib", "gzip", "tarfile",
+                "zipfile", "tempfile", "logging", "unittest", "inspect", "ast", "tokenize", "io", "time", "threading",
+                "queue", "subprocess", "socket", "email", "decimal", "fractions", "array", "weakref", "types", "sqlite3")
+
+
+def stdlib_conversations(max_chars: int = 700) -> list[dict]:
+    """Deterministic chat data from text that ships with every Python: stdlib docstrings and pydoc topics.
+
+    Each record is `{"id", "conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}`: the user asks what a
+    documented object does (or asks about a language topic) and the assistant answers with its documentation.
+    """
+    import importlib
+    import inspect
+
+    out: list[dict] = []
+    seen: set[str] = set()
+    for mod_name in DEMO_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception:  # noqa: BLE001 - a module missing from a minimal Python is simply skipped
+            continue
+        for name in sorted(dir(mod)):
+            if name.startswith("_"):
+                continue
+            obj = getattr(mod, name, None)
+            if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+                continue
+            doc = inspect.getdoc(obj)
+            key = f"{mod_name}.{name}"
+            if not doc or len(doc) < 40 or doc in seen:
+                continue
+            seen.add(doc)
+            out.append({"id": key, "conversations": [
+                {"role": "user", "content": f"What does `{key}` do?"},
+                {"role": "assistant", "content": doc[:max_chars].strip()}]})
+    try:
+        from pydoc_data.topics import topics
+        for name in sorted(topics):
+            text = " ".join(topics[name].split())[:max_chars]
+            out.append({"id": f"topic.{name}", "conversations": [
+                {"role": "user", "content": f"Explain the Python topic {name}."},
+                {"role": "assistant", "content": text}]})
+    except ImportError:
+        pass
+    return out
+
+
+def train_toy_target(out_dir: str | Path, tokenizer, texts: list[str], *, minutes: float = 2.0, num_layers: int = 6,
+                     hidden_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 384,
+                     seq_len: int = 256, batch_size: int = 16, lr: float = 3e-3, seed: int = 0, log=print) -> dict:
+    """Train a small Llama on `texts` (next-token loss on every token) for a fixed wall-clock budget; save it with the
+    tokenizer. Returns {"steps", "tokens", "loss"}."""
+    import math
+    import time
+
+    import torch
+
+    torch.manual_seed(seed)
+    model = build_random_target(out_dir, None, model_type="llama", num_layers=num_layers, hidden_size=hidden_size,
+                                num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                                vocab_size=len(tokenizer), seed=seed)
+    model.train()
+    ids = torch.tensor([t for s in texts for t in tokenizer(s, add_special_tokens=False)["input_ids"]], dtype=torch.long)
+    n_win = (len(ids) - 1) // seq_len
+    windows = ids[: n_win * seq_len + 1]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    t0, step, tokens, loss_ema = time.time(), 0, 0, None
+    budget = minutes * 60
+    while True:
+        elapsed = time.time() - t0
+        if elapsed > budget:
+            break
+        frac = elapsed / budget
+        for group in opt.param_groups:  # warmup then cosine over the time budget
+            group["lr"] = lr * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * frac))
+        starts = torch.randint(0, n_win, (batch_size,), generator=g) * seq_len
+        batch = torch.stack([windows[s: s + seq_len + 1] for s in starts.tolist()])  # (B, S+1)
+        out = model(input_ids=batch[:, :-1])
+        logits = out.logits  # (B, S, V)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += batch_size * seq_len
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+        if step % 50 == 0:
+            log(f"  toy target step {step}: loss {loss_ema:.3f}, {tokens / (time.time() - t0):,.0f} tok/s")
+    model.eval()
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return {"steps": step, "tokens": tokens, "loss": loss_ema}

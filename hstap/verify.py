@@ -1,0 +1,458 @@
+"""hstap verify: is a store intact, and does it hold what the target computes, at the layers it claims?
+
+Three modes (exit status 2 with a one-line reason on failure; the per-layer table is printed first):
+
+    hstap verify --store S                        checksums, manifest consistency, token counts, NaN/Inf (Store.verify)
+    hstap verify --store S --target DIR           recompute --samples samples with the embedded HF engine and compare
+    hstap verify --a S1 --b S2                    two captures of the same data (engines, dtypes, fp8 vs bf16), by id
+
+Metrics, per stored layer and for `final`, over every compared token ("reference" = the recomputation, or store --b):
+- `cos_min` / `cos_mean`: cosine similarity of the stored and reference vectors of each token (min / mean over tokens).
+- `rel_max`: max over tokens of max_i |x_i - r_i| / max_i |r_i|: the error relative to the token's largest component
+  (elementwise relative errors are meaningless for components near zero).
+- `ulp_max` / `ulp_p99`: |x - r| / ulp_bf16(|r|) per element, where ulp_bf16(r) = 2^(floor(log2 |r|) - 7) is the spacing
+  of bf16 numbers at the reference value's magnitude (2^-133 below bf16's smallest normal). `ulp_p99` is the 99th
+  percentile of one sample, the worst sample reported. Rounding an exact value to bf16 costs <= 0.5 ulp.
+
+Pass/fail tolerances, by the coarsest stored dtype and by whether any computation involved (the capture engine's
+`compute_dtype`, the recomputation's `--compute-dtype`) ran in bf16/fp16. Calibrated on the reference target
+(../shared/reference/target-tiny, 8 layers, H=384) and the test targets on CPU (see tests/test_verify.py); observed
+values in brackets (worst layer of the reference target), limits chosen with margin but far from what a wrong or
+shifted layer gives (adjacent layers of the reference target: cos_min 0.54-0.74, rel_max > 1; of the random test
+targets, whose residual stream is dominated by the embedding: cos_min 0.97, rel_max 0.21):
+
+| store | compute | cos_min >= | rel_max <= | ulp_p99 <= | observed [cos_min, rel_max, ulp_p99] |
+|---|---|---|---|---|---|
+| fp32 | fp32 | 0.99999 | 1e-4 | 1 | near-exact (batched capture vs one-sample recompute) [1.0, 1.1e-6, 0.002] |
+| bf16 | fp32 | 0.9999 | 0.01 | 1 | rounding to bf16 only [0.999998, 0.0038, 0.495] |
+| fp32 or bf16 | bf16 | 0.995 | 0.1 | - | bf16 arithmetic through the layers [0.99967, 0.026, 139] |
+| fp8 | fp32 | 0.998 | 0.07 | - | e4m3 with per-token scales: rel <= 16/448 [0.99952, 0.0357, -] |
+| fp8 | bf16 | 0.99 | 0.12 | - | [0.99926, 0.052, -] |
+
+ulps are gated only when nothing but rounding separates the two (fp32 compute, fp32/bf16 store): bf16 arithmetic and
+fp8's per-token scales make errors proportional to the token's norm, so components far below it show huge ulp errors
+by construction (reported, not gated); cosine and rel_max bound what matters there. Independently of the tolerances, a
+stored slot fails when another target state matches it at less than half its relative L2 error: on the random test
+targets, adjacent layers are close enough (cos_min 0.97) that only this rule and rel_max tell a bf16 shift apart.
+
+Layer-offset detection (recompute mode): one forward pass per sample keeps every decoder layer's output (hooks on all
+layers, `Target.capture`), plus the embeddings and the final-norm output. Each stored layer is matched to the candidate
+with the smallest relative L2 error (scale-sensitive, so a missing final norm is told apart even when the norm's weight
+is all ones); a layer that fails its tolerance is reported as e.g. "stored layer 2 matches output of layer 3 (off by
++1)", and a bad final as "final matches pre-norm output of the last layer: missing final norm". `quick_check` (called by
+train before training unless --skip-verify) raises with that message, so a mismatched store never trains silently.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from hstap.common import HstapError, atomic_write_json
+
+# (store dtype class, compute class) -> limits; None = not checked. See the table in the module docstring.
+TOLERANCES: dict[tuple[str, str], dict[str, float | None]] = {
+    ("fp32", "fp32"): {"cos_min": 0.99999, "rel_max": 1e-4, "ulp_p99": 1.0},
+    ("bf16", "fp32"): {"cos_min": 0.9999, "rel_max": 0.01, "ulp_p99": 1.0},
+    ("fp32", "bf16"): {"cos_min": 0.995, "rel_max": 0.1, "ulp_p99": None},
+    ("bf16", "bf16"): {"cos_min": 0.995, "rel_max": 0.1, "ulp_p99": None},
+    ("fp8", "fp32"): {"cos_min": 0.998, "rel_max": 0.07, "ulp_p99": None},
+    ("fp8", "bf16"): {"cos_min": 0.99, "rel_max": 0.12, "ulp_p99": None},
+}
+_RANK = {"fp32": 0, "bf16": 1, "fp8": 2}
+
+
+@dataclass
+class VerifyConfig:
+    store: str | None = None
+    """Store to check: alone, a full integrity check; with --target, a recomputation of --samples samples."""
+    target: str | None = None
+    """Target model directory (HF format) to recompute the store's hidden states with."""
+    a: str | None = None
+    """First store of an --a/--b comparison (same samples captured twice: two engines, dtypes, fp8 vs bf16)."""
+    b: str | None = None
+    """Second store of an --a/--b comparison: the reference (put the more precise capture here)."""
+    samples: int | None = None
+    """Samples to compare: recompute mode default 4 (spread evenly over the store); --a/--b default all common ids."""
+    device: str = "cpu"
+    """Device for the recomputation: cpu, cuda, cuda:N or auto."""
+    compute_dtype: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
+    """Recomputation dtype: auto = fp32 on CPU, bf16 on CUDA. Tolerances follow the coarsest precision involved."""
+    max_tokens: int = 1024
+    """Recompute mode: compare the first max_tokens tokens of each sample (all layer outputs are held in memory)."""
+    report: str | None = None
+    """Also write the full report (per-layer metrics, problems) as JSON to this path."""
+
+    def __post_init__(self):
+        if (self.a is None) != (self.b is None):
+            raise HstapError("verify: --a and --b go together")
+        if self.a is not None and (self.store is not None or self.target is not None):
+            raise HstapError("verify: use either --store [--target] or --a/--b, not both")
+        if self.target is not None and self.store is None:
+            raise HstapError("verify: --target needs --store")
+        if self.a is None and self.store is None:
+            raise HstapError("verify: nothing to verify: pass --store S [--target DIR] or --a S1 --b S2")
+        if self.samples is not None and self.samples < 1:
+            raise HstapError(f"verify: samples: must be >= 1, got {self.samples}")
+        if self.max_tokens < 1:
+            raise HstapError(f"verify: max_tokens: must be >= 1, got {self.max_tokens}")
+        if self.compute_dtype not in ("auto", "fp32", "bf16"):
+            raise HstapError(f"verify: compute_dtype: expected auto, fp32 or bf16, got {self.compute_dtype!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# metrics
+
+
+def ulp_bf16(r: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 numbers at |r|: 2^(floor(log2 |r|) - 7), with 2^-133 below the smallest normal 2^-126."""
+    _, e = torch.frexp(r.abs().float().clamp_min(2.0 ** -126))  # |r| = m * 2^e, m in [0.5, 1): floor(log2|r|) = e - 1
+    return torch.ldexp(torch.ones_like(r, dtype=torch.float32), e - 8)
+
+
+def _cos(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Per-token cosine (T,) of (T, H) tensors, in float64; two zero vectors count as identical."""
+    x, r = x.double(), r.double()
+    nx, nr = x.norm(dim=-1), r.norm(dim=-1)
+    cos = (x * r).sum(-1) / (nx * nr).clamp_min(1e-300)
+    return torch.where((nx == 0) & (nr == 0), torch.ones_like(cos), cos)
+
+
+def layer_stats(x: torch.Tensor, r: torch.Tensor, ulps: bool = True) -> dict:
+    """Metrics of one sample's stored (T, H) `x` against the reference (T, H) `r` (see the module docstring)."""
+    x, r = x.float(), r.float()
+    cos = _cos(x, r)  # (T,)
+    d = (x - r).abs()  # (T, H)
+    rmax = r.abs().amax(-1)  # (T,)
+    dmax = d.amax(-1)  # (T,)
+    rel = torch.where(rmax > 0, dmax / rmax.clamp_min(1e-30), torch.where(dmax > 0, math.inf, 0.0))  # (T,)
+    out = {"cos_min": float(cos.min()), "cos_sum": float(cos.sum()), "tokens": int(x.shape[0]),
+           "rel_max": float(rel.max()), "l2_err": float(d.double().pow(2).sum()), "l2_ref": float(r.double().pow(2).sum())}
+    if ulps:
+        u = (d / ulp_bf16(r)).flatten()  # (T*H,)
+        k = max(1, math.ceil(0.99 * u.numel()))
+        out |= {"ulp_max": float(u.max()), "ulp_p99": float(torch.kthvalue(u.cpu(), k).values)}
+    return out
+
+
+def _merge(acc: dict | None, s: dict) -> dict:
+    if acc is None:
+        return dict(s)
+    out = {"cos_min": min(acc["cos_min"], s["cos_min"]), "cos_sum": acc["cos_sum"] + s["cos_sum"],
+           "tokens": acc["tokens"] + s["tokens"], "rel_max": max(acc["rel_max"], s["rel_max"]),
+           "l2_err": acc["l2_err"] + s["l2_err"], "l2_ref": acc["l2_ref"] + s["l2_ref"]}
+    if "ulp_max" in s:
+        out |= {"ulp_max": max(acc["ulp_max"], s["ulp_max"]), "ulp_p99": max(acc["ulp_p99"], s["ulp_p99"])}
+    return out
+
+
+def _finish(acc: dict) -> dict:
+    rel_l2 = math.sqrt(acc["l2_err"] / acc["l2_ref"]) if acc["l2_ref"] > 0 else (0.0 if acc["l2_err"] == 0 else math.inf)
+    out = {"cos_min": acc["cos_min"], "cos_mean": acc["cos_sum"] / max(acc["tokens"], 1), "rel_max": acc["rel_max"],
+           "rel_l2": rel_l2}
+    if "ulp_max" in acc:
+        out |= {"ulp_max": acc["ulp_max"], "ulp_p99": acc["ulp_p99"]}
+    return out
+
+
+def _violations(m: dict, tol: dict) -> list[str]:
+    bad = []
+    if not m["cos_min"] >= tol["cos_min"]:
+        bad.append(f"cosine {m['cos_min']:.6f} < {tol['cos_min']}")
+    if not m["rel_max"] <= tol["rel_max"]:
+        bad.append(f"max relative error {m['rel_max']:.3g} > {tol['rel_max']}")
+    if tol["ulp_p99"] is not None and "ulp_p99" in m and not m["ulp_p99"] <= tol["ulp_p99"]:
+        bad.append(f"p99 error {m['ulp_p99']:.3g} bf16 ulps > {tol['ulp_p99']:g}")
+    return bad
+
+
+def _compute_class(*names: str | None) -> str:
+    """'bf16' if any computation ran in a 16-bit float type, else 'fp32'."""
+    for n in names:
+        n = str(n or "").lower()
+        if any(s in n for s in ("bf16", "bfloat16", "fp16", "float16", "half", "fp8", "float8")):
+            return "bf16"
+    return "fp32"
+
+
+def tolerance(store_dtypes: list[str], compute: str) -> tuple[str, dict]:
+    sd = max(store_dtypes, key=lambda d: _RANK[d])
+    return f"{sd} store, {compute} compute", TOLERANCES[(sd, compute)]
+
+
+def _pick(n: int, k: int) -> list[int]:
+    """k indices spread evenly over range(n) (first and last included): multi-rank stores get every rank sampled."""
+    if k >= n:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# modes
+
+
+def check_integrity(path: str) -> dict:
+    from hstap.store import open_store
+
+    s = open_store(path)
+    problems = s.verify()
+    return {"mode": "integrity", "store": str(path), "samples": len(s), "tokens": sum(s.lengths),
+            "shards": len(s.manifest["shards"]), "dtype": s.dtype, "layers": s.layers, "problems": problems,
+            "ok": not problems}
+
+
+def _label(j: int, n: int) -> str:
+    if j == -1:
+        return "the embeddings (input of layer 0)"
+    if j == n:
+        return "the final-norm output"
+    return f"output of layer {j}"
+
+
+@torch.no_grad()
+def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = "cpu", compute_dtype: str = "auto",
+              max_tokens: int = 1024, target=None) -> dict:
+    """Recompute `samples` samples of the store with the target; per-layer metrics, offsets and problems (see above).
+
+    `target`: an already loaded hstap Target (its device/dtype are used) to skip loading."""
+    from hstap.engines.hf import load_target, target_fingerprint
+    from hstap.store import open_store
+
+    s = open_store(store_path)
+    if target is None:
+        target, _ = load_target(target_dir, device=device, dtype=compute_dtype)
+    N, H = target.num_layers, target.hidden_size
+    where = str(store_path)
+    if s.hidden_size != H:
+        raise HstapError(f"{where}: hidden_size {s.hidden_size} != {H} of {target_dir}: the store was captured from "
+                         "another target")
+    if any(not 0 <= L < N for L in s.layers):
+        raise HstapError(f"{where}: layers {s.layers} do not exist in the {N}-layer target {target_dir}: another target")
+    engine = s.manifest.get("engine") or {}
+    compute = _compute_class(engine.get("compute_dtype"), str(target.dtype))
+    tol_name, tol = tolerance([s.dtype], compute)
+    notes: list[str] = []
+    try:
+        fp = target_fingerprint(target_dir)
+        st = s.manifest.get("target") or {}
+        differs = [k for k in ("config_sha256", "weights_fingerprint") if st.get(k) and st.get(k) != fp.get(k)]
+        if differs:
+            notes.append(f"target fingerprint differs from the store's ({', '.join(differs)})")
+    except HstapError as e:
+        notes.append(f"no fingerprint: {e}")
+
+    K = len(s.layers)
+    cand = list(range(-1, N + 1))  # -1 embeddings, 0..N-1 layer outputs (pre-norm), N final-norm output
+    claimed = list(s.layers) + [N]  # stored aux slots, then `final`
+    acc: list[dict | None] = [None] * (K + 1)
+    err = torch.zeros(K + 1, len(cand), dtype=torch.float64)  # summed squared error per (stored slot, candidate)
+    ref2 = torch.zeros(K + 1, len(cand), dtype=torch.float64)
+    cosmin = torch.ones(K + 1, len(cand), dtype=torch.float64)
+    problems: list[str] = []
+    votes: list[list[int]] = []  # per compared sample: best candidate index of each stored slot
+    picked = _pick(len(s), samples)
+    tokens = 0
+    for i in picked:
+        smp = s[i]
+        T = min(int(smp["input_ids"].shape[0]), max_tokens)
+        ids = smp["input_ids"][:T].to(target.device)[None]  # (1, T)
+        stored = torch.cat([smp["aux"][:T], smp["final"][:T, None]], dim=1).to(target.device).float()  # (T, K+1, H)
+        if not _finite(stored):
+            problems.append(f"sample {smp['id']!r}: stored hidden states hold NaN/Inf")
+            continue
+        aux_all, final, _ = target.capture(ids, list(range(N)))  # (1, T, N, H), (1, T, H)
+        emb = target.embed_tokens(ids)  # (1, T, H)
+        refs = torch.cat([emb[0, :, None], aux_all[0], final[0, :, None]], dim=1).float()  # (T, N+2, H) by cand order
+        if not _finite(refs):
+            problems.append(f"sample {smp['id']!r}: the recomputation itself produced NaN/Inf "
+                            f"(compute dtype {target.dtype})")
+            continue
+        tokens += T
+        rr = refs.pow(2).sum(-1)  # (T, C) squared norms of every candidate
+        dots = torch.einsum("tkh,tch->tkc", stored, refs)  # (T, K+1, C): one batched matmul for all pairs
+        xx = stored.pow(2).sum(-1)  # (T, K+1)
+        # |x - r|^2 = |x|^2 - 2 x.r + |r|^2: cancels to ~1e-7 |x|^2 for an exact match, far below any mismatch (>1e-2)
+        e = (xx[:, :, None] - 2 * dots + rr[:, None]).clamp_min(0).sum(0).double().cpu()  # (K+1, C)
+        err += e
+        ref2 += rr.sum(0).double().cpu()[None]
+        votes.append((e / rr.sum(0).double().cpu()[None].clamp_min(1e-300)).argmin(1).tolist())  # this sample's best
+        cos = dots / (xx.sqrt()[:, :, None] * rr.sqrt()[:, None]).clamp_min(1e-30)  # (T, K+1, C)
+        cosmin = torch.minimum(cosmin, cos.amin(0).double().cpu())
+        for k in range(K + 1):
+            acc[k] = _merge(acc[k], layer_stats(stored[:, k], refs[:, claimed[k] + 1], ulps=s.dtype != "fp8"))
+    base = {"mode": "recompute", "store": str(store_path), "target": str(target_dir), "dtype": s.dtype,
+            "layers_claimed": s.layers, "samples": [s.ids[i] for i in picked], "tokens": tokens,
+            "compute": {"store": engine.get("compute_dtype"), "recompute": str(target.dtype).replace("torch.", ""),
+                        "device": str(target.device)}, "tolerance_class": tol_name, "tolerance": tol, "notes": notes}
+    if tokens == 0:
+        return {**base, "metrics": [], "problems": problems or ["no sample could be compared"], "ok": False}
+    rel_l2 = (err / ref2.clamp_min(1e-300)).sqrt()  # (K+1, C)
+    layers = []
+    for k in range(K + 1):
+        m = _finish(acc[k])
+        name = "final" if k == K else f"layer {claimed[k]}"
+        best = int(rel_l2[k].argmin())
+        bj = cand[best]
+        row = {"name": name, "layer": None if k == K else claimed[k], **m, "best_match": _label(bj, N),
+               "best_rel_l2": float(rel_l2[k, best]), "best_cos_min": float(cosmin[k, best]),
+               "best_per_sample": [_label(cand[v[k]], N) for v in votes]}
+        bad = _violations(m, tol)
+        if bj != claimed[k] and float(rel_l2[k, best]) < 0.5 * m["rel_l2"]:
+            bad.append(f"{_label(bj, N)} matches better (relative L2 error {float(rel_l2[k, best]):.3g} "
+                       f"vs {m['rel_l2']:.3g})")
+        row["ok"] = not bad
+        if bad:
+            best_ok = bj != claimed[k] and float(cosmin[k, best]) >= tol["cos_min"]
+            if k == K:
+                if best_ok and bj == N - 1:
+                    msg = "final matches pre-norm output of the last layer: missing final norm"
+                elif best_ok:
+                    msg = f"final matches {_label(bj, N)}, not the final-norm output"
+                else:
+                    msg = f"final matches no target state ({'; '.join(bad)}; closest: {_label(bj, N)})"
+            elif best_ok:
+                row["offset"] = bj - claimed[k]
+                msg = f"stored layer {claimed[k]} matches {_label(bj, N)}" + (
+                    f" (off by {bj - claimed[k]:+d})" if 0 <= bj < N else "")
+            else:
+                msg = (f"stored layer {claimed[k]} matches no target layer ({'; '.join(bad)}; closest: {_label(bj, N)}): "
+                       "a different target, different inputs or corrupt data")
+            row["problem"] = msg
+            problems.append(msg)
+        layers.append(row)
+    return {**base, "metrics": layers, "problems": problems, "ok": not problems}
+
+
+def compare_stores(a: str, b: str, samples: int | None = None) -> dict:
+    """Compare two captures of the same samples, layer by layer (b is the reference); matches samples by id."""
+    from hstap.store import open_store
+
+    sa, sb = open_store(a), open_store(b)
+    if sa.hidden_size != sb.hidden_size:
+        raise HstapError(f"{a}: hidden_size {sa.hidden_size} != {sb.hidden_size} of {b}: not the same target")
+    common_layers = [L for L in sa.layers if L in sb.layers]
+    if not common_layers:
+        raise HstapError(f"{a}: layers {sa.layers} and {b}: layers {sb.layers} have no layer in common")
+    ids_b = set(sb.ids)
+    common = [i for i in sa.ids if i in ids_b]
+    only_a = [i for i in sa.ids if i not in ids_b]
+    ids_a = set(sa.ids)
+    only_b = [i for i in sb.ids if i not in ids_a]
+    if not common:
+        raise HstapError(f"{a} and {b} share no sample id ({len(sa)} and {len(sb)} samples): not captures of the "
+                         "same data")
+    picked = [common[j] for j in _pick(len(common), samples)] if samples else common
+    compute = _compute_class((sa.manifest.get("engine") or {}).get("compute_dtype"),
+                             (sb.manifest.get("engine") or {}).get("compute_dtype"))
+    tol_name, tol = tolerance([sa.dtype, sb.dtype], compute)
+    ulps = "fp8" not in (sa.dtype, sb.dtype)
+    slots = [(f"layer {L}", sa.layers.index(L), sb.layers.index(L)) for L in common_layers] + [("final", None, None)]
+    acc: list[dict | None] = [None] * len(slots)
+    problems: list[str] = []
+    tokens = 0
+    for sid in picked:
+        xa, xb = sa[sa.index_of(sid)], sb[sb.index_of(sid)]
+        if not torch.equal(xa["input_ids"], xb["input_ids"]):
+            na, nb = len(xa["input_ids"]), len(xb["input_ids"])
+            n = min(na, nb)
+            diff = (xa["input_ids"][:n] != xb["input_ids"][:n]).nonzero()
+            at = int(diff[0]) if len(diff) else n
+            problems.append(f"sample {sid!r}: input_ids differ from token {at} on ({na} vs {nb} tokens): "
+                            "different tokenization or data")
+            continue
+        for name, x in (("a", xa), ("b", xb)):
+            if not (_finite(x["aux"]) and _finite(x["final"])):
+                problems.append(f"sample {sid!r}: store {name} holds NaN/Inf")
+        tokens += int(xa["input_ids"].shape[0])
+        for j, (_, ka, kb) in enumerate(slots):
+            u, v = (xa["final"], xb["final"]) if ka is None else (xa["aux"][:, ka], xb["aux"][:, kb])
+            acc[j] = _merge(acc[j], layer_stats(u, v, ulps=ulps))
+    metrics = []
+    for j, (name, ka, _) in enumerate(slots):
+        if acc[j] is None:
+            continue
+        m = _finish(acc[j])
+        bad = _violations(m, tol)
+        row = {"name": name, **m, "ok": not bad}
+        if bad:
+            row["problem"] = f"{name}: {'; '.join(bad)}"
+            problems.append(row["problem"])
+        metrics.append(row)
+    if tokens == 0 and not problems:
+        problems.append("no sample could be compared")
+    return {"mode": "compare", "a": str(a), "b": str(b), "dtypes": [sa.dtype, sb.dtype], "layers": common_layers,
+            "only_in_a_layers": [L for L in sa.layers if L not in sb.layers],
+            "only_in_b_layers": [L for L in sb.layers if L not in sa.layers],
+            "compared": len(picked), "tokens": tokens, "missing_in_b": only_a, "missing_in_a": only_b,
+            "tolerance_class": tol_name, "tolerance": tol, "metrics": metrics, "problems": problems, "ok": not problems}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# entry points
+
+
+def _print(rep: dict) -> None:
+    if rep["mode"] == "integrity":
+        print(f"{rep['store']}: {rep['samples']} samples, {rep['tokens']} tokens, {rep['shards']} shards, "
+              f"{rep['dtype']}, layers {rep['layers']}: " + ("OK" if rep["ok"] else f"{len(rep['problems'])} problems"))
+        for p in rep["problems"]:
+            print(f"  {p}")
+        return
+    if rep["mode"] == "recompute":
+        print(f"{rep['store']} vs {rep['target']}: {len(rep['samples'])} samples, {rep['tokens']} tokens, "
+              f"tolerance: {rep['tolerance_class']} {rep['tolerance']}")
+    else:
+        print(f"{rep['a']} vs {rep['b']} (reference): {rep['compared']} samples, {rep['tokens']} tokens, "
+              f"tolerance: {rep['tolerance_class']} {rep['tolerance']}")
+        for side, ids in (("b", rep["missing_in_b"]), ("a", rep["missing_in_a"])):
+            if ids:
+                print(f"  {len(ids)} ids missing in {side}: {ids[:5]}{' ...' if len(ids) > 5 else ''}")
+    print(f"  {'slot':10s} {'cos_min':>10s} {'cos_mean':>10s} {'rel_max':>9s} {'ulp_p99':>8s} {'ulp_max':>9s}  match")
+    for m in rep["metrics"]:
+        p99, umax = (f"{m['ulp_p99']:8.3g}", f"{m['ulp_max']:9.3g}") if "ulp_p99" in m else (f"{'-':>8s}", f"{'-':>9s}")
+        print(f"  {m['name']:10s} {m['cos_min']:10.6f} {m['cos_mean']:10.6f} {m['rel_max']:9.3g} {p99} {umax}  "
+              f"{'ok' if m['ok'] else 'FAIL'}{'  ' + m['best_match'] if 'best_match' in m else ''}")
+    for n in rep.get("notes", []):
+        print(f"  note: {n}")
+    for p in rep["problems"]:
+        print(f"  problem: {p}")
+
+
+def _fail(rep: dict, what: str) -> None:
+    n = len(rep["problems"])
+    raise HstapError(f"{what}: {rep['problems'][0]}" + (f" (+{n - 1} more problems)" if n > 1 else ""))
+
+
+def verify(cfg: VerifyConfig) -> dict:
+    """Run the chosen check, print the report, write it as JSON with --report; HstapError on failure."""
+    if cfg.a is not None:
+        rep = compare_stores(cfg.a, cfg.b, cfg.samples)
+        what = f"{cfg.a} vs {cfg.b}"
+    elif cfg.target is not None:
+        rep = recompute(cfg.store, cfg.target, cfg.samples or 4, cfg.device, cfg.compute_dtype, cfg.max_tokens)
+        what = f"{cfg.store} vs {cfg.target}"
+    else:
+        rep = check_integrity(cfg.store)
+        what = str(cfg.store)
+    _print(rep)
+    if cfg.report:
+        atomic_write_json(cfg.report, rep)
+    if not rep["ok"]:
+        _fail(rep, what)
+    return rep
+
+
+def quick_check(store_path: str, target_dir: str, samples: int = 2, device: str = "cpu", target=None) -> dict:
+    """Train's pre-flight: recompute a few samples; HstapError (naming the offset or problem) if the store does not
+    match the target. `target`: an already loaded Target to reuse (e.g. train's online target)."""
+    rep = recompute(store_path, target_dir, samples=samples, device=device, max_tokens=256, target=target)
+    if not rep["ok"]:
+        _fail(rep, f"{store_path} does not match {target_dir} (hstap verify --store S --target DIR for details; "
+                   "--skip-verify to train anyway)")
+    return rep

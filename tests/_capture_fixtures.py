@@ -1,0 +1,187 @@
+"""Helpers for the capture tests: a small prepared set, store comparison, and CLI runs in real child processes.
+
+Why a forkserver: importing torch + transformers + datasets costs ~6 s of CPU per fresh interpreter on the 2-core test
+box, and the kill test needs >= 10 separate `hstap capture` processes. A multiprocessing forkserver imports them once;
+each run is then a real child process (own pid, SIGKILL-able, its own exit status) that executes `hstap.cli.main`
+exactly as `python -m hstap.cli capture ...` would. The forkserver never runs any compute before forking, so the
+children start with clean OpenMP / tokenizer thread state. One test still runs a fresh `sys.executable` (the real
+entry point).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import sys
+from pathlib import Path
+
+PRELOAD = ["torch", "numpy", "datasets", "pyarrow", "safetensors", "tqdm", "transformers", "hstap.cli", "hstap.capture",
+           "hstap.engines.hf", "hstap.store", "hstap.data", "hstap.target", "hstap.layers", "torch.distributed",
+           "transformers.models.llama.modeling_llama", "transformers.models.llama.configuration_llama",
+           "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto", "_capture_fixtures"]
+
+# `hstap capture` as cli.py registers it (added here when the lead has not registered it yet; no-op afterwards)
+CAPTURE_ENTRY = ("hstap.capture", "CaptureConfig", "capture",
+                 "run the target over a prepared set and store its hidden states")
+BOOT = ("import sys; from hstap import cli; cli.COMMANDS.setdefault('capture', " + repr(CAPTURE_ENTRY) + "); "
+        "sys.exit(cli.main(sys.argv[1:]))")
+
+
+def write_corpus(path: Path, n: int, seed: int = 0, min_chars: int = 10, max_chars: int = 260) -> Path:
+    """n chat records of varied length (answers cut to a random size) from the stdlib docs."""
+    from hstap.toy import stdlib_conversations
+
+    rng = random.Random(seed)
+    convs = stdlib_conversations()
+    rng.shuffle(convs)
+    out = []
+    for c in convs[:n]:
+        user, asst = c["conversations"]
+        cut = rng.randint(min_chars, max_chars)
+        out.append({"id": c["id"], "conversations": [user, {"role": "assistant", "content": asst["content"][:cut]}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in out))
+    return path
+
+
+def make_prepared(tokenizer_dir: Path, out: Path, n: int, seed: int = 0, **kw) -> Path:
+    import contextlib
+    import io
+
+    from hstap.data import PrepareConfig, prepare
+
+    jsonl = write_corpus(out.parent / f"{out.name}.jsonl", n, seed, **kw)
+    with contextlib.redirect_stdout(io.StringIO()):
+        prepare(PrepareConfig(tokenizer=str(tokenizer_dir), data=[str(jsonl)], out=str(out), draft_vocab=64))
+    return out
+
+
+def store_samples(path) -> dict[str, dict]:
+    """id -> sample of a store, plus checks that every id is there once and that verify() is clean."""
+    from hstap.store import open_store
+
+    s = open_store(path)
+    problems = s.verify()
+    assert problems == [], problems
+    assert len(set(s.ids)) == len(s.ids), "a sample id appears twice"
+    return {s.ids[i]: s[i] for i in range(len(s))}
+
+
+def assert_same_store(a: dict[str, dict], b: dict[str, dict], atol: float = 1e-5) -> None:
+    import torch
+
+    assert sorted(a) == sorted(b)
+    for sid in a:
+        x, y = a[sid], b[sid]
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"]), sid
+        torch.testing.assert_close(x["aux"], y["aux"], rtol=1e-5, atol=atol)
+        torch.testing.assert_close(x["final"], y["final"], rtol=1e-5, atol=atol)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI runs in forked children
+
+
+def _child(argv: list[str], env: dict, log_path: str, fsize_limit: int | None) -> None:
+    """Body of a child process: `hstap <argv>` with stdout+stderr to log_path; exit status = the CLI's."""
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if fsize_limit is not None:  # a real OS write failure (EFBIG) once a file would grow past the limit
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit, fsize_limit))
+    import torch
+
+    torch.set_num_threads(1)  # tiny model, shared 2-core box
+    from hstap import cli
+
+    cli.COMMANDS.setdefault("capture", CAPTURE_ENTRY)
+    code = cli.main(list(argv))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+_CTX = None
+
+
+def _make_tqdm_lock() -> None:
+    # datasets.load_from_disk takes tqdm's multiprocessing lock; created here (in the forkserver, at preload) the
+    # children inherit it instead of registering a named semaphore that a SIGKILL would leak (a warning at exit).
+    from tqdm import tqdm
+
+    tqdm.get_lock()
+
+
+_make_tqdm_lock()
+
+
+def forkserver():
+    """The multiprocessing context whose server has imported PRELOAD (started on first use)."""
+    global _CTX
+    if _CTX is None:
+        here = str(Path(__file__).resolve().parent)
+        if here not in sys.path:
+            sys.path.insert(0, here)
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _CTX = ctx
+    return _CTX
+
+
+def start_forkserver() -> None:
+    """Start the server now (its imports then overlap whatever the caller does next)."""
+    from multiprocessing import forkserver as fs
+
+    forkserver()
+    fs.ensure_running()
+
+
+class Run:
+    """One `hstap ...` child process."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict | None = None, fsize_limit: int | None = None):
+        self.log = Path(log)
+        env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.proc = forkserver().Process(target=_child, args=(list(argv), env, str(self.log), fsize_limit))
+        self.proc.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it had just exited
+            pass
+
+    def wait(self, timeout: float = 120.0) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            self.kill()
+            self.proc.join()
+            raise AssertionError(f"child {self.pid} did not finish in {timeout} s; log:\n{self.output()[-3000:]}")
+        return self.proc.exitcode
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+
+def run_cli(argv: list[str], log: Path, **kw) -> tuple[int, str]:
+    r = Run(argv, log, **kw)
+    code = r.wait()
+    return code, r.output()

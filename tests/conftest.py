@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random targets built in-process, and the reference assets in ../shared (skipped when absent)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tiny models are dominated by per-op overhead: one thread is faster than two and leaves a core for subprocesses.
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+REF_TARGET = SHARED / "reference" / "target-tiny"
+REF_CORPUS = SHARED / "reference" / "corpus"
+
+
+@pytest.fixture(scope="session")
+def ref_target() -> Path:
+    if not (REF_TARGET / "config.json").exists():
+        pytest.skip("../shared/reference/target-tiny is not present")
+    return REF_TARGET
+
+
+@pytest.fixture(scope="session")
+def ref_corpus() -> Path:
+    if not (REF_CORPUS / "train.jsonl.gz").exists():
+        pytest.skip("../shared/reference/corpus is not present")
+    return REF_CORPUS
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    from hstap.toy import build_tokenizer, sample_texts
+
+    d = tmp_path_factory.mktemp("tok")
+    return build_tokenizer(sample_texts(), vocab_size=400, out_dir=d), d
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_tokenizer, tmp_path_factory) -> Path:
+    """A 6-layer, H=64 random Llama with a chat-template tokenizer, saved to a directory (fp32)."""
+    from hstap.toy import build_random_target
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    build_random_target(d, tiny_tokenizer[0], model_type="llama", num_layers=6, hidden_size=64)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek(tiny_tokenizer, tmp_path_factory) -> Path:
+    """A 6-layer random DeepseekV3 (MLA + MoE) with the same tokenizer."""
+    from hstap.toy import build_random_target
+
+    d = tmp_path_factory.mktemp("tiny-deepseek")
+    build_random_target(d, tiny_tokenizer[0], model_type="deepseek_v3", num_layers=6, hidden_size=64)
+    return d

@@ -1,0 +1,91 @@
+"""The dataclass -> CLI generator: flag spellings, help from field docstrings, --config replay, errors."""
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+from hstap.cli import COMMANDS, field_docs, make_config
+from hstap.common import HstapError, run_meta
+
+
+@dataclass
+class ToyConfig:
+    data: list[str]
+    """Input files."""
+    out: str
+    """Output directory."""
+    max_len: int = 2048
+    """Longest sample kept."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    resume: bool = False
+    """Resume from the last checkpoint."""
+    layers: str | None = None
+    """Comma-separated layer ids."""
+    dtype: str = field(default="bf16", metadata={"choices": ["bf16", "fp8", "fp32"]})
+    """Storage dtype."""
+
+
+def test_field_docs_are_the_help():
+    docs = field_docs(ToyConfig)
+    assert docs["max_len"] == "Longest sample kept." and docs["dtype"] == "Storage dtype."
+    assert set(docs) == {"data", "out", "max_len", "lr", "resume", "layers", "dtype"}
+
+
+def test_flag_spellings_and_types():
+    a = make_config("toy", ToyConfig, ["--data", "a.jsonl", "b.jsonl", "--out", "o", "--max-len", "10", "--toy.lr", "3e-4",
+                                       "--resume", "--layers", "1,2", "--dtype", "fp8"])
+    assert a == ToyConfig(data=["a.jsonl", "b.jsonl"], out="o", max_len=10, lr=3e-4, resume=True, layers="1,2", dtype="fp8")
+    b = make_config("toy", ToyConfig, ["--data", "x", "--out", "o", "--max_len", "7", "--resume", "false"])
+    assert b.max_len == 7 and b.resume is False
+
+
+def test_config_file_replay_and_override(tmp_path):
+    cfg = ToyConfig(data=["x.jsonl"], out="o", max_len=99, lr=0.5, resume=True)
+    meta = tmp_path / "config.json"
+    meta.write_text(json.dumps(run_meta("toy", cfg)))
+    assert make_config("toy", ToyConfig, ["--config", str(meta)]) == cfg
+    assert make_config("toy", ToyConfig, ["--config", str(meta), "--toy.max_len", "5"]).max_len == 5
+    y = tmp_path / "run.yaml"
+    y.write_text("toy:\n  data: [a]\n  out: o\n  lr: 0.25\n")
+    assert make_config("toy", ToyConfig, ["--config", str(y)]).lr == 0.25
+    y.write_text("data: [a]\nout: o\nbogus: 1\n")
+    with pytest.raises(HstapError, match="unknown field 'bogus'"):
+        make_config("toy", ToyConfig, ["--config", str(y)])
+    meta.write_text(json.dumps(run_meta("other", cfg)))
+    with pytest.raises(HstapError, match="belongs to stage 'other'"):
+        make_config("toy", ToyConfig, ["--config", str(meta)])
+
+
+def test_bad_flags_exit_2():
+    with pytest.raises(SystemExit) as e:
+        make_config("toy", ToyConfig, ["--out", "o"])  # --data missing
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        make_config("toy", ToyConfig, ["--data", "x", "--out", "o", "--dtype", "int4"])
+
+
+def test_every_command_builds_its_parser():
+    import importlib
+
+    from hstap.cli import build_parser
+
+    for name, (mod, cls, fn, helptext) in COMMANDS.items():
+        m = importlib.import_module(mod)
+        assert callable(getattr(m, fn))
+        klass = getattr(m, cls)
+        docs = field_docs(klass)
+        p = build_parser(name, klass, helptext)
+        undocumented = [f for f in klass.__dataclass_fields__ if f not in docs]
+        assert not undocumented, f"{name}: fields without a docstring: {undocumented}"
+        assert p.format_help()
+
+
+def test_console_entry_point():
+    r = subprocess.run([sys.executable, "-m", "hstap.cli", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "prepare" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "hstap.cli", "nosuch"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown command" in r.stderr

@@ -1,0 +1,175 @@
+"""`hstap eval` end to end on a tiny real target: prompts from JSONL and from a prepared set, report files, losslessness
+check (and its failure), simulated tau from a training run's metrics.jsonl, config validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hstap.common import HstapError
+from hstap.evaluate import EvalConfig, evaluate, prompt_from_mask, read_sim_tau
+from hstap.export import save_drafter
+from hstap.speculate import target_generate
+from tests._speculate_fixtures import load_tiny_target, random_drafter
+
+CONVERSATIONS = [
+    {"id": "a", "messages": [{"role": "user", "content": "def parse(s):"}]},
+    {"id": "b", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "json.dumps"},
+                             {"role": "assistant", "content": "It encodes."}, {"role": "user", "content": "And loads?"},
+                             {"role": "assistant", "content": "It decodes."}]},
+    {"id": "c", "messages": [{"role": "system", "content": "no user turn here"}]},
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/test_speculate.py: one thread is much faster for batch-1 tiny models
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama, tmp_path_factory):
+    """The target, its tokenizer, a JSONL of conversations and a training-run-shaped drafter directory."""
+    root = tmp_path_factory.mktemp("eval")
+    target, tok = load_tiny_target(tiny_llama)
+    jsonl = root / "convs.jsonl"
+    jsonl.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    run = root / "run"
+    save_drafter(run / "best", random_drafter(target, (1, 2, 3), draft_vocab=300))
+    (run / "best" / "trainer_state.json").write_text(json.dumps({"step": 20}))  # best = step 20, not the last eval
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"step": 10, "loss": 3.0}) + "\n" + json.dumps({"step": 10, "eval": True, "sim_tau": 0.25}) + "\n"
+        + json.dumps({"step": 20, "eval": True, "sim_tau": 0.5, "acc_cond": [0.4, 0.2]}) + "\n"
+        + json.dumps({"step": 30, "eval": True, "sim_tau": 0.375}) + "\n"
+        + json.dumps({"step": 30, "loss": 2.0}) + "\n" + '{"step": 40, "ev')  # torn last line of a killed run
+    return target, tok, jsonl, run, root
+
+
+def test_eval_jsonl_chain_with_ngram(setup, tiny_llama):
+    from hstap.data import render_prompt
+
+    target, tok, jsonl, run, root = setup
+    out = root / "report-chain"
+    summary = evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=3,
+                                  max_new_tokens=12, baseline="ngram", device="cpu"))
+    rep = json.loads((out / "report.json").read_text())
+    assert summary["lossless"] is True and rep["lossless"] is True and rep["mismatches"] == []
+    assert set(rep["methods"]) == {"target", "ngram", "eagle"} and rep["method"] == "eagle"
+    assert rep["simulated_tau"] == 0.5 and rep["simulated"]["step"] == 20
+    assert len(rep["per_position_acceptance"]) == 3 and rep["tau"] >= 1.0 and rep["speedup"] > 0
+    assert rep["methods"]["target"]["speedup"] == 1.0 and rep["methods"]["eagle"]["draft_s"] > 0
+    # "c" has no user turn; "b" is cut at its last user turn (trailing assistant answer dropped).
+    assert [p["id"] for p in rep["prompts"]] == ["a", "b"]
+    b = CONVERSATIONS[1]["messages"]
+    assert rep["prompts"][1]["prompt_ids"] == render_prompt(tok, b[:4])
+    eos = rep["eos_ids"]
+    assert tok.convert_tokens_to_ids("<|end|>") in eos
+    for p in rep["prompts"]:  # outputs are generated ids only, equal to plain decoding run here independently
+        assert p["output_ids"] == target_generate(target, p["prompt_ids"], 12, eos_ids=eos)[0]
+    assert rep["drafter"]["aux_layers"] == [1, 2, 3]
+    assert json.loads((out / "config.json").read_text())["stage"] == "eval"
+    md = (out / "report.md").read_text()
+    assert "| eagle |" in md and "| ngram |" in md and "simulated tau" in md
+
+
+def test_eval_prepared_tree_sampled(setup, tiny_llama):
+    from hstap.data import PrepareConfig, load_prepared, prepare
+
+    target, tok, jsonl, run, root = setup
+    prepared = root / "prepared"
+    prepare(PrepareConfig(tokenizer=str(tiny_llama), data=[str(jsonl)], out=str(prepared), draft_vocab=300))
+    rows = {r["id"]: r for r in load_prepared(prepared)}
+    out = root / "report-tree"
+    evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run / "best"), data=str(prepared), out=str(out),
+                        mode="tree", topk=2, depth=3, tokens=6, temperature=0.7, max_new_tokens=8, device="cpu"))
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["lossless"] is None and rep["simulated_tau"] == 0.5  # found from RUN/best's parent
+    assert {p["id"] for p in rep["prompts"]} == {r for r in rows if sum(rows[r]["loss_mask"])}
+    for p in rep["prompts"]:
+        row = rows[p["id"]]
+        assert p["prompt_ids"] == prompt_from_mask(row["input_ids"], row["loss_mask"])
+        ids = row["input_ids"]  # the prompt ends with the generation prompt of the last assistant turn
+        assert tok.decode(p["prompt_ids"]).endswith("<|assistant|>\n") and len(p["prompt_ids"]) < len(ids)
+        assert 1 <= len(p["output_ids"]) <= 8 and "target_output_ids" in p
+    assert rep["methods"]["eagle"]["mean_tree_nodes"] <= 6
+
+
+def test_eval_sglang_export(setup, tiny_llama):
+    from hstap.export import ExportConfig, export
+
+    target, tok, jsonl, run, root = setup
+    exported = root / "sglang"
+    export(ExportConfig(run=str(run), to="sglang", out=str(exported)))
+    assert not (exported / "drafter.safetensors").exists()  # SGLang format: config.json + model.safetensors
+    out = root / "report-sglang"
+    evaluate(EvalConfig(target=str(tiny_llama), drafter=str(exported), data=str(jsonl), out=str(out), k=2,
+                        max_new_tokens=8, num_prompts=1, device="cpu"))
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["lossless"] is True and rep["drafter"]["aux_layers"] == [1, 2, 3]
+
+
+def test_prompt_from_mask():
+    assert prompt_from_mask([1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 1, 0, 0, 1, 1, 0]) == [1, 2, 3, 4, 5]
+    assert prompt_from_mask([1, 2, 3], [0, 1, 1]) == [1]
+    assert prompt_from_mask([1, 2, 3], [0, 0, 0]) is None
+    assert prompt_from_mask([1, 2], [1, 1]) is None  # nothing before the answer
+
+
+def test_lossless_violation_fails_loudly(setup, tiny_llama, monkeypatch, capsys):
+    import hstap.evaluate as ev
+
+    target, tok, jsonl, run, root = setup
+    real = ev.speculative_generate
+
+    def broken(*a, **kw):  # a decoder bug stand-in: the fourth token is replaced by a clearly worse one
+        out, stats = real(*a, **kw)
+        if len(out) > 3:
+            out = out[:3] + [(out[3] + 1) % 400] + out[4:]
+        return out, stats
+
+    monkeypatch.setattr(ev, "speculative_generate", broken)
+    out = root / "report-broken"
+    with pytest.raises(HstapError, match="lossless"):
+        evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
+                            max_new_tokens=8, device="cpu", num_prompts=1))
+    rep = json.loads((out / "report.json").read_text())  # the report is written before failing
+    assert rep["lossless"] is False and len(rep["mismatches"]) == 1
+    m = rep["mismatches"][0]
+    assert m["position"] == 3 and m["near_tie"] is False and m["logit_gap"] > 1e-3
+    assert "LOSSLESSNESS VIOLATION" in capsys.readouterr().err
+
+
+def test_read_sim_tau(setup, tmp_path):
+    run = setup[3]
+    assert read_sim_tau(str(run))["sim_tau"] == 0.5  # RUN resolves to best/, whose step is 20
+    assert read_sim_tau(str(run / "best"))["acc_cond"] == [0.4, 0.2]
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000030"
+    ckpt.mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
+    (ckpt / "drafter.safetensors").write_bytes(b"")  # only its presence matters here
+    assert read_sim_tau(str(ckpt))["sim_tau"] == 0.375  # no trainer_state.json: the last eval line
+    assert read_sim_tau(str(tmp_path / "nothing")) is None
+
+
+def test_config_validation_and_cli_flags(tmp_path):
+    from hstap.cli import field_docs, make_config
+
+    argv = ["--target", "t", "--data", "d", "--out", "o", "--mode", "tree", "--topk", "4", "--eval.tokens", "20",
+            "--num-prompts", "3", "--baseline", "ngram"]
+    cfg = make_config("eval", EvalConfig, argv)
+    assert (cfg.mode, cfg.topk, cfg.tokens, cfg.num_prompts, cfg.baseline) == ("tree", 4, 20, 3, "ngram")
+    assert cfg.drafter is None and cfg.target.startswith("/")
+    docs = field_docs(EvalConfig)
+    assert all(docs.get(f) for f in EvalConfig.__dataclass_fields__)  # every field has its help text
+    for bad, match in ((dict(k=0), "--k"), (dict(tokens=1), "--tokens"), (dict(temperature=-1.0), "--temperature"),
+                       (dict(mode="beam"), "--mode"), (dict(num_prompts=0), "--num-prompts")):
+        with pytest.raises(HstapError, match=match):
+            EvalConfig(target="t", data="d", out="o", **bad)
+    with pytest.raises(HstapError, match="no usable prompt"):
+        (tmp_path / "x.jsonl").write_text(json.dumps(CONVERSATIONS[2]) + "\n")
+        from hstap.evaluate import load_prompts
+        load_prompts(str(tmp_path / "x.jsonl"), object())

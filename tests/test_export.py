@@ -1,0 +1,544 @@
+"""hstap export: SGLang / vLLM / hf formats, validation refusals, round trips, and fidelity to SGLang's real loader."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from hstap.common import HstapError
+from hstap.drafter import DrafterConfig, Eagle3Drafter
+from hstap.export import (ENGINE_KEYS, ExportConfig, export, load_drafter, load_exported, save_drafter,
+                          vocab_map_sha256)
+from hstap.layers import to_sglang, to_vllm
+
+AUX = [1, 3, 4]
+VD = 48
+
+
+def _target_embed(target_dir: Path) -> torch.Tensor:
+    with safe_open(str(target_dir / "model.safetensors"), framework="pt") as f:
+        return f.get_tensor("model.embed_tokens.weight")
+
+
+def _vocab_map(V: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hot = torch.randperm(V, generator=g)[:VD].sort().values  # (Vd,) target ids of the draft vocab
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[hot] = True
+    return hot - torch.arange(VD), t2d
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_llama, tmp_path_factory):
+    """A drafter saved like train.py does: RUN/best/ with store provenance and the vocab-map hash."""
+    from transformers import AutoConfig
+
+    cfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(tiny_llama), draft_vocab_size=VD, num_aux=3,
+                                           aux_layers=AUX)
+    torch.manual_seed(0)
+    m = Eagle3Drafter(cfg)
+    with torch.no_grad():  # non-unit norms and wide weights: a swapped or dropped tensor changes the logits visibly
+        for p in m.parameters():
+            p.normal_(0.0, 0.3 if p.dim() > 1 else 1.0)
+    m.init_from_target(_target_embed(tiny_llama))
+    m.set_vocab_map(*_vocab_map(cfg.vocab_size, seed=1))
+    m.eval()
+    header = {"target": {"path": str(tiny_llama), "model_type": "llama", "num_layers": 6, "hidden_size": 64,
+                         "config_sha256": "c" * 64, "weights_fingerprint": "w" * 64},
+              "engine": {"name": "hf", "version": "test", "device": "cpu", "compute_dtype": "fp32"},
+              "dtype": "fp32", "layers": AUX, "hidden_size": 64}
+    run = tmp_path_factory.mktemp("run")
+    # what train.py records: the store's header, the fused layers, the store's own layers, the vocab map at init
+    prov = {**header, "captured_layers": AUX, "path": "STORE"}
+    save_drafter(run / "best", m, extra={"store": prov, "vocab_map_sha256": vocab_map_sha256(m.d2t, m.t2d),
+                                         "vocab_map_source": "PREPARED/vocab_map.safetensors"})
+    return run, m, header
+
+
+def _store(path: Path, header: dict, layers: list[int]) -> Path:
+    from hstap.store import StoreWriter
+
+    with StoreWriter(path, {**header, "layers": layers}) as w:
+        T = 5
+        w.add("s0", torch.arange(T), torch.ones(T, dtype=torch.long), torch.randn(T, len(layers), 64), torch.randn(T, 64))
+    return path
+
+
+def _inputs(V: int, T: int = 9, seed: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (2, T), generator=g)  # (B, T)
+    aux = torch.randn(2, T, 3 * 64, generator=g)  # (B, T, K*Ht)
+    pos = torch.arange(T).expand(2, T)  # (B, T)
+    return ids, aux, pos
+
+
+@torch.no_grad()
+def _logits(m: Eagle3Drafter, ids, aux, pos) -> torch.Tensor:
+    return m.compute_logits(m(ids, m.project(aux), pos))  # (B, T, Vd)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# formats
+
+
+def test_sglang_config_and_weights(trained, tiny_llama, tmp_path):
+    run, m, _ = trained
+    out = tmp_path / "sg"
+    summary = export(ExportConfig(run=str(run), to="sglang", out=str(out)))
+    c = json.loads((out / "config.json").read_text())
+    cfg = m.config
+    assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["model_type"] == "llama"
+    assert c["num_hidden_layers"] == 1 and c["tie_word_embeddings"] is False and c["torch_dtype"] == "bfloat16"
+    for key, want in (("hidden_size", 64), ("intermediate_size", cfg.intermediate_size), ("num_attention_heads", 4),
+                      ("num_key_value_heads", 2), ("head_dim", 16), ("vocab_size", cfg.vocab_size),
+                      ("draft_vocab_size", VD), ("target_hidden_size", 64), ("rms_norm_eps", cfg.rms_norm_eps),
+                      ("max_position_embeddings", cfg.max_position_embeddings), ("hidden_act", "silu"),
+                      ("rope_theta", cfg.rope_theta)):
+        assert c[key] == want, key
+    assert c["rope_scaling"] is None and c["rope_parameters"] == {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": to_sglang(AUX, "llama"), "use_aux_hidden_state": True}
+    assert summary["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # Llama: SGLang ids are "output of layer j"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(ENGINE_KEYS)  # exactly these: no embedding, no rotary buffers
+        assert f.get_slice("lm_head.weight").get_dtype() == "BF16" and f.get_slice("d2t").get_dtype() == "I64"
+        assert f.get_slice("fc.weight").get_shape() == [64, 3 * 64]
+        assert torch.equal(f.get_tensor("d2t"), m.d2t)
+    prov = json.loads((out / "hstap_export.json").read_text())
+    assert prov["aux_layers"] == AUX and prov["provenance"]["store"]["layers"] == AUX
+    # transformers (which SGLang uses to read the draft config) accepts it, with the EAGLE fields as attributes
+    from transformers import AutoConfig
+    ac = AutoConfig.from_pretrained(out)
+    assert ac.model_type == "llama" and ac.draft_vocab_size == VD and ac.eagle_config["eagle_aux_hidden_state_layer_ids"]
+
+
+def test_sglang_ids_follow_the_deepseek_rule(trained, tmp_path):
+    """A DeepSeek target whose first aux layer is not 1 gets raw layer-input ids (SGLang's +1 rule is off)."""
+    run, _, _ = trained
+    src = tmp_path / "ds"
+    shutil.copytree(run / "best", src)
+    meta = json.loads((src / "drafter.json").read_text())
+    meta["config"].update(target_model_type="deepseek_v3", aux_layers=[2, 3, 4])
+    meta["store"]["layers"] = [2, 3, 4]
+    (src / "drafter.json").write_text(json.dumps(meta))
+    export(ExportConfig(run=str(src), to="sglang", out=str(tmp_path / "out")))
+    c = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 4, 5] == to_sglang([2, 3, 4], "deepseek_v3")
+    shutil.rmtree(tmp_path / "out")
+    meta["config"]["aux_layers"] = meta["store"]["layers"] = [1, 3, 4]  # first id 1: SGLang's +1 rule applies as-is
+    (src / "drafter.json").write_text(json.dumps(meta))
+    export(ExportConfig(run=str(src), to="sglang", out=str(tmp_path / "out")))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+
+
+def test_vllm_speculators_config(trained, tiny_llama, tmp_path):
+    run, m, _ = trained
+    out = tmp_path / "vl"
+    export(ExportConfig(run=str(run), to="vllm", out=str(out), target=str(tiny_llama)))
+    c = json.loads((out / "config.json").read_text())
+    assert c["speculators_model_type"] == "eagle3" and c["architectures"] == ["Eagle3Speculator"]
+    assert c["eagle_aux_hidden_state_layer_ids"] == to_vllm(AUX) == [2, 4, 5]
+    assert c["draft_vocab_size"] == VD and c["target_hidden_size"] == 64 and c["norm_before_residual"] is False
+    sc = c["speculators_config"]
+    assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
+    assert sc["proposal_methods"][0]["proposal_type"] == "greedy" and sc["proposal_methods"][0]["speculative_tokens"] == 3
+    assert sc["verifier"] == {"name_or_path": str(tiny_llama), "architectures": ["LlamaForCausalLM"]}
+    layer = c["transformer_layer_config"]
+    for key, want in (("hidden_size", 64), ("num_attention_heads", 4), ("num_key_value_heads", 2), ("head_dim", 16),
+                      ("intermediate_size", m.config.intermediate_size), ("vocab_size", m.config.vocab_size),
+                      ("num_hidden_layers", 1), ("rms_norm_eps", m.config.rms_norm_eps), ("rope_theta", m.config.rope_theta),
+                      ("max_position_embeddings", m.config.max_position_embeddings)):
+        assert layer[key] == want, key
+    # What vLLM's SpeculatorsConfig does with it (transformers_utils/configs/speculators/{base,algos}.py): start from
+    # transformer_layer_config, copy the eagle3 fields over, build a LlamaConfig. The result must describe our drafter.
+    from transformers import LlamaConfig
+    pre = dict(layer, draft_vocab_size=c["draft_vocab_size"], target_hidden_size=c["target_hidden_size"],
+               norm_before_residual=c.get("norm_before_residual", True),
+               eagle_aux_hidden_state_layer_ids=c["eagle_aux_hidden_state_layer_ids"],
+               num_lookahead_tokens=sc["proposal_methods"][0]["speculative_tokens"])
+    lc = LlamaConfig(**pre)
+    assert lc.head_dim == 16 and lc.num_key_value_heads == 2 and lc.norm_before_residual is False
+    assert lc.target_hidden_size * 3 == load_file(str(out / "model.safetensors"))["fc.weight"].shape[1]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(ENGINE_KEYS)
+
+
+def test_vllm_weight_names_map_onto_eagle3_llama(trained, tiny_llama, tmp_path):
+    """Every exported tensor lands on a parameter of vLLM's Eagle3LlamaForCausalLM, and every parameter but the
+    (target-shared) embedding is filled.
+
+    vLLM is not installed here, so this replays the name handling transcribed from vllm-project/vllm
+    vllm/model_executor/models/llama_eagle3.py at 00bd1493 (read from the source index): Eagle3LlamaForCausalLM.load_weights
+    skips t2d, renames d2t -> draft_id_to_target_id, prefixes "model." to everything but lm_head, and skips
+    embed_tokens when absent; LlamaModel.load_weights renames "midlayer." -> "layers.0.", fuses q/k/v -> qkv_proj and
+    gate/up -> gate_up_proj, and indexes params_dict[name] (a KeyError for any other name). SpeculatorsConfig
+    (transformers_utils/configs/speculators/base.py) requires the keys checked first.
+    """
+    run, _, _ = trained
+    out = tmp_path / "vl"
+    export(ExportConfig(run=str(run), to="vllm", out=str(out), target=str(tiny_llama)))
+    c = json.loads((out / "config.json").read_text())
+    assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] >= 1
+    assert c["speculators_config"]["verifier"]["name_or_path"] and isinstance(c["transformer_layer_config"], dict)
+    params = {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight",
+              "draft_id_to_target_id"} | {f"model.layers.0.{n}.weight" for n in (
+                  "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "input_layernorm",
+                  "post_attention_layernorm", "hidden_norm")}
+    stacked = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+               (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+    filled = set()
+    for name in load_file(str(out / "model.safetensors")):
+        if "t2d" in name:
+            continue
+        if "d2t" in name:
+            name = name.replace("d2t", "draft_id_to_target_id")
+        elif "lm_head" not in name:
+            name = "model." + name
+        if name.startswith("model."):
+            inner = name[len("model."):].replace("midlayer.", "layers.0.")
+            for param, weight, _ in stacked:
+                if weight in inner:
+                    inner = inner.replace(weight, param)
+                    break
+            name = "model." + inner
+        assert name in params, name
+        filled.add(name)
+    assert filled == params - {"model.embed_tokens.weight"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# round trips
+
+
+def test_round_trip_identical_logits(trained, tiny_llama, tmp_path):
+    run, m, _ = trained
+    ids, aux, pos = _inputs(m.config.vocab_size)
+    ref = _logits(m, ids, aux, pos)
+    export(ExportConfig(run=str(run), to="hf", out=str(tmp_path / "hf")))
+    back, meta = load_drafter(tmp_path / "hf")
+    assert meta["config"]["aux_layers"] == AUX
+    assert torch.equal(_logits(back, ids, aux, pos), ref)
+    embed = _target_embed(tiny_llama)
+    for to in ("sglang", "vllm"):
+        export(ExportConfig(run=str(run), to=to, out=str(tmp_path / to), dtype="fp32", target=str(tiny_llama)))
+        back, _ = load_exported(tmp_path / to, embed_weight=embed)
+        assert back.config.aux_layers == AUX and torch.equal(back.d2t, m.d2t)
+        assert torch.equal(_logits(back, ids, aux, pos), ref), to
+    # bf16 export: exactly the fp32 drafter with its weights rounded to bf16
+    export(ExportConfig(run=str(run), to="sglang", out=str(tmp_path / "bf")))
+    back, _ = load_exported(tmp_path / "bf", embed_weight=embed)
+    rounded = Eagle3Drafter(m.config).eval()
+    rounded.load_state_dict({k: (v.to(torch.bfloat16).float() if v.is_floating_point() and k != "embed_tokens.weight"
+                                 else v) for k, v in m.state_dict().items()})
+    assert torch.equal(_logits(back, ids, aux, pos), _logits(rounded, ids, aux, pos))
+    assert not torch.equal(_logits(back, ids, aux, pos), ref)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SGLang fidelity
+
+
+def _sglang_source() -> str:
+    import importlib.util
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed")
+    f = Path(list(spec.submodule_search_locations)[0]) / "srt" / "models" / "llama_eagle3.py"
+    if not f.is_file():
+        pytest.skip("sglang/srt/models/llama_eagle3.py not found")
+    return f.read_text()
+
+
+def _load_weights_tables(src: str) -> tuple[list, dict]:
+    """stacked_params_mapping and legacy_name_map, read from the real LlamaForCausalLMEagle3.load_weights."""
+    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == "load_weights")
+    tables = {t.targets[0].id: ast.literal_eval(t.value) for t in ast.walk(fn)
+              if isinstance(t, ast.Assign) and isinstance(t.targets[0], ast.Name)
+              and t.targets[0].id in ("stacked_params_mapping", "legacy_name_map")}
+    return tables["stacked_params_mapping"], tables["legacy_name_map"]
+
+
+def _sglang_load(export_dir: Path, src: str) -> tuple[dict, dict, torch.Tensor]:
+    """Replays LlamaForCausalLMEagle3.__init__ + load_weights (sglang 0.5.23 srt/models/llama_eagle3.py) on CPU tensors.
+
+    Parameters of the SGLang module (constructor, L122-207 and L292-314): model.embed_tokens, model.fc (in =
+    target_hidden_size * num_aux, num_aux from eagle_config ids, L151-167), model.layers.0.self_attn.{qkv_proj,o_proj},
+    model.layers.0.mlp.{gate_up_proj,down_proj}, model.layers.0.{input_layernorm,hidden_norm,post_attention_layernorm},
+    model.norm, lm_head (draft_vocab_size rows, untied, L303-314). load_weights (L325-378): legacy names
+    (midlayer -> layers.0), d2t -> hot_token_id = d2t + arange (L350-353), t2d skipped, q/k/v -> qkv_proj shards and
+    gate/up -> gate_up_proj shards (offsets of QKVParallelLinear._get_shard_offset_mapping and
+    MergedColumnParallelLinear.weight_loader in srt/layers/linear.py, tp=1), else `name` or `model.{name}`; names
+    matching no parameter are silently dropped by SGLang, so we collect them and the test asserts there are none.
+    """
+    stacked, legacy = _load_weights_tables(src)
+    c = json.loads((export_dir / "config.json").read_text())
+    H, nh, nkv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim", H // nh)
+    ids = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    K = c.get("num_aux_hidden_states") or (len(ids) if ids else 3)
+    Ht = c.get("target_hidden_size", H)
+    assert not c["tie_word_embeddings"] and c["draft_vocab_size"] is not None
+    inter = c["intermediate_size"]
+    params = {
+        "model.embed_tokens.weight": torch.full((c["vocab_size"], H), float("nan")),
+        "model.fc.weight": torch.full((H, Ht * K), float("nan")),
+        "model.layers.0.self_attn.qkv_proj.weight": torch.full(((nh + 2 * nkv) * hd, 2 * H), float("nan")),
+        "model.layers.0.self_attn.o_proj.weight": torch.full((H, nh * hd), float("nan")),
+        "model.layers.0.mlp.gate_up_proj.weight": torch.full((2 * inter, H), float("nan")),
+        "model.layers.0.mlp.down_proj.weight": torch.full((H, inter), float("nan")),
+        **{f"model.layers.0.{n}.weight": torch.full((H,), float("nan"))
+           for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
+        "model.norm.weight": torch.full((H,), float("nan")),
+        "lm_head.weight": torch.full((c["draft_vocab_size"], H), float("nan")),
+    }
+    qkv_off = {"q": (0, nh * hd), "k": (nh * hd, nkv * hd), "v": ((nh + nkv) * hd, nkv * hd)}
+    loaded, dropped, hot = set(), [], None
+    for name, w in load_file(str(export_dir / "model.safetensors")).items():
+        for old, new in legacy.items():
+            if old in name:
+                name = name.replace(old, new)
+        if "d2t" in name:
+            hot = w + torch.arange(w.shape[0])
+            continue
+        if "t2d" in name:
+            continue
+        for param_name, weight_name, shard_id in stacked:
+            if weight_name not in name:
+                continue
+            name = name.replace(weight_name, param_name)
+            pn = f"model.{name}" if name not in params else name
+            if pn in params:
+                off, size = qkv_off[shard_id] if isinstance(shard_id, str) else (shard_id * inter, inter)
+                assert w.shape == (size, params[pn].shape[1])
+                params[pn][off:off + size] = w.float()
+                loaded.add((pn, shard_id))
+            else:
+                dropped.append(name)
+            break
+        else:
+            pn = name if name in params else f"model.{name}"
+            if pn in params:
+                assert params[pn].shape == w.shape, pn  # default_weight_loader asserts equal sizes
+                params[pn] = w.float().clone()
+                loaded.add((pn, None))
+            else:
+                dropped.append(name)
+    return params, {"loaded": loaded, "dropped": dropped, "config": c}, hot
+
+
+def _sglang_rmsnorm(x, w, eps, residual=None):
+    """srt/layers/layernorm.py RMSNorm.forward_native (L828-877): optional fused residual add, fp32 normalisation."""
+    x = x.float()
+    if residual is not None:
+        x = x + residual.float()
+        residual = x
+    out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return out if residual is None else (out, residual)
+
+
+def _sglang_forward(params: dict, c: dict, input_ids: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor):
+    """One sequence through SGLang's draft model, written from its forward code (no shared code with hstap.drafter).
+
+    llama_eagle3.py LlamaModel.forward L217-269: embeds = embed_tokens(ids); fc when the hidden width differs from the
+    embedding's (L237-247); layer 0 (LlamaDecoderLayer.forward L97-119): residual = hidden; hidden = hidden_norm(hidden);
+    embeds = input_layernorm(embeds); cat([embeds, hidden]); self_attn; post_attention_layernorm(hidden, residual) (fused
+    add); mlp; then norm(hidden, residual) (L263): normed output -> logits, pre-norm sum -> next step's hidden (aux).
+    Attention: srt/models/llama.py LlamaAttention.forward_prepare_native (L243-247: qkv split [q, kv, kv], rotary_emb),
+    scaling head_dim**-0.5, causal over the sequence, o_proj (L287). Rotary: srt/layers/rotary_embedding base.py
+    _compute_inv_freq / _compute_cos_sin_cache (L233-266, neox style) and utils.apply_rotary_emb (L36-62). MLP:
+    llama.py LlamaMLP.forward (L124-141) with SiluAndMul.forward_native (activation.py L141-143).
+    """
+    H, nh, nkv, eps = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["rms_norm_eps"]
+    hd = c.get("head_dim", H // nh)
+    rope = c.get("rope_parameters") or c.get("rope_scaling")  # llama.py LlamaDecoderLayer.__init__ L322-328
+    base = rope.get("rope_theta", 10000) if c.get("rope_parameters") else c.get("rope_theta", 10000)
+    assert rope.get("rope_type", "default") == "default"  # get_rope -> plain RotaryEmbedding
+    P = lambda n: params[n]  # noqa: E731
+    T = input_ids.shape[0]
+    embeds = P("model.embed_tokens.weight")[input_ids]  # (T, H)
+    hidden = aux @ P("model.fc.weight").T  # (T, H)
+    residual = hidden
+    hidden = _sglang_rmsnorm(hidden, P("model.layers.0.hidden_norm.weight"), eps)
+    embeds = _sglang_rmsnorm(embeds, P("model.layers.0.input_layernorm.weight"), eps)
+    x = torch.cat([embeds, hidden], dim=-1)  # (T, 2H)
+    qkv = x @ P("model.layers.0.self_attn.qkv_proj.weight").T
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+    freqs = torch.einsum("i,j -> ij", positions.float(), inv_freq)  # (T, hd/2)
+    cos, sin = freqs.cos().unsqueeze(-2), freqs.sin().unsqueeze(-2)
+
+    def rot(t, n):
+        t = t.view(T, n, hd)
+        x1, x2 = torch.chunk(t, 2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, n, hd)
+
+    q, k, v = rot(q, nh), rot(k, nkv), v.view(T, nkv, hd)
+    k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)  # (T, nh, hd)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(T, nh * hd)
+    hidden = attn @ P("model.layers.0.self_attn.o_proj.weight").T
+    hidden, residual = _sglang_rmsnorm(hidden, P("model.layers.0.post_attention_layernorm.weight"), eps, residual)
+    gate_up = hidden @ P("model.layers.0.mlp.gate_up_proj.weight").T
+    d = gate_up.shape[-1] // 2
+    hidden = (F.silu(gate_up[..., :d]) * gate_up[..., d:]) @ P("model.layers.0.mlp.down_proj.weight").T
+    to_logits, to_aux = _sglang_rmsnorm(hidden, P("model.norm.weight"), eps, residual)
+    return to_logits @ P("lm_head.weight").T, to_aux  # (T, Vd), (T, H)
+
+
+def test_sglang_loader_fidelity(trained, tiny_llama, tmp_path):
+    src = _sglang_source()
+    run, m, _ = trained
+    out = tmp_path / "sg"
+    export(ExportConfig(run=str(run), to="sglang", out=str(out), dtype="fp32"))
+    params, rep, hot = _sglang_load(out, src)
+    assert rep["dropped"] == []  # every exported tensor lands in an SGLang parameter
+    assert {pn for pn, _ in rep["loaded"]} == set(params) - {"model.embed_tokens.weight"}  # and every one is filled
+    assert {s for pn, s in rep["loaded"] if "qkv" in pn} == {"q", "k", "v"}
+    assert {s for pn, s in rep["loaded"] if "gate_up" in pn} == {0, 1}
+    params["model.embed_tokens.weight"] = _target_embed(tiny_llama).float()  # shared from the target at serve time
+    assert torch.equal(hot, m.draft_to_target(torch.arange(VD)))
+    ids, aux, pos = _inputs(m.config.vocab_size)
+    with torch.no_grad():
+        h_out = m(ids, m.project(aux), pos)  # (B, T, H)
+        ours = m.compute_logits(h_out)  # (B, T, Vd)
+    for b in range(ids.shape[0]):
+        logits, to_aux = _sglang_forward(params, rep["config"], ids[b], aux[b], pos[b])
+        torch.testing.assert_close(logits, ours[b], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(to_aux, h_out[b], rtol=1e-5, atol=1e-4)
+        assert torch.equal(hot[logits.argmax(-1)], m.draft_to_target(ours[b].argmax(-1)))
+    assert ours.abs().max() > 1.0  # non-trivial logits (the comparison would be vacuous near zero)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# refusals
+
+
+def _mutate(src: Path, dst: Path, state_fn=None, meta_fn=None) -> Path:
+    shutil.copytree(src, dst)
+    if state_fn is not None:
+        state = load_file(str(dst / "drafter.safetensors"))
+        state_fn(state)
+        save_file(state, str(dst / "drafter.safetensors"))
+    if meta_fn is not None:
+        meta = json.loads((dst / "drafter.json").read_text())
+        meta_fn(meta)
+        (dst / "drafter.json").write_text(json.dumps(meta))
+    return dst
+
+
+def _swap_d2t(s):
+    s["d2t"][[3, 4]] = s["d2t"][[4, 3]] + torch.tensor([1, -1])  # hot ids 3 and 4 exchanged: no longer increasing
+
+
+def _other_map(s):
+    s["d2t"], s["t2d"] = _vocab_map(s["t2d"].shape[0], seed=7)  # a valid map, but not the one lm_head was trained with
+
+
+def _two_aux(s):
+    s["fc.weight"] = s["fc.weight"][:, :128].contiguous()
+
+
+def _eagle1(meta):
+    meta["config"].update(aux_layers=[], num_aux=1)
+    meta.pop("store")
+
+
+REFUSALS = {
+    "missing key": (dict(state_fn=lambda s: s.pop("midlayer.hidden_norm.weight")), {}, "missing ['midlayer.hidden_norm"),
+    "extra key": (dict(state_fn=lambda s: s.update({"midlayer.self_attn.rotary_emb.inv_freq": torch.ones(8)})), {},
+                  "unexpected ['midlayer.self_attn.rotary_emb.inv_freq']"),
+    "wrong shape": (dict(state_fn=lambda s: s.update({"lm_head.weight": s["lm_head.weight"][:-1]})), {},
+                    "lm_head.weight: shape (47, 64) != (48, 64)"),
+    "non-finite": (dict(state_fn=lambda s: s["norm.weight"].__setitem__(0, float("nan"))), {}, "norm.weight: non-finite"),
+    "d2t not increasing": (dict(state_fn=_swap_d2t), {}, "hot ids (arange + d2t) are not strictly increasing"),
+    "d2t outside vocab": (dict(state_fn=lambda s: s["d2t"].__setitem__(VD - 1, 10_000)), {}, "leave the vocabulary"),
+    "t2d disagrees": (dict(state_fn=lambda s: s["t2d"].__setitem__(int((~s["t2d"]).nonzero()[0]), True)), {},
+                      "t2d is not true exactly at the hot ids"),
+    "vocab-map hash": (dict(state_fn=_other_map), {}, "differ from the vocab map its lm_head rows were trained with"),
+    "no vocab-map hash": (dict(meta_fn=lambda m: m.pop("vocab_map_sha256")), {}, "vocab_map_sha256: missing"),
+    "layers vs provenance": (dict(meta_fn=lambda m: m["store"].update(layers=[1, 2, 4])), {},
+                             "config.aux_layers [1, 3, 4] != store.layers [1, 2, 4]"),
+    "layers vs --store": ({}, {"store": [1, 2, 4]}, "layers [1, 2, 4] != captured_layers [1, 3, 4] of the store"),
+    "layers vs --store, no record": (dict(meta_fn=lambda m: m["store"].pop("captured_layers")), {"store": [1, 2, 4]},
+                                     "layers [1, 2, 4] != the drafter's aux layers [1, 3, 4]"),
+    "eagle-1 for sglang": (dict(state_fn=lambda s: s.update({"fc.weight": s["fc.weight"][:, :64].contiguous()}),
+                                meta_fn=_eagle1), {}, "EAGLE-1 style"),
+    "vllm needs 3 aux": (dict(state_fn=_two_aux, meta_fn=lambda m: (m["config"].update(aux_layers=[1, 3], num_aux=2),
+                                                                     m["store"].update(layers=[1, 3]))),
+                         {"to": "vllm"}, "exactly 3 aux layers"),
+    "wrong --target": ({}, {"target": "other"}, "vocab_size 100 != the drafter's"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals_write_nothing(case, trained, tmp_path):
+    run, _, header = trained
+    mut, opts, msg = REFUSALS[case]
+    src = _mutate(run / "best", tmp_path / "src", **mut)
+    kw = {"to": opts.get("to", "sglang")}
+    if "store" in opts:
+        kw["store"] = str(_store(tmp_path / "store", header, opts["store"]))
+    if "target" in opts:
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / "config.json").write_text(json.dumps({"vocab_size": 100, "hidden_size": 64}))
+        kw["target"] = str(tmp_path / "other")
+    dest = tmp_path / "exports"
+    dest.mkdir()
+    with pytest.raises(HstapError, match=None) as e:
+        export(ExportConfig(run=str(src), out=str(dest / "out"), **kw))
+    assert msg in str(e.value) and "\n" not in str(e.value)
+    assert list(dest.iterdir()) == []  # nothing written, no temp leftovers
+
+
+def test_matching_store_and_overwrite(trained, tmp_path):
+    run, _, header = trained
+    store = _store(tmp_path / "store", header, AUX)
+    out = tmp_path / "out"
+    export(ExportConfig(run=str(run), to="sglang", out=str(out), store=str(store)))
+    with pytest.raises(HstapError, match="exists"):
+        export(ExportConfig(run=str(run), to="vllm", out=str(out)))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    export(ExportConfig(run=str(run), to="vllm", out=str(out), overwrite=True))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Eagle3Speculator"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "store"]  # old copy and temp dir are gone
+
+
+def test_drafter_on_a_subset_of_the_store_layers(trained, tmp_path):
+    """train may fuse 2 of a store's 3 layers: SGLang takes any count (num_aux from the ids); --store accepts it."""
+    run, _, header = trained
+    src = _mutate(run / "best", tmp_path / "src", state_fn=_two_aux,
+                  meta_fn=lambda m: (m["config"].update(aux_layers=[1, 3], num_aux=2), m["store"].update(layers=[1, 3])))
+    store = _store(tmp_path / "store", header, AUX)
+    export(ExportConfig(run=str(src), to="sglang", out=str(tmp_path / "out"), store=str(store)))
+    c = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3]
+    assert load_file(str(tmp_path / "out" / "model.safetensors"))["fc.weight"].shape == (64, 128)
+
+
+def test_save_drafter_records_the_vocab_map(trained, tmp_path):
+    run, m, _ = trained
+    save_drafter(tmp_path / "plain", m)  # no record given: the hash of the drafter's own buffers
+    assert json.loads((tmp_path / "plain" / "drafter.json").read_text())["vocab_map_sha256"] == vocab_map_sha256(m.d2t, m.t2d)
+    assert vocab_map_sha256(m.d2t, m.t2d) != vocab_map_sha256(*_vocab_map(m.config.vocab_size, seed=7))
+    save_drafter(tmp_path / "d", m, extra={"vocab_map_sha256": "f" * 64})  # train's record wins over the buffers
+    assert json.loads((tmp_path / "d" / "drafter.json").read_text())["vocab_map_sha256"] == "f" * 64
+
+
+def test_cli_flags_and_docs():
+    from hstap.cli import field_docs, make_config
+    cfg = make_config("export", ExportConfig, ["--run", "R", "--to", "vllm", "--out", "O", "--dtype", "fp32",
+                                               "--speculative-tokens", "5"])
+    assert (cfg.to, cfg.dtype, cfg.speculative_tokens) == ("vllm", "fp32", 5)
+    import dataclasses
+    assert set(field_docs(ExportConfig)) == {f.name for f in dataclasses.fields(ExportConfig)}
+    with pytest.raises(SystemExit):
+        make_config("export", ExportConfig, ["--run", "R", "--to", "trt", "--out", "O"])

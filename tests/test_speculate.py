@@ -1,0 +1,327 @@
+"""Speculative decoding: exact tree attention, KV rollback, greedy losslessness (real tiny models), pinned accept
+patterns (stub models with fixed logits) and the output distribution at temperature > 0 (chi-square, fixed seeds)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from hstap.common import HstapError
+from hstap.drafter import DrafterCache
+from hstap.speculate import (drafter_extend, new_cache, ngram_generate, ngram_propose, prefill, spec_step,
+                             speculative_generate, target_forward, target_generate, tree_mask)
+from tests._speculate_fixtures import (StubDrafter, StubTarget, load_tiny_target, oracle_drafter, random_drafter)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Batch-1 decoding of tiny models is all small ops: a second intra-op thread only adds synchronisation, and on a
+    # shared 2-core machine it spins against other processes (measured 20x slower than one thread).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    return load_tiny_target(tiny_llama)[0]
+
+
+def _prompts(V: int, n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, V, (length,), generator=g).tolist() for _ in range(n)]
+
+
+# --- exactness of the pieces ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_tree_forward_equals_per_path_forwards(tiny, impl):
+    tiny.model.set_attn_implementation(impl)
+    assert tiny.config._attn_implementation == impl  # the kernel that receives our 4-D float mask
+    try:
+        prompt = _prompts(tiny.vocab_size, 1, 9, seed=1)[0]
+        parents = [-1, 0, 0, 1, 1, 2, 4, 3]  # branching at several depths; node 0 is the last committed token
+        depths = [0, 1, 1, 2, 2, 2, 3, 3]
+        toks = torch.randint(6, tiny.vocab_size, (len(parents),), generator=torch.Generator().manual_seed(2)).tolist()
+        cache = new_cache()
+        target_forward(tiny, torch.tensor([prompt]), [], cache)
+        P = len(prompt)
+        pos = torch.tensor([[P + d for d in depths]])
+        logits, aux = target_forward(tiny, torch.tensor([toks]), [1, 3], cache, pos,
+                                     tree_mask(parents, P, tiny.dtype, tiny.device))
+        assert cache.get_seq_length() == P + len(toks)
+        for i in range(len(toks)):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, toks[j])
+                j = parents[j]
+            ref_logits, ref_aux = target_forward(tiny, torch.tensor([prompt + path]), [1, 3], new_cache())
+            torch.testing.assert_close(logits[i], ref_logits[-1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(aux[i], ref_aux[-1], atol=1e-4, rtol=1e-4)
+    finally:
+        tiny.model.set_attn_implementation("sdpa")
+
+
+def _assert_cache_equal(cache, ref):
+    assert cache.get_seq_length() == ref.get_seq_length()
+    for a, b in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_rollback_equals_fresh_prefill(tiny):
+    prompt = _prompts(tiny.vocab_size, 1, 12, seed=3)[0]
+    ref, _ = target_generate(tiny, prompt, 30)
+    seq = prompt + ref
+    # Decoys at several indices: the right token is the second child there, so accepted paths skip tree slots.
+    drafter = oracle_drafter(tiny, seq, second=range(len(prompt) + 2, len(seq), 3))
+    st = prefill(tiny, drafter, prompt)
+    moved = 0
+    for _ in range(5):
+        r = spec_step(tiny, drafter, st, topk=2, depth=3, tokens=7)
+        moved += r["moved"]
+        assert st.ids == seq[:len(st.ids)]
+        fresh = new_cache()
+        logits, aux = target_forward(tiny, torch.tensor([st.ids[:-1]]), [1, 2, 3], fresh)
+        _assert_cache_equal(st.cache, fresh)
+        # The drafter cache plus the pending extend equals a drafter extend over the whole sequence from scratch.
+        dcache = DrafterCache()
+        dcache.k, dcache.v = st.dcache.k.clone(), st.dcache.v.clone()
+        drafter_extend(drafter, dcache, *st.pending)
+        dref = DrafterCache()
+        drafter_extend(drafter, dref, st.ids[1:], aux, 0)
+        torch.testing.assert_close(dcache.k, dref.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(dcache.v, dref.v, atol=1e-4, rtol=1e-4)
+    assert moved > 0  # at least one rollback had to gather a non-contiguous path
+
+
+# --- greedy losslessness on real models -------------------------------------------------------------------------------
+@pytest.mark.parametrize("aux_layers", [(1, 2, 3), ()], ids=["eagle3", "final-only"])
+def test_greedy_equals_target_random_drafter(tiny, aux_layers):
+    drafter = random_drafter(tiny, aux_layers, draft_vocab=300)
+    configs = [dict(mode="chain", k=1), dict(mode="chain", k=3), dict(mode="tree", topk=2, depth=3, tokens=6),
+               dict(mode="tree", topk=3, depth=4, tokens=10)]
+    for prompt in _prompts(tiny.vocab_size, 2 if aux_layers else 1, 10, seed=4):
+        ref, _ = target_generate(tiny, prompt, 16)
+        for kw in configs if aux_layers else configs[1::2]:
+            out, stats = speculative_generate(tiny, drafter, prompt, 16, **kw)
+            assert out == ref, kw
+            assert stats["new_tokens"] == 16 and 1.0 <= stats["tau"] <= stats["depth"] + 1
+
+
+def test_oracle_drafter_chain_accepts_everything(tiny):
+    prompt = _prompts(tiny.vocab_size, 1, 8, seed=5)[0]
+    ref, _ = target_generate(tiny, prompt, 40)
+    out, stats = speculative_generate(tiny, oracle_drafter(tiny, prompt + ref), prompt, 32, mode="chain", k=4)
+    assert out == ref[:32]
+    # 1 token from the prefill, then rounds of 5 (4 drafts + bonus): 6 full rounds and a truncated seventh.
+    assert stats["verify_forwards"] == 7 and stats["tau"] == pytest.approx(31 / 7)
+    assert stats["per_position_acceptance"] == [1.0] * 4 and stats["accept_counts"] == [7] * 4
+
+
+def test_oracle_drafter_tree_second_children(tiny):
+    prompt = _prompts(tiny.vocab_size, 1, 8, seed=6)[0]
+    ref, _ = target_generate(tiny, prompt, 40)
+    drafter = oracle_drafter(tiny, prompt + ref, second=range(len(prompt) + 1, len(prompt) + 40, 2))
+    out, stats = speculative_generate(tiny, drafter, prompt, 32, mode="tree", topk=2, depth=4, tokens=12)
+    assert out == ref[:32]
+    assert stats["kv_moves"] > 0 and stats["tau"] > 2.5
+    chain, cstats = speculative_generate(tiny, drafter, prompt, 32, mode="chain", k=4)
+    assert chain == ref[:32] and cstats["tau"] < stats["tau"]  # a chain cannot follow second choices
+
+
+def test_deepseek_mla_target(tiny_deepseek):
+    # The DeepSeek-V3 layout (MLA attention, MoE): the 4-D tree mask and the KV gather work on its cache too.
+    target = load_tiny_target(tiny_deepseek)[0]
+    prompt = _prompts(target.vocab_size, 1, 10, seed=8)[0]
+    ref, _ = target_generate(target, prompt, 20)
+    drafter = oracle_drafter(target, prompt + ref, second=range(len(prompt) + 2, len(prompt) + 30, 2))
+    out, stats = speculative_generate(target, drafter, prompt, 20, mode="tree", topk=2, depth=4, tokens=10)
+    assert out == ref and stats["kv_moves"] > 0
+    assert speculative_generate(target, random_drafter(target, (1, 2, 3), 300), prompt, 20, k=3)[0] == ref
+
+
+def test_eos_stops_generation(tiny):
+    prompt = _prompts(tiny.vocab_size, 1, 8, seed=7)[0]
+    ref, _ = target_generate(tiny, prompt, 24)
+    eos = ref[9]
+    stop = ref.index(eos) + 1
+    for fn in (lambda: target_generate(tiny, prompt, 24, eos_ids=[eos]),
+               lambda: speculative_generate(tiny, oracle_drafter(tiny, prompt + ref), prompt, 24, k=4, eos_ids=[eos]),
+               lambda: ngram_generate(tiny, prompt, 24, eos_ids=[eos])):
+        out, _ = fn()
+        assert out == ref[:stop]
+
+
+def test_reference_target_greedy(ref_target):
+    from hstap.layers import default_aux_layers
+
+    target, tok = load_tiny_target(ref_target)
+    drafter = random_drafter(target, default_aux_layers(target.num_layers), draft_vocab=2048)
+    for text, kw in [("How do I open a file in Python?", dict(mode="chain", k=3)),
+                     ("Explain the Linux page cache.", dict(mode="tree", topk=4, depth=4, tokens=12))]:
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+        ref, _ = target_generate(target, prompt, 32)
+        assert speculative_generate(target, drafter, prompt, 32, **kw)[0] == ref, kw
+
+
+# --- pinned accept patterns with stub models (litgpt-style) -----------------------------------------------------------
+V = 8
+
+
+def _onehot(i: int, hi: float = 10.0) -> torch.Tensor:
+    x = torch.zeros(V)
+    x[i % V] = hi
+    return x
+
+
+def _plus_one(ctx):  # the stub target's greedy continuation: last + 1 (mod V)
+    return _onehot(ctx[-1] + 1)
+
+
+def _run_stub(drafter_fn, **kw):
+    target, drafter = StubTarget(_plus_one, V), StubDrafter(drafter_fn, V)
+    return speculative_generate(target, drafter, [3, 4, 5, 6, 7], kw.pop("max_new", 11), **kw)
+
+
+EXPECTED = [i % V for i in range(11)]  # the prompt ends in 7, so the output is 0, 1, 2, ...
+
+
+def test_stub_accept_all():
+    out, s = _run_stub(lambda ctx: _onehot(ctx[-1] + 1), mode="chain", k=3, max_new=9)
+    # prefill gives 1 token; each round 3 drafts + bonus = 4 tokens: 2 rounds.
+    assert out == EXPECTED[:9] and s["verify_forwards"] == 2 and s["accept_counts"] == [2, 2, 2]
+
+
+def test_stub_accept_none():
+    out, s = _run_stub(lambda ctx: _onehot(ctx[-1] + 2), mode="chain", k=3, max_new=6)
+    assert out == EXPECTED[:6] and s["verify_forwards"] == 5 and s["accept_counts"] == [0, 0, 0] and s["tau"] == 1.0
+
+
+def test_stub_accept_some():
+    # The drafter is wrong exactly when the token it predicts sits at a sequence index divisible by 3. Prompt length 5,
+    # prefill fills index 5. Round 1 drafts indices 6..8: 6 is wrong -> 0 accepted + bonus. Every later round has its
+    # root at 3m and drafts 3m+1, 3m+2 (right), 3m+3 (wrong) -> 2 accepted + bonus.
+    def fn(ctx):  # ctx = x[1..t+1] at drafter position t; it predicts x[t+2], whose index is len(ctx) + 1
+        return _onehot(ctx[-1] + (2 if (len(ctx) + 1) % 3 == 0 else 1))
+
+    out, s = _run_stub(fn, mode="chain", k=3, max_new=11)
+    assert out == EXPECTED[:11]
+    assert s["verify_forwards"] == 4 and s["accept_counts"] == [3, 3, 0] and s["tau"] == pytest.approx(10 / 4)
+
+
+def test_stub_tree_second_choice():
+    # Drafter: first choice 5.0, second 4.0. At indices divisible by 3 the right token is its second choice.
+    # topk=2, depth=3, tokens=7 keeps A, B, AA, AB, BA, AAA (best cumulative scores; AB before BA on the tie).
+    def fn(ctx):
+        nxt = ctx[-1] + 1
+        wrong = (len(ctx) + 1) % 3 == 0
+        x = torch.zeros(V)
+        x[(nxt + (1 if wrong else 0)) % V] = 5.0
+        x[(nxt + (0 if wrong else 1)) % V] = 4.0
+        return x
+
+    out, s = _run_stub(fn, mode="tree", topk=2, depth=3, tokens=7, max_new=8)
+    # Round 1 (root at index 5, index 6 wrong): B is right, then BA (index 7), which has no verified children -> 2 +
+    # bonus. Rounds 2 and 3 (roots at 8 and 11) repeat the pattern; the output is full (1 + 3 + 3 + 1) during round 3.
+    # Every accepted path is [root, B, BA] = tree slots [0, 2, 5]: the KV rollback moves entries each round.
+    assert out == EXPECTED[:8]
+    assert s["verify_forwards"] == 3 and s["accept_counts"] == [3, 3, 0] and s["kv_moves"] == 3
+
+
+# --- temperature > 0: the output distribution is the target's --------------------------------------------------------
+VS = 4  # tiny vocabulary: the first 3 generated tokens have 64 outcomes
+
+
+def _table(seed: int, scale: float):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(VS, 3, VS, generator=g) * scale  # logits by (last token, context length mod 3)
+
+
+P_TAB, Q_TAB = _table(10, 1.5), _table(11, 1.5)
+
+
+def _p(ctx):
+    return P_TAB[ctx[-1], len(ctx) % 3]
+
+
+def _q(ctx):
+    return Q_TAB[ctx[-1], len(ctx) % 3]
+
+
+def _exact(prompt: list[int], n: int, temperature: float) -> dict:
+    probs = {}
+    for seq in itertools.product(range(VS), repeat=n):
+        pr, ctx = 1.0, list(prompt)
+        for t in seq:
+            pr *= float(torch.softmax(_p(ctx) / temperature, -1)[t])
+            ctx.append(t)
+        probs[seq] = pr
+    return probs
+
+
+def _chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
+    """Pearson chi-square goodness of fit; cells expected below 5 are pooled."""
+    stat, dof, pool_o, pool_e = 0.0, -1, 0.0, 0.0
+    for cell, p in probs.items():
+        e, o = p * n, counts.get(cell, 0)
+        if e < 5:
+            pool_o, pool_e = pool_o + o, pool_e + e
+            continue
+        stat, dof = stat + (o - e) ** 2 / e, dof + 1
+    if pool_e > 0:
+        stat, dof = stat + (pool_o - pool_e) ** 2 / pool_e, dof + 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("kw,N", [(dict(mode="chain", k=2), 1000), (dict(mode="tree", topk=3, depth=2, tokens=5), 1000),
+                                  ("ngram", 600)], ids=["chain", "tree", "ngram"])
+def test_sampling_distribution_equals_target(kw, N):
+    # Tree: the root's 3 children are drawn without replacement and all verified; of their 9 children only the best
+    # one is verified, the others are tried unverified (rule (a) of the module docstring).
+    prompt, n, temp = [1, 2, 1, 2, 1], 3, 0.8
+    target, drafter = StubTarget(_p, VS), StubDrafter(_q, VS)
+    gen = torch.Generator().manual_seed(1234)
+    counts: dict = {}
+    for _ in range(N):
+        if kw == "ngram":
+            out, _ = ngram_generate(target, prompt, n, k=2, temperature=temp, generator=gen)
+        else:
+            out, _ = speculative_generate(target, drafter, prompt, n, temperature=temp, generator=gen, **kw)
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    probs = _exact(prompt, n, temp)
+    assert _chi2_pvalue(counts, probs, N) > 1e-3
+    # Power check: the drafter's own distribution is far from the target's, so accepting drafts blindly would fail.
+    q_probs = {c: math.prod(float(torch.softmax(_q(list(prompt[1:]) + list(c[:i])) / temp, -1)[c[i]])
+                            for i in range(n)) for c in probs}
+    assert _chi2_pvalue({c: round(p * N) for c, p in q_probs.items()}, probs, N) < 1e-6
+
+
+# --- small pieces and errors ------------------------------------------------------------------------------------------
+def test_ngram_propose():
+    assert ngram_propose([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]  # 3-gram match, continuation runs into the suffix
+    assert ngram_propose([1, 2, 9, 1, 2, 3, 4, 2], 2) == [3, 4]  # latest 1-gram match of "2" is at index 4
+    assert ngram_propose([1, 2, 3], 4) == []
+
+
+def test_bad_arguments(tiny):
+    drafter = random_drafter(tiny, (1, 2, 3), draft_vocab=300)
+    with pytest.raises(HstapError, match="mode"):
+        speculative_generate(tiny, drafter, [7, 8], 4, mode="beam")
+    with pytest.raises(HstapError, match="empty prompt"):
+        speculative_generate(tiny, drafter, [], 4)
+    wrong = random_drafter(tiny, (1, 2), draft_vocab=300)
+    wrong.config.aux_layers = [1, 2, 3]  # fc built for 2 layers
+    with pytest.raises(HstapError, match="fc takes"):
+        speculative_generate(tiny, wrong, [7, 8], 4)
+    tiny.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(HstapError, match="4-D mask"):
+            speculative_generate(tiny, drafter, [7, 8], 4, mode="tree")
+    finally:
+        tiny.config._attn_implementation = "sdpa"

@@ -1,0 +1,150 @@
+"""Training end to end on a real store captured from a tiny random target: learning, kill -9 + resume (bitwise), 2-rank
+DDP and FSDP2 over gloo against one process, and online (live target) against offline (store) training."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _train_fixtures import Child, build_assets, metrics, ranks, start_forkserver
+from hstap.common import HstapError
+from hstap.train import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def assets(tiny_tokenizer, tmp_path_factory):
+    start_forkserver()  # its imports overlap the asset building below
+    return build_assets(tmp_path_factory.mktemp("train"), tiny_tokenizer[0])
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the child processes run single-threaded too: same kernels, same float results
+    yield
+    torch.set_num_threads(n)
+
+
+def _argv(a, out, **kw) -> list[str]:
+    opts = {"store": a["store"], "target": a["target"], "out": out, "batch_tokens": 600, "ttt": 3, "log_every": 1,
+            "skip_verify": True, **kw}
+    argv = []
+    for k, v in opts.items():
+        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return argv
+
+
+def _cfg(a, out, **kw) -> TrainConfig:
+    base = {"store": str(a["store"]), "target": str(a["target"]), "out": str(out), "batch_tokens": 600, "ttt": 3,
+            "log_every": 1, "skip_verify": True}
+    return TrainConfig(**(base | kw))
+
+
+def test_offline_training_learns_and_checkpoints(assets, tmp_path):
+    run = tmp_path / "run"
+    out = train(_cfg(assets, run, steps=24, lr=3e-3, save_every=8, keep=2, eval_frac=0.2, draft_vocab=96,
+                     skip_verify=False))
+    rows, evals = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    for r in rows:
+        assert len(r["acc"]) == 3 and len(r["loss_k"]) == 3 and r["tok_s"] > 0 and 0 < r["mfu"] < 1
+        assert r["loss"] == pytest.approx(sum(0.8 ** k * x for k, x in enumerate(r["loss_k"])))
+    first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-4:]) / 4
+    assert last < 0.8 * first, (first, last)
+    assert sum(rows[-1]["acc"]) > sum(rows[0]["acc"])
+    assert [e["step"] for e in evals] == [8, 16, 24] and all(0 <= e["sim_tau"] <= 3 for e in evals)
+    assert evals[-1]["sim_tau"] > 0 and out["best_sim_tau"] == max(e["sim_tau"] for e in evals)
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["step_00000016", "step_00000024"]  # --keep 2, no temp dirs left
+    opt = load_file(str(run / "checkpoints" / "step_00000024" / "optimizer.safetensors"))
+    assert {k.split(".", 2)[2] for k in opt} == {"exp_avg", "exp_avg_sq", "step"}
+    assert float(opt["state.0.step"]) == 24.0
+
+    # The checkpoint is an hstap drafter; the vocab map derived from the store's counts is the prepared set's.
+    from hstap.data import load_vocab_map
+    from hstap.export import load_drafter
+    best, meta = load_drafter(run)
+    assert meta["store"]["layers"] == [1, 3, 4] and best.config.aux_layers == [1, 3, 4]
+    d2t, t2d = load_vocab_map(assets["prepared"])
+    assert torch.equal(best.d2t, d2t) and torch.equal(best.t2d, t2d)
+    assert best.embed_tokens.weight.requires_grad is False
+
+    with pytest.raises(HstapError, match="--resume"):  # never silently overwrite a run
+        train(_cfg(assets, run, steps=2))
+
+
+def test_kill_9_then_resume_reproduces_the_loss_trajectory(assets, tmp_path):
+    common = dict(steps=16, save_every=4, eval_frac=0.2, lr=2e-3)
+    ref = Child(_argv(assets, tmp_path / "ref", **common), tmp_path / "ref.log")
+    victim = Child(_argv(assets, tmp_path / "run", **common), tmp_path / "run.log")
+    first = tmp_path / "run" / "checkpoints" / "step_00000004"
+    t0 = time.time()
+    while not first.exists() and victim.proc.is_alive() and time.time() - t0 < 120:
+        time.sleep(0.005)
+    victim.kill()
+    assert victim.wait() == -9, f"the run ended before it could be killed:\n{victim.output()[-2000:]}"
+    done = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert done and done[-1] < "step_00000016", done
+    resumed = Child(_argv(assets, tmp_path / "run", **common, resume=True), tmp_path / "resume.log")
+    assert resumed.wait() == 0, resumed.output()[-3000:]
+    assert ref.wait() == 0, ref.output()[-3000:]
+    assert "resumed from step_" in resumed.output()
+    (a, ea), (b, eb) = metrics(tmp_path / "ref"), metrics(tmp_path / "run")
+    assert [r["step"] for r in b] == list(range(1, 17))
+    assert [(r["loss"], r["loss_k"], r["acc"], r["grad_norm"]) for r in b] == \
+           [(r["loss"], r["loss_k"], r["acc"], r["grad_norm"]) for r in a]  # bitwise: floats compared with ==
+    assert [(e["step"], e["sim_tau"]) for e in eb] == [(e["step"], e["sim_tau"]) for e in ea]
+    wa = load_file(str(tmp_path / "ref" / "checkpoints" / "step_00000016" / "drafter.safetensors"))
+    wb = load_file(str(tmp_path / "run" / "checkpoints" / "step_00000016" / "drafter.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_gloo_ranks_ddp_and_fsdp_equal_one_process(assets, tmp_path, one_thread):
+    common = dict(steps=3, ttt=2, eval_frac=0.0, save_every=3, lr=3e-3)
+    ddp = ranks(_argv(assets, tmp_path / "ddp", **common), tmp_path / "ddp_logs")
+    fsdp = ranks(_argv(assets, tmp_path / "fsdp", **common, fsdp=True), tmp_path / "fsdp_logs")
+    # One process, two micro-batches per step = the global batch of two ranks with one each.
+    train(_cfg(assets, tmp_path / "one", grad_accum=2, **common))
+    for c in ddp + fsdp:
+        assert c.wait() == 0, c.output()[-3000:]
+    one, _ = metrics(tmp_path / "one")
+    assert len(one) == 3
+    w1 = load_file(str(tmp_path / "one" / "checkpoints" / "step_00000003" / "drafter.safetensors"))
+    for name in ("ddp", "fsdp"):
+        rows, _ = metrics(tmp_path / name)
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert rows[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-6)  # before any update: same numbers
+        for r, o in zip(rows, one):
+            assert r["loss"] == pytest.approx(o["loss"], rel=1e-5), name
+            assert r["acc"] == pytest.approx(o["acc"], abs=1e-9), name
+            assert r["grad_norm"] == pytest.approx(o["grad_norm"], rel=1e-4), name
+        w = load_file(str(tmp_path / name / "checkpoints" / "step_00000003" / "drafter.safetensors"))
+        assert set(w) == set(w1)
+        for k in w1:
+            torch.testing.assert_close(w[k], w1[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")
+        assert "world 2" in ddp[0].output() and ("fsdp" in fsdp[0].output())
+
+
+@pytest.mark.parametrize("extra", [{"aux_layers": "1,3,4"}, {"aux_layers": "final", "ttt": 1}],
+                         ids=["eagle3", "final-only"])
+def test_online_first_step_equals_offline(assets, tmp_path, extra):
+    """The live target (same capture code path) and the fp32 store give the same states, hence the same loss."""
+    vmap = str(assets["prepared"] / "vocab_map.safetensors")
+    common = dict(steps=1, batch_tokens=8192, eval_frac=0.0, vocab_map=vmap, **extra)  # one batch holds every sample
+    off = train(_cfg(assets, tmp_path / "off", **common))
+    on = train(_cfg(assets, tmp_path / "on", store=None, online=True, data=str(assets["prepared"]), **common))
+    (a, _), (b, _) = metrics(tmp_path / "off"), metrics(tmp_path / "on")
+    assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-5)
+    assert b[0]["acc"] == a[0]["acc"] and b[0]["tokens"] == a[0]["tokens"]
+    w = load_file(str(tmp_path / "on" / "checkpoints" / "step_00000001" / "drafter.safetensors"))
+    assert w["fc.weight"].shape == ((64, 64) if extra["aux_layers"] == "final" else (64, 3 * 64))
+    assert w["lm_head.weight"].shape == (96, 64)
+    assert off["loss"] == a[0]["loss"] and on["loss"] == b[0]["loss"]
+
+
+def test_bad_layer_selection_is_one_clear_error(assets, tmp_path):
+    with pytest.raises(HstapError, match=r"--aux-layers: \[2\] not captured"):
+        train(_cfg(assets, tmp_path / "x", steps=1, aux_layers="1,2"))
