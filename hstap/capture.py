@@ -61,8 +61,10 @@ class CaptureConfig:
     new: bool = False
     """Wipe an existing store at --out instead of resuming it (needed when target, layers or dtype changed)."""
     shard_tokens: int = 1 << 20
-    """Tokens per shard file. A shard is held in host memory until written ((K+1)*H*2 bytes/token in bf16), and a kill
-    loses the open shard: lower it for very wide models or frequent interruptions."""
+    """Close a shard after this many tokens (or shard_mb, whichever comes first). A kill loses only the open shard."""
+    shard_mb: int = 1024
+    """Close a shard once it holds this many MiB. An open shard is held in host memory until written, so this bounds
+    the writer's memory ((K+1)*H*2 bytes/token in bf16: 32 KiB/token for an 8B target)."""
     queue_size: int = 4
     """Batches waiting for the writer thread before the GPU waits for storage."""
     engine: str = "hf"
@@ -83,7 +85,7 @@ class CaptureConfig:
             v = getattr(self, name)
             if v not in allowed and not (name == "device" and isinstance(v, str) and v.startswith("cuda:")):
                 raise HstapError(f"--{name.replace('_', '-')}: expected one of {', '.join(allowed)}, got {v!r}")
-        for name in ("batch_tokens", "shard_tokens", "queue_size", "concurrency"):
+        for name in ("batch_tokens", "shard_tokens", "shard_mb", "queue_size", "concurrency"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise HstapError(f"--{name.replace('_', '-')}: expected a positive integer, got {v!r}")
@@ -242,6 +244,7 @@ def capture_hf(cfg: CaptureConfig) -> dict:
     dist = init_barrier(world)
     try:
         with StoreWriter(cfg.out, header, rank=rank, world_size=world, shard_tokens=cfg.shard_tokens, new=cfg.new,
+                         shard_bytes=cfg.shard_mb << 20,
                          barrier=dist.barrier if dist else None) as writer:
             committed = writer.committed_ids()
             ids, lens = _dataset_columns(ds, n)

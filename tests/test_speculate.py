@@ -160,13 +160,20 @@ def test_reference_target_greedy(ref_target):
     from hstap.layers import default_aux_layers
 
     target, tok = load_tiny_target(ref_target)
-    drafter = random_drafter(target, default_aux_layers(target.num_layers), draft_vocab=2048)
-    for text, kw in [("How do I open a file in Python?", dict(mode="chain", k=3)),
-                     ("Explain the Linux page cache.", dict(mode="tree", topk=4, depth=4, tokens=12))]:
-        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
-        ref, _ = target_generate(target, prompt, 32)
-        assert speculative_generate(target, drafter, prompt, 32, **kw)[0] == ref, kw
+    layers = default_aux_layers(target.num_layers)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+               for text in ("How do I open a file in Python?", "Explain the Linux page cache.")]
+    # A random drafter (rejections everywhere) in a chain, and an oracle head that is right one level in two only as
+    # a second choice, in a tree (acceptances through second children: KV entries move).
+    ref, _ = target_generate(target, prompts[0], 32)
+    drafter = random_drafter(target, layers, draft_vocab=2048)
+    assert speculative_generate(target, drafter, prompts[0], 32, mode="chain", k=3)[0] == ref
+    ref, _ = target_generate(target, prompts[1], 32)
+    P = len(prompts[1])
+    drafter = oracle_drafter(target, prompts[1] + ref, second=range(P + 1, P + 40, 2), aux_layers=layers)
+    out, stats = speculative_generate(target, drafter, prompts[1], 32, mode="tree", topk=4, depth=4, tokens=12)
+    assert out == ref and stats["kv_moves"] > 0 and stats["tau"] > 2
 
 
 # --- pinned accept patterns with stub models (litgpt-style) -----------------------------------------------------------

@@ -279,7 +279,7 @@ def _killable_writer(path: str, n: int, ready) -> None:
 
 
 def test_resume_after_sigkill_at_random_moments(tmp_path):
-    n, p = 200, tmp_path / "s"
+    n, p = 400, tmp_path / "s"
     ctx = mp.get_context("fork")  # fork: a killed writer costs milliseconds, not a fresh interpreter
     rnd = random.Random(1234)
     progress, kills_mid_run = [0], 0

@@ -1,37 +1,30 @@
 """The `sglang` engine: capture hidden states inside a running SGLang server (>= 0.5.11; written against 0.5.23).
 
-Three pieces, all in this file (docs/engines.md has the launch command and what each flag is for):
+docs/engines.md has the launch command, what each flag is for, and what was and was not run. Three pieces:
 
-1. `make_hook(config)`: the factory named in SGLang's `--forward-hooks`, attached to the `logits_processor` module. SGLang
-   calls it positionally as `logits_processor(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)`;
-   `hidden_states` is the final-norm output (Llama: `residual_batch.final_norm(...)` just before the call) and
-   `aux_hidden_states` the EAGLE-3 taps, a packed (T, K*H) tensor or a list of K (T, H) tensors (both are handled).
-   The hook demultiplexes the batch per request, copies the rows it needs off the GPU without a sync and hands them to a
-   writer thread that feeds the same `StoreWriter` as the embedded engine.
-2. `plugin()`: the `sglang.srt.plugins` entry point. Only when `HSTAP_CAPTURE_LAYERS` (canonical ids, e.g. "1,15,28") is
-   set in the server's environment, it makes the target model capture those layers (`set_eagle3_layers_to_capture`)
-   before CUDA-graph capture, with no draft model. SGLang 0.5.23 can do the same natively with
-   `--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids ...`.
-3. `run_sglang_capture(cfg)`: the `hstap capture --engine sglang --server URL` driver. It checks the server's settings,
-   sends each prepared sample as a prefill-only `/generate` request (`max_new_tokens: 0`) and waits until the hook has
-   committed it to the store. The hook runs in the server's processes, so the store path must be shared by both.
+1. `make_hook(config)`: the `--forward-hooks` factory, attached to `logits_processor`, which SGLang calls positionally
+   as `(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)`. `hidden_states` is the final-norm
+   output (Llama: `residual_batch.final_norm(...)` right before the call); `aux_hidden_states` are the EAGLE-3 taps,
+   packed (T, K*H) or a list of K (T, H). The hook demultiplexes the batch per request, starts an async copy of the
+   rows it keeps and hands them to a writer thread feeding the same `StoreWriter` as the embedded engine.
+2. `plugin()`: the `sglang.srt.plugins` entry point. Only when `HSTAP_CAPTURE_LAYERS` (canonical ids) is set, it makes
+   the target capture those layers (`set_eagle3_layers_to_capture`) before CUDA-graph capture, with no draft model.
+3. `run_sglang_capture(cfg)`: the `hstap capture --engine sglang --server URL` driver: checks the server's settings,
+   sends prefill-only `/generate` requests and waits until the hook committed each sample (the store is shared).
 
-Demultiplexing (per forward pass, all from host-side lists, so it never waits for the GPU):
- - only EXTEND and MIXED batches carry prompt rows; DECODE / IDLE / TARGET_VERIFY / others are ignored; so are DP-attention
-   fake extends (`_original_forward_mode` set, or `len(rids) != batch_size`) and any rows past `sum(extend_seq_lens_cpu)`;
- - request i owns rows `start_i : start_i + extend_seq_lens_cpu[i]` (start = cumulative sum), which are prompt positions
-   `extend_prefix_lens_cpu[i] + j`; chunks are stitched by that prefix. A request is complete when it has T rows, T being
-   its prepared length (for a prefill-only request that equals SGLang's `orig_seq_lens[i]`, which only exists on the GPU
-   in 0.5.23: reading it would cost a sync per batch). Rows at positions >= T (decode rows of a MIXED batch) are ignored;
- - a request whose first chunk starts after position 0 got its prefix from the radix cache: those rows were never computed
-   here, so the request is dropped (an event in the store's `sglang-events/`), never stored truncated;
+Demultiplexing uses only host-side lists (never a GPU sync):
+ - EXTEND and MIXED batches only; DECODE / IDLE / TARGET_VERIFY, DP-attention fake extends (`_original_forward_mode`
+   set, or `len(rids) != batch_size`) and rows past `sum(extend_seq_lens_cpu)` are ignored;
+ - request i owns rows `cumsum(extend_seq_lens_cpu)[i-1] + j`, prompt positions `extend_prefix_lens_cpu[i] + j`;
+   chunks are stitched by prefix. A request is complete at its prepared length T (= SGLang's `orig_seq_lens[i]` for
+   a prefill-only request, which 0.5.23 keeps only on the GPU); rows at positions >= T (MIXED decode rows) are ignored;
+ - a first chunk that starts after position 0 got its prefix from the radix cache (never computed here): the request is
+   dropped with an event in `STORE/sglang-events/`, never stored truncated;
  - only attention-TP rank 0 of each DP group writes (DP group d writes store rank d).
 
-Request ids: the driver sends `rid = "hstap:<session>:<row>:<sha256(id)[:16]>:<attempt>"`: ASCII, short, and validated
-against the prepared set (row in range and digest equal) before anything is kept. Sample ids (any string, e.g. "../x")
-are only ever stored as ids (the store never makes file names from them); other clients' requests are ignored. The hook
-reads input_ids and loss_mask of the sample from the prepared set (config `data`) and refuses rows whose token ids differ.
-A new session (a new driver run, maybe after `--new` wiped the store) makes the hook drop its writer and re-open the store.
+Request ids: `hstap:<session>:<row>:<sha256(id)[:16]>:<attempt>`, ASCII and validated against the prepared set; sample
+ids (any string) are only stored as ids, never used in paths. input_ids and loss_mask come from the prepared set
+(config `data`); rows whose token ids differ are refused. A new session makes the hook re-open the store.
 """
 
 from __future__ import annotations
@@ -82,6 +75,12 @@ def _views(buf: torch.Tensor, layout: dict) -> dict:
     return {name: buf[o:o + n].view(dt).view(shape) for name, (o, n, dt, shape) in layout.items()}
 
 
+def short_id(sample_id: str, n: int = 60) -> str:
+    """A sample id for a message: repr, cut to n characters (ids can be anything, e.g. 5000 characters)."""
+    r = repr(sample_id)
+    return r if len(r) <= n else r[:n] + f"...({len(sample_id)} chars)"
+
+
 def sample_digest(sample_id: str) -> str:
     return hashlib.sha256(str(sample_id).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
@@ -92,8 +91,8 @@ def encode_rid(session: str, row: int, sample_id: str, attempt: int = 0) -> str:
 
 def decode_rid(rid) -> tuple[str, int, str] | None:
     """(session, row, digest) of an hstap rid, None for anything else (other clients, hostile strings)."""
-    if not isinstance(rid, str) or not rid.startswith(RID_PREFIX) or len(rid) > 128:
-        return None
+    if not isinstance(rid, str) or not rid.startswith(RID_PREFIX) or len(rid) > 128 or not rid.isascii():
+        return None  # isascii: str.isdigit/isalnum also accept non-ASCII digits and letters
     parts = rid[len(RID_PREFIX):].split(":")
     if len(parts) != 4 or not parts[0].isalnum() or not parts[1].isdigit() or not parts[3].isdigit():
         return None
@@ -105,8 +104,8 @@ def decode_rid(rid) -> tuple[str, int, str] | None:
 def hook_spec(store: str, data: str, layers: list[int], name: str = "hstap", **extra) -> dict:
     """One `--forward-hooks` entry: `--forward-hooks '[<this as JSON>]'`."""
     return {"name": name, "target_modules": ["logits_processor"], "hook_factory": HOOK_FACTORY,
-            "config": {"store": os.path.abspath(store), "data": os.path.abspath(data), "layers": [int(i) for i in layers],
-                       **extra}}
+            "config": {"store": os.path.abspath(store), "data": os.path.abspath(data),
+                       "layers": [int(i) for i in layers], **extra}}
 
 
 @dataclasses.dataclass
@@ -121,7 +120,7 @@ class HookConfig:
     queue_size: int = 16
     """Batches waiting for the writer thread before the scheduler waits (backpressure)."""
     flush_s: float = 1.0
-    """Commit the open shard after this many idle seconds, so the driver sees every sample without waiting for a full shard."""
+    """Commit the open shard after this many idle seconds (the driver sees every sample without a full shard)."""
     shard_tokens: int = 1 << 20
     """Tokens per shard file (as `hstap capture --shard-tokens`)."""
     stale_s: float = 1800.0
@@ -144,7 +143,8 @@ class HookConfig:
             raise HstapError(f"--forward-hooks: hstap: config: unknown keys {unknown}, missing keys {missing}")
         c = cls(**cfg)
         if not isinstance(c.layers, list) or not c.layers or not all(isinstance(i, int) for i in c.layers):
-            raise HstapError(f"--forward-hooks: hstap: config.layers: expected a list of canonical ids, got {c.layers!r}")
+            raise HstapError(f"--forward-hooks: hstap: config.layers: expected a list of canonical ids, "
+                             f"got {c.layers!r}")
         return c
 
 
@@ -208,12 +208,13 @@ class _Active:
 
 
 class CaptureHook:
-    """The forward hook (see the module docstring). `stats` counts what it saw; `close()` flushes and stops the thread."""
+    """The forward hook (module docstring). `stats` counts what it saw; `close()` flushes and stops the thread."""
 
     def __init__(self, config: dict | HookConfig):
         self.cfg = config if isinstance(config, HookConfig) else HookConfig.from_dict(config)
         if not (Path(self.cfg.data) / "meta.json").is_file():
-            raise HstapError(f"--forward-hooks: hstap: config.data: {self.cfg.data} is not a prepared dataset (no meta.json)")
+            raise HstapError(f"--forward-hooks: hstap: config.data: {self.cfg.data} is not a prepared dataset "
+                             "(no meta.json)")
         self.K = len(self.cfg.layers)
         self.stats: collections.Counter = collections.Counter()
         self._ranks: tuple[int, int, int] | None = None
@@ -252,7 +253,7 @@ class CaptureHook:
         return self._ranks
 
     def _note(self, kind: str, message: str) -> None:
-        """Tell the driver, once per kind and driver session (an event line in the store, written by the writer thread)."""
+        """Tell the driver, once per kind and session (an event line in the store, written by the writer thread)."""
         key = (self._hint, kind)
         if key not in self._warned:
             self._warned.add(key)
@@ -288,12 +289,13 @@ class CaptureHook:
         self._hint = ours[0]
         if aux is None or (isinstance(aux, (list, tuple)) and len(aux) == 0):
             self._note("no_aux", f"the model passes no aux hidden states: start the server with {ENV_LAYERS}="
-                                 f"{','.join(map(str, self.cfg.layers))} (hstap plugin) or --enable-return-aux-hidden-states")
+                                 f"{','.join(map(str, self.cfg.layers))} (hstap plugin) or "
+                                 "--enable-return-aux-hidden-states")
             return
         H = int(hidden.shape[-1])
         width = sum(int(a.shape[-1]) for a in aux) if isinstance(aux, (list, tuple)) else int(aux.shape[-1])
         if width != self.K * H:
-            self._note("aux_width", f"aux hidden states are {width} wide, expected {self.K} layers x {H} = {self.K * H}: "
+            self._note("aux_width", f"aux hidden states are {width} wide, expected {self.K} layers x {H}: "
                                     f"the server captures other layers than config.layers={self.cfg.layers}")
             return
         total = sum(int(n) for n in ext)
@@ -310,7 +312,7 @@ class CaptureHook:
         self._put(item)
 
     def _demux(self, rids, ext: list[int], pre: list[int]):
-        """Host-side bookkeeping: which rows of this batch belong to which sample position. Returns (actions, ranges)."""
+        """Host-side bookkeeping: which rows of this batch are which sample positions. Returns (actions, ranges)."""
         now = time.monotonic()
         actions: list = []
         ranges: list[tuple[int, int]] = []
@@ -331,9 +333,10 @@ class CaptureHook:
                 actions.append(("reset", rid))
                 st.next_pos = 0
             if p != st.next_pos:
-                self._drop(rid, st, actions, "prefix_cache_hit" if st.next_pos == 0 else "gap",
+                hit = st.next_pos == 0
+                self._drop(rid, st, actions, "prefix_cache_hit" if hit else "gap",
                            f"chunk starts at position {p}, expected {st.next_pos}" +
-                           (" (its prefix came from the radix cache and was never computed)" if st.next_pos == 0 else ""))
+                           (" (its prefix came from the radix cache and was never computed)" if hit else ""))
                 continue
             take = min(n, st.T - p)  # rows past the prompt are generated tokens (decode rows of a MIXED batch)
             if take <= 0:
@@ -349,7 +352,8 @@ class CaptureHook:
             self._last_gc = now
             for rid, st in list(self._active.items()):
                 if now - st.seen > self.cfg.stale_s:
-                    self._drop(rid, st, actions, "stale", f"not seen for {self.cfg.stale_s:.0f} s (aborted by its client?)")
+                    self._drop(rid, st, actions, "stale",
+                               f"not seen for {self.cfg.stale_s:.0f} s (aborted by its client?)")
         return actions, ranges
 
     def _start(self, rid: str, actions: list, now: float) -> _Active | None:
@@ -545,7 +549,8 @@ class _Writer:
         T = len(ids_ref)
         pos = [p for p, _ in pieces]
         lens = [int(t["input_ids"].shape[0]) for _, t in pieces]
-        if not pieces or pos[0] != 0 or any(pos[i] + lens[i] != pos[i + 1] for i in range(len(pos) - 1)) or sum(lens) != T:
+        gaps = any(pos[i] + lens[i] != pos[i + 1] for i in range(len(pos) - 1))
+        if not pieces or pos[0] != 0 or gaps or sum(lens) != T:
             self.event({"event": "dropped", "id": sid, "row": row, "reason": "incomplete",
                         "detail": f"chunks at {pos} of lengths {lens} do not cover 0..{T}"})
             return
@@ -599,7 +604,7 @@ def capture_layers_from_env() -> list[int] | None:
 
 
 def set_capture_layers(model, layers: list[int]) -> list[int] | None:
-    """Call `model.set_eagle3_layers_to_capture` with the SGLang ids of canonical `layers`; returns them (None: no-op)."""
+    """`model.set_eagle3_layers_to_capture(SGLang ids of canonical layers)`; returns the ids (None: no-op)."""
     from hstap.layers import to_sglang
 
     setter = getattr(model, "set_eagle3_layers_to_capture", None)
@@ -683,13 +688,15 @@ def server_problems(info: dict, store: str, data: str, layers: list[int], model_
 
     p: list[str] = []
     spec = json.dumps(hook_spec(store, data, layers))
-    hooks = [h for h in (info.get("forward_hooks") or []) if isinstance(h, dict) and h.get("hook_factory") == HOOK_FACTORY]
+    hooks = [h for h in (info.get("forward_hooks") or [])
+             if isinstance(h, dict) and h.get("hook_factory") == HOOK_FACTORY]
     if not hooks:
         p.append(f"the hstap forward hook is not configured: relaunch with --forward-hooks '[{spec}]'")
     for h in hooks:
         c = h.get("config") or {}
         if not any(fnmatch.fnmatch("logits_processor", t) for t in h.get("target_modules") or []):
-            p.append("the hstap forward hook must target 'logits_processor' (\"target_modules\": [\"logits_processor\"])")
+            p.append("the hstap forward hook must target the module 'logits_processor' "
+                     "(\"target_modules\": [\"logits_processor\"])")
         for k, want in (("store", os.path.abspath(store)), ("data", os.path.abspath(data)), ("layers", list(layers))):
             got = c.get(k)
             if (os.path.abspath(got) if k != "layers" and isinstance(got, str) else got) != want:
@@ -705,20 +712,23 @@ def server_problems(info: dict, store: str, data: str, layers: list[int], model_
                      "replay; add --disable-prefill-cuda-graph")
     elif "disable_prefill_cuda_graph" in info:
         if not info["disable_prefill_cuda_graph"]:
-            p.append("prefill CUDA graphs are on: forward hooks do not run on graph replay; add --disable-prefill-cuda-graph")
+            p.append("prefill CUDA graphs are on: forward hooks do not run on graph replay; "
+                     "add --disable-prefill-cuda-graph")
     elif "disable_piecewise_cuda_graph" in info and not info["disable_piecewise_cuda_graph"]:
-        p.append("piecewise (prefill) CUDA graphs are on: hooks do not run on replay; add --disable-piecewise-cuda-graph")
+        p.append("piecewise (prefill) CUDA graphs are on: hooks do not run on replay; "
+                 "add --disable-piecewise-cuda-graph")
     if info.get("enable_mixed_chunk"):
         p.append("mixed chunks are on: drop --enable-mixed-chunk (prefill and decode rows share a batch)")
     if info.get("enable_pdmux"):
         p.append("PD multiplexing (--enable-pdmux) runs split prefills without aux hidden states: drop it")
     if info.get("enable_two_batch_overlap"):
-        p.append("two-batch overlap is on: layers run through TBO skip the aux capture; drop --enable-two-batch-overlap")
+        p.append("two-batch overlap is on: layers run through TBO skip the aux capture; "
+                 "drop --enable-two-batch-overlap")
     if int(info.get("pp_size") or 1) > 1:
         p.append(f"pipeline parallelism (--pp-size {info.get('pp_size')}) is not supported: use --pp-size 1")
     if info.get("speculative_algorithm"):
-        p.append(f"speculative decoding ({info['speculative_algorithm']}) is on: capture needs no draft and prefill-only "
-                 "requests are not available under it; drop --speculative-algorithm and the draft model")
+        p.append(f"speculative decoding ({info['speculative_algorithm']}) is on: capture needs no draft and "
+                 "prefill-only requests are not available under it; drop --speculative-algorithm and the draft model")
     if info.get("enable_return_aux_hidden_states"):
         want = to_sglang(layers, model_type)
         got = info.get("return_aux_hidden_state_layer_ids")
@@ -741,7 +751,8 @@ def _read_events(store: str) -> list[dict]:
     return out
 
 
-def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0, request_timeout_s: float = 3600.0) -> dict:
+def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0,
+                       request_timeout_s: float = 3600.0) -> dict:
     """`hstap capture --engine sglang --server URL`: cfg is a CaptureConfig (target, data, out, layers, dtype, new,
     max_samples, shard_tokens, server, concurrency). Returns the summary dict it prints."""
     import shutil
@@ -801,19 +812,21 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
             for attempt in range(3):
                 body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0},
                         "rid": encode_rid(session, row, ids[row], attempt),
-                        "extra_key": uuid.uuid4().hex}  # own radix-cache namespace: no prefix hits, radix cache can stay on
+                        # its own radix-cache namespace: no prefix hits, so the radix cache can stay on
+                        "extra_key": uuid.uuid4().hex}
                 try:
                     r = _http(server + "/generate", body, timeout=request_timeout_s)
                     got = (r.get("meta_info") or {}).get("prompt_tokens")
                     if got is not None and int(got) != len(input_ids):
-                        errors.append(f"sample {ids[row]!r}: the server ran {got} of its {len(input_ids)} tokens")
+                        errors.append(f"sample {short_id(ids[row])}: the server ran {got} of its "
+                                      f"{len(input_ids)} tokens")
                     return
                 except urllib.error.HTTPError as e:
-                    errors.append(f"sample {ids[row]!r}: HTTP {e.code}: {e.read()[:300]!r}")
+                    errors.append(f"sample {short_id(ids[row])}: HTTP {e.code}: {e.read()[:300]!r}")
                     return
                 except (urllib.error.URLError, OSError) as e:
                     if attempt == 2:
-                        errors.append(f"sample {ids[row]!r}: {e}")
+                        errors.append(f"sample {short_id(ids[row])}: {e}")
                     time.sleep(1.0 + 2 * attempt)
         finally:
             sem.release()
@@ -861,19 +874,21 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     lock.close()
     summary_store = merge_manifest(cfg.out)
     if errors:
-        raise HstapError(f"--server {server}: {errors[0]}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise HstapError(f"--server {server}: {errors[0]}{more}")
     if pending:
         raise HstapError(f"{cfg.out}: {len(pending)} sample(s) were answered by the server but never committed by its "
-                         f"hook within {commit_timeout_s:.0f} s (e.g. {sorted(pending)[0]!r}); is the hook writing to "
-                         f"this directory? re-run to resume")
+                         f"hook within {commit_timeout_s:.0f} s (e.g. {short_id(sorted(pending)[0])}); is the hook "
+                         f"writing to this directory? re-run to resume")
     write_run_config(cfg.out, "capture", cfg)
     reasons = collections.Counter(v.split(":")[0] for v in dropped.values())
     summary = {"samples": len(todo) - len(dropped), "tokens": sum(lens[i] for i in todo if ids[i] not in dropped),
                "skipped_committed": skipped, "skipped_too_long": len(too_long), "dropped": dict(reasons),
                "seconds": round(time.perf_counter() - t0, 3), "layers": layers, "dtype": cfg.dtype, "out": cfg.out,
                "store_samples": summary_store["samples"], "server": server, "session": session}
-    print(f"capture: {summary['samples']} samples via SGLang {engine['version']} at {server} in {summary['seconds']:.1f} s; "
-          f"{skipped} already in the store, {len(too_long)} longer than the context, dropped {dict(reasons) or 0}")
+    print(f"capture: {summary['samples']} samples via SGLang {engine['version']} at {server} in "
+          f"{summary['seconds']:.1f} s; {skipped} already in the store, {len(too_long)} longer than the context, "
+          f"dropped {dict(reasons) or 0}")
     for sid, why in list(dropped.items())[:5]:
-        print(f"capture: dropped {sid!r}: {why}")
+        print(f"capture: dropped {short_id(sid)}: {why}")
     return summary
