@@ -30,7 +30,10 @@ from hstap.common import HstapError
 
 # subcommand -> (module, config class, entry function, one-line help). Only stages that work are listed.
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "demo": ("hstap.demo", "DemoConfig", "demo", "the whole pipeline end to end, offline, on a toy target (or yours)"),
     "prepare": ("hstap.data", "PrepareConfig", "prepare", "conversations -> input_ids + assistant loss_mask + draft vocab map"),
+    "generate": ("hstap.generate", "GenerateConfig", "generate",
+                 "regenerate assistant turns with the target (embedded, or an OpenAI-compatible server)"),
     "capture": ("hstap.capture", "CaptureConfig", "capture", "run the target over a prepared set and store its hidden states"),
     "train": ("hstap.train", "TrainConfig", "train", "train an EAGLE-3 drafter on a store (offline) or a live target (online)"),
     "export": ("hstap.export", "ExportConfig", "export", "drafter -> SGLang / vLLM (speculators) / hf checkpoint, validated"),
@@ -38,8 +41,6 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
              "speculative decoding (chain/tree) vs target-only: tau, per-position acceptance, speedup, losslessness"),
     "verify": ("hstap.verify", "VerifyConfig", "verify",
                "store integrity, recompute vs the target, layer-offset detection, compare two stores"),
-    "generate": ("hstap.generate", "GenerateConfig", "generate",
-                 "regenerate assistant turns with the target (embedded, or an OpenAI-compatible server)"),
 }
 
 

@@ -203,14 +203,36 @@ class Attention(nn.Module):
 
 
 _FLEX: dict = {}
+FLEX_RECOMPILE_LIMIT = 64  # graphs of the compiled flex_attention region (dynamo's default, 8, is too few for TTT)
 
 
 def _flex(cuda: bool):
-    """flex_attention: compiled on CUDA (the fused kernel); eager on CPU (forward only there; checks the mask)."""
+    """flex_attention: compiled on CUDA (the fused kernel); eager on CPU (forward only there; checks the mask).
+
+    On CUDA every call must reach the compiled kernel. Dynamo compiles one graph per guard set and, past its recompile
+    limit (default 8 per code object, shared by every torch.compile(flex_attention) in the process), silently runs the
+    function eagerly: the unfused flex_attention that materialises the (T, (k+1)T) scores ("flex_attention called
+    without torch.compile()"). TTT needs more than 8 graphs: the first shape static, then dynamic; sizes 0/1 are always
+    specialised, so a batch of one sample and a BlockMask with one q or kv block (T <= 128) each get their own; and the
+    grad mode splits them all again, so `TTTModel(evaluate=True)` under no_grad (train's evaluation, which runs last)
+    hit the limit. Hence a region of our own (a wrapper, so its cache is not shared), a budget of FLEX_RECOMPILE_LIMIT
+    (the specialisations are bounded, ~2^4), and fullgraph=True: where torch.compile takes a per-call recompile_limit,
+    running out then raises (FailOnRecompileLimitHit) instead of falling back to the unfused kernel."""
     if cuda not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
         if cuda:
-            _FLEX[cuda] = torch.compile(flex_attention)  # dynamic=None: recompiles once with dynamic shapes, not per T
+            def region(*a, **kw):  # its own code object: its own graph cache and recompile budget
+                return flex_attention(*a, **kw)
+            import inspect
+            if "recompile_limit" in inspect.signature(torch.compile).parameters:  # per-region limit (torch 2.13)
+                opts = {"recompile_limit": FLEX_RECOMPILE_LIMIT}
+            else:  # older torch: only the process-wide limit exists
+                cfg = torch._dynamo.config
+                name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+                setattr(cfg, name, max(getattr(cfg, name), FLEX_RECOMPILE_LIMIT))
+                opts = {}
+            # dynamic=None: recompiles once with dynamic shapes, not per T
+            _FLEX[cuda] = torch.compile(region, fullgraph=True, **opts)
         else:
             def eager(*a, **kw):
                 with warnings.catch_warnings():  # "flex_attention called without torch.compile" is the point here

@@ -48,7 +48,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,11 +55,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
+from hstap import checkpoint
 from hstap import dist as D
-from hstap.common import (HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, sha256_bytes,
-                          write_run_config)
+from hstap.common import HstapError, sha256_bytes, write_run_config
 from hstap.drafter import DrafterConfig, Eagle3Drafter, TTTModel, step_rows, target_distribution, ttt_flops
 
 STATE_FORMAT = "hstap-trainer-state"
@@ -194,7 +192,7 @@ class _Rows(torch.utils.data.Dataset):
 
 def _collate(samples: list[dict]) -> dict:
     if "aux" in samples[0]:
-        from hstap.store import collate
+        from hstap.batching import collate
         return collate(samples)
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     out = {k: torch.zeros(len(samples), max(lengths), dtype=torch.long) for k in ("input_ids", "loss_mask")}  # (B, T)
@@ -212,7 +210,7 @@ class _Batches:
 
     def __init__(self, rows: _Rows, lengths: list[int], cfg: TrainConfig, rank: int, world: int, epoch: int, done: int,
                  pin: bool, workers: int):
-        from hstap.store import BucketBatchSampler
+        from hstap.batching import BucketBatchSampler
         self.rows, self.pin, self.workers = rows, pin, workers
         self.sampler = BucketBatchSampler(lengths, cfg.batch_tokens, shuffle=True, seed=cfg.seed, rank=rank,
                                           world_size=world)
@@ -236,7 +234,7 @@ class _Batches:
 def _eval_batches(lengths: list[int], cfg: TrainConfig, rank: int, world: int) -> list[tuple[list[int], bool]]:
     """This rank's eval batches and whether each is real: every rank runs the same number (FSDP needs it), the padding
     repeats are run but not counted."""
-    from hstap.store import BucketBatchSampler
+    from hstap.batching import BucketBatchSampler
     if not lengths:
         return []
     n = len(BucketBatchSampler(lengths, cfg.batch_tokens, shuffle=False))
@@ -322,112 +320,7 @@ def _layers(cfg: TrainConfig, available: list[int] | None, num_layers: int) -> t
     return want, [available.index(i) for i in want]
 
 
-# --- checkpoints ---------------------------------------------------------------------------------------------------
-def _complete(run: Path) -> list[Path]:
-    d = run / "checkpoints"
-    return sorted(c for c in d.glob("step_*") if (c / "trainer_state.json").is_file()) if d.is_dir() else []
-
-
-def _save(run: Path, step: int, drafter: Eagle3Drafter, params: list, opt, state: dict, extra: dict, keep: int,
-          rank: int, fsdp: bool, best: bool) -> None:
-    """Write RUN/checkpoints/step_{step:08d}/ atomically (every rank calls this; rank 0 writes all but peers' RNG)."""
-    sd = D.full_state_dict(drafter) if fsdp else None  # collectives under FSDP: every rank, same order
-    flat = {f"state.{i}.{k}": D.full_tensor(v).detach().to("cpu").contiguous()
-            for i, p in enumerate(params) for k, v in opt.state.get(p, {}).items()}
-    final = run / "checkpoints" / f"step_{step:08d}"
-    tmp = run / "checkpoints" / f".tmp_step_{step:08d}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    D.barrier()
-    rt, rjs = D.rng_state()
-    if rank > 0:
-        save_file(rt, str(tmp / f"rng_rank{rank}.safetensors"), metadata={"json": json.dumps(rjs)})
-    D.barrier()
-    if rank == 0:
-        if fsdp:
-            drafter = Eagle3Drafter(drafter.config)
-            drafter.load_state_dict(sd, strict=False)
-        from hstap.export import save_drafter
-        save_drafter(tmp, drafter, extra)
-        save_file(flat, str(tmp / "optimizer.safetensors"))
-        save_file(rt, str(tmp / "rng.safetensors"))
-        atomic_write_json(tmp / "trainer_state.json", {**state, "rng": rjs})
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)  # the commit point: a step_* directory is complete or absent
-        fsync_dir(final.parent)
-        for old in _complete(run)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        if best:
-            _replace_best(final, run)
-    D.barrier()
-
-
-def _replace_best(src: Path, run: Path) -> None:
-    """RUN/best := a copy of src (no optimizer/RNG), by renames: best is missing only between two renames, and
-    `_recover` puts .best.old back if a crash lands there."""
-    tmp, old, dst = run / ".best.tmp", run / ".best.old", run / "best"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("optimizer.safetensors", "rng*.safetensors"))
-    fsync_dir(tmp)
-    shutil.rmtree(old, ignore_errors=True)
-    if dst.exists():
-        os.rename(dst, old)
-    os.rename(tmp, dst)
-    fsync_dir(run)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _recover(run: Path) -> None:
-    if not (run / "best").exists() and (run / ".best.old").exists():
-        os.rename(run / ".best.old", run / "best")
-    shutil.rmtree(run / ".best.tmp", ignore_errors=True)
-    for t in (run / "checkpoints").glob(".tmp_step_*") if (run / "checkpoints").is_dir() else []:
-        shutil.rmtree(t, ignore_errors=True)
-
-
-def _load(ckpt: Path, cfg: TrainConfig, world: int, drafter: Eagle3Drafter) -> dict:
-    """trainer_state.json of ckpt (checked against this run) after loading its weights into the unwrapped drafter."""
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    for k in ("world_size", "grad_accum", "batch_tokens", "seed", "ttt", "eval_frac"):
-        if state["config"][k] != {"world_size": world, **vars(cfg)}[k]:
-            raise HstapError(f"{ckpt}/trainer_state.json: {k} was {state['config'][k]}; resume with the same value")
-    missing, unexpected = drafter.load_state_dict(load_file(str(ckpt / "drafter.safetensors")), strict=False)
-    if [k for k in missing if not k.startswith("rotary.")] or unexpected:
-        raise HstapError(f"{ckpt}/drafter.safetensors: does not fit this drafter ({missing} / {unexpected})")
-    return state
-
-
-def _load_rest(ckpt: Path, state: dict, rank: int, params: list, opt) -> None:
-    """Optimizer (resharded like the parameters under FSDP) and this rank's RNG."""
-    flat = load_file(str(ckpt / "optimizer.safetensors"))
-    st = {i: {k.split(".")[2]: (v if k.endswith(".step") else D.like(v, p)) for k, v in flat.items()
-              if k.startswith(f"state.{i}.")} for i, p in enumerate(params)}
-    opt.load_state_dict({"state": {i: s for i, s in st.items() if s}, "param_groups": opt.state_dict()["param_groups"]})
-    name = "rng.safetensors" if rank == 0 else f"rng_rank{rank}.safetensors"
-    from safetensors import safe_open
-    with safe_open(str(ckpt / name), framework="pt") as h:
-        js = state["rng"] if rank == 0 else json.loads(h.metadata()["json"])
-    D.set_rng_state(load_file(str(ckpt / name)), js)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics lines written after the checkpoint we resume from (and a torn last line)."""
-    if path.is_file():
-        keep = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    keep.append(line)
-            except json.JSONDecodeError:
-                pass
-        atomic_write_bytes(path, "".join(x + "\n" for x in keep).encode())
-
-
+# --- metrics -------------------------------------------------------------------------------------------------------
 class _Log:
     """metrics.jsonl (rank 0) and TensorBoard when installed."""
 
@@ -501,11 +394,11 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
     if bf16 and not cuda:
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
     attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "sdpa")
-    if _complete(run) and not cfg.resume:
+    if checkpoint.complete(run) and not cfg.resume:
         raise HstapError(f"{run}: has checkpoints already; pass --resume to continue or choose another --out")
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
-        _recover(run)
+        checkpoint.recover(run)
         write_run_config(run, "train", cfg)
     D.barrier()
 
@@ -563,8 +456,8 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
     eval_rows, eval_b = _Rows(esrc, ev, prepared=cfg.online), _eval_batches(e_len, cfg, rank, world)
 
     # Model, wrapping, optimizer; a resume loads the weights before wrapping and the rest after.
-    ckpt = _complete(run)[-1] if cfg.resume and _complete(run) else None
-    state = _load(ckpt, cfg, world, drafter) if ckpt else {}
+    ckpt = checkpoint.complete(run)[-1] if cfg.resume and checkpoint.complete(run) else None
+    state = checkpoint.load(ckpt, cfg, world, drafter) if ckpt else {}
     drafter.to(dev)
     if cfg.compile and cuda:
         from torch import _dynamo
@@ -581,9 +474,9 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
                             fused=True if cuda and not fsdp else None)
     step, best, tokens_seen = state.get("step", 0), state.get("best_sim_tau", -1.0), state.get("tokens_seen", 0)
     if ckpt:
-        _load_rest(ckpt, state, rank, params, opt)
+        checkpoint.load_rest(ckpt, state, rank, params, opt)
         if rank == 0:
-            _truncate_metrics(run / "metrics.jsonl", step)
+            checkpoint.truncate_metrics(run / "metrics.jsonl", step)
     batches = _Batches(_Rows(src, tr, prepared=cfg.online), [lengths_all[i] for i in tr], cfg, rank, world,
                        state.get("epoch", 0), state.get("batches_done", 0), cuda,
                        cfg.workers if cfg.workers >= 0 else (4 if cuda else 0))
@@ -692,13 +585,13 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
                       "scheduler": {"kind": "warmup-cosine", "lr": cfg.lr, "warmup_ratio": cfg.warmup_ratio,
                                     "min_lr_ratio": cfg.min_lr_ratio, "next_lr": _lr(cfg, step, total)},
                       "param_names": names, "config": {"world_size": world, **vars(cfg)}}
-            _save(run, step, drafter, params, opt, tstate, extra, cfg.keep, rank, fsdp, is_best)
+            checkpoint.save(run, step, drafter, params, opt, tstate, extra, cfg.keep, rank, fsdp, is_best)
     bar.close()
     log.close()
     summary = {"run": str(run), "steps": step, "loss": last.get("loss"), "acc": last.get("acc"),
                "tok_s": last.get("tok_s"), "mfu": last.get("mfu"), "sim_tau": ev_last.get("sim_tau"),
                "best_sim_tau": best if best >= 0 else None, "peak_mem_gb": last.get("peak_mem_gb"),
-               "checkpoint": str(_complete(run)[-1]) if _complete(run) else None}
+               "checkpoint": str(checkpoint.complete(run)[-1]) if checkpoint.complete(run) else None}
     D.print0(json.dumps(summary))
     return summary
 
