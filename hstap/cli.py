@@ -18,7 +18,6 @@ import dataclasses
 import importlib
 import inspect
 import json
-import os
 import sys
 import textwrap
 import types
@@ -96,11 +95,12 @@ def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParse
             continue
         tp, optional, is_list = _base_type(hints[f.name])
         names = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else []) + [f"--{stage}.{f.name}"]
-        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": docs.get(f.name, "")}
+        # argparse %-formats help strings: a literal % in a docstring must be doubled
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": docs.get(f.name, "").replace("%", "%%")}
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
         if default is not None and default != []:
-            kw["help"] += f" (default: {default})"
+            kw["help"] += f" (default: {default})".replace("%", "%%")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             kw["help"] += " (required)"
         if "choices" in f.metadata:

@@ -380,7 +380,7 @@ def _markdown(cfg: EvalConfig, r: dict) -> str:
              f"target `{cfg.target}`, drafter `{cfg.drafter}`, data `{cfg.data}`, {r['num_prompts']} prompts, "
              f"max {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, {r['dtype']} on "
              f"{hw.get('gpu', hw['device'])} (torch {hw['torch']}, transformers {hw['transformers']})",
-             f"drafting: " + (f"chain k={cfg.k}" if cfg.mode == "chain" else
+             "drafting: " + (f"chain k={cfg.k}" if cfg.mode == "chain" else
                               f"tree topk={cfg.topk} depth={cfg.depth} tokens={cfg.tokens}"), "",
              "| method | tau | tokens/s | speedup | draft s | verify s | per-position acceptance |",
              "|---|---|---|---|---|---|---|"]

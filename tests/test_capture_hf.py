@@ -22,15 +22,6 @@ from hstap.store import StoreWriter, open_store, store_bytes_per_token
 LAYERS = "0,2,4"  # HF hidden_states[1], [3], [5] of a 6-layer model; final = hidden_states[6]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core box: one intra-op thread is several times faster than two fighting each other.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def prepared(tiny_tokenizer, tmp_path_factory):
     return make_prepared(tiny_tokenizer[1], tmp_path_factory.mktemp("cap-hf") / "prepared", n=24, seed=1)
@@ -179,15 +170,15 @@ def test_capture_runner_handles_writer_errors(tiny_llama, tmp_path):
 
 def test_host_buffer_layout_roundtrip():
     """The byte packing of the CUDA path (pinned buffer <- device tensors, views back), run here on CPU tensors."""
-    from hstap.engines.hf import _layout, _pack, _views, to_store_dtype
+    from hstap.engines.hf import staging_layout, staging_pack, staging_views, to_store_dtype
 
     aux, final = torch.randn(37, 3, 64) * 5, torch.randn(37, 64)  # (S, K, H), (S, H)
     for dtype in ("bf16", "fp8", "fp32"):
         payload = to_store_dtype(aux, final, dtype)
-        layout, nbytes = _layout(payload)
+        layout, nbytes = staging_layout(payload)
         buf = torch.full((nbytes + 1000,), 255, dtype=torch.uint8)  # a pool buffer is larger than needed
-        _pack(buf, payload, layout)
-        back = _views(buf[:nbytes].clone(), layout)
+        staging_pack(buf, payload, layout)
+        back = staging_views(buf[:nbytes].clone(), layout)
         names = {"aux", "final", "aux_scale", "final_scale"} if dtype == "fp8" else {"aux", "final"}
         assert set(back) == set(payload) == names
         for name, t in payload.items():

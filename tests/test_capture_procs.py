@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-import torch
 from _capture_fixtures import (BOOT, Run, assert_same_store, free_port, make_prepared, run_cli, start_forkserver,
                                store_samples)
 
@@ -22,14 +21,6 @@ from hstap.store import open_store
 
 N = 40  # samples
 LAYERS = "1,3,4"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", autouse=True)

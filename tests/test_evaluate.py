@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from hstap.common import HstapError
 from hstap.evaluate import EvalConfig, evaluate, prompt_from_mask, read_sim_tau
@@ -21,14 +20,6 @@ CONVERSATIONS = [
                              {"role": "assistant", "content": "It decodes."}]},
     {"id": "c", "messages": [{"role": "system", "content": "no user turn here"}]},
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/test_speculate.py: one thread is much faster for batch-1 tiny models
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -26,15 +26,6 @@ NEW = 12  # max_new_tokens of the end-to-end runs: the tiny random model rarely 
 FAIL_FIRST = 3  # 503s the server injects before answering
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core box: one intra-op thread is several times faster than two fighting each other.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

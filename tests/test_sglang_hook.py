@@ -29,14 +29,6 @@ LAYERS = [0, 2, 4]  # canonical ids of the 6-layer tiny target; K = 3
 H = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def sg(tiny_llama):
     sglang = import_sglang()

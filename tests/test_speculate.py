@@ -16,16 +16,6 @@ from hstap.speculate import (drafter_extend, new_cache, ngram_generate, ngram_pr
 from tests._speculate_fixtures import (StubDrafter, StubTarget, load_tiny_target, oracle_drafter, random_drafter)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Batch-1 decoding of tiny models is all small ops: a second intra-op thread only adds synchronisation, and on a
-    # shared 2-core machine it spins against other processes (measured 20x slower than one thread).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
     return load_tiny_target(tiny_llama)[0]

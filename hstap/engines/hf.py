@@ -313,7 +313,7 @@ class PinnedPool:
                 free.append(buf)
 
 
-def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[int, int, torch.dtype, tuple]], int]:
+def staging_layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[int, int, torch.dtype, tuple]], int]:
     """Byte offsets of each tensor in one buffer (aligned), and the total size."""
     out, off = {}, 0
     for name, t in tensors.items():
@@ -323,14 +323,14 @@ def _layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[int, int,
     return out, off
 
 
-def _pack(buf: torch.Tensor, tensors: dict[str, torch.Tensor], layout: dict, non_blocking: bool = False) -> None:
+def staging_pack(buf: torch.Tensor, tensors: dict[str, torch.Tensor], layout: dict, non_blocking: bool = False) -> None:
     """Copy each tensor's raw bytes (any dtype, fp8 included) to its place in the uint8 buffer `buf`."""
     for name, t in tensors.items():
         o, n, _, _ = layout[name]
         buf[o: o + n].copy_(t.view(torch.uint8).reshape(-1), non_blocking=non_blocking)
 
 
-def _views(buf: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
+def staging_views(buf: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
     return {name: buf[o: o + n].view(dt).view(shape) for name, (o, n, dt, shape) in layout.items()}
 
 
@@ -399,14 +399,14 @@ class CaptureRunner:
         self._put(item)
 
     def _copy_to_host(self, payload: dict[str, torch.Tensor], metas: list[dict]):
-        layout, nbytes = _layout(payload)
+        layout, nbytes = staging_layout(payload)
         buf = self.pool.acquire(nbytes)  # (cap,) uint8, pinned
         compute = torch.cuda.current_stream(self.device)
         ready = torch.cuda.Event()
         ready.record(compute)  # payload is complete on the compute stream once this fires
         with torch.cuda.stream(self.side):
             self.side.wait_event(ready)  # the side stream waits; the compute stream goes on with the next batch
-            _pack(buf, payload, layout, non_blocking=True)  # D2H into pinned memory: truly asynchronous
+            staging_pack(buf, payload, layout, non_blocking=True)  # D2H into pinned memory: truly asynchronous
             for t in payload.values():
                 t.record_stream(self.side)  # the allocator must not reuse t's memory before this copy has run
             done = torch.cuda.Event(blocking=True)  # blocking: the writer thread sleeps instead of spinning a core
@@ -476,7 +476,7 @@ class CaptureRunner:
                         # the store keeps added tensors until their shard is written: move them out of the
                         # pinned buffer, which the next batches reuse
                         owned = buf[:nbytes].clone()  # (nbytes,) uint8, pageable
-                        tensors = _views(owned, layout)
+                        tensors = staging_views(owned, layout)
                     self.pool.release(buf)
                     buf = None
                 if self._error is None and not self._abort:

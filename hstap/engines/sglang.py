@@ -53,21 +53,6 @@ RID_PREFIX = "hstap:"
 EVENTS_DIR = "sglang-events"  # inside the store; hstap/store.py ignores other files
 _MANIFEST_ONLY = ("format", "version", "created", "created_unix", "shards")  # manifest keys that are not header keys
 _FINISHED_KEEP = 1 << 16  # finished rids remembered (to ignore their decode rows / late echoes)
-_ALIGN = 512  # byte alignment of each tensor in a pinned staging buffer
-
-
-def _layout(tensors: dict) -> tuple[dict, int]:
-    """Byte offset, size, dtype and shape of each tensor packed into one staging buffer; and the total size."""
-    out, off = {}, 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        out[name] = (off, n, t.dtype, tuple(t.shape))
-        off += -(-n // _ALIGN) * _ALIGN
-    return out, off
-
-
-def _views(buf: torch.Tensor, layout: dict) -> dict:
-    return {name: buf[o:o + n].view(dt).view(shape) for name, (o, n, dt, shape) in layout.items()}
 
 
 def short_id(sample_id: str, n: int = 60) -> str:
@@ -399,20 +384,19 @@ class CaptureHook:
         dev = hidden.device
         if dev.type != "cuda":
             return {"tensors": {k: v.clone() if len(ranges) == 1 else v for k, v in t.items()}}
-        from hstap.engines.hf import PinnedPool
+        from hstap.engines.hf import PinnedPool, staging_layout, staging_pack
 
         t = {k: v.contiguous() for k, v in t.items()}
         if self._side is None:
             self._side, self._pool = torch.cuda.Stream(device=dev), PinnedPool(keep_per_class=self.cfg.queue_size + 2)
-        layout, nbytes = _layout(t)
+        layout, nbytes = staging_layout(t)
         buf = self._pool.acquire(nbytes)  # (cap,) uint8, pinned
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(dev))  # rows are complete on the compute stream once this fires
         with torch.cuda.stream(self._side):
             self._side.wait_event(ready)  # the side stream waits, the scheduler's stream goes on
-            for name, x in t.items():
-                o, n, _, _ = layout[name]
-                buf[o:o + n].copy_(x.view(torch.uint8).reshape(-1), non_blocking=True)
+            staging_pack(buf, t, layout, non_blocking=True)  # D2H into pinned memory
+            for x in t.values():
                 x.record_stream(self._side)  # keep x's memory until the copy ran
             done = torch.cuda.Event(blocking=True)
             done.record(self._side)
@@ -506,10 +490,12 @@ class _Writer:
     def handle(self, item: dict) -> None:
         tensors = item.get("tensors")
         if "done" in item:
+            from hstap.engines.hf import staging_views
+
             item["done"].synchronize()  # the D2H copy landed
             buf, layout = item["buf"], item["layout"]
             nbytes = max(o + n for o, n, _, _ in layout.values())
-            tensors = _views(buf[:nbytes].clone(), layout)  # own it: the pinned buffer goes back to the pool
+            tensors = staging_views(buf[:nbytes].clone(), layout)  # own it: the pinned buffer goes back to the pool
             self.hook._pool.release(buf)
         off = 0
         for act in item["actions"]:
