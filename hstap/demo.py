@@ -33,17 +33,17 @@ class DemoConfig:
     """Target model directory; default: build and train a toy target under OUT/target."""
     data: list[str] | None = None
     """Conversation files (JSONL/JSON/Parquet); default: chat data made from Python's own documentation."""
-    target_minutes: float = 3.0
+    target_minutes: float = 2.5
     """Wall-clock minutes to train the toy target (only without --target)."""
-    max_samples: int = 600
+    max_samples: int = 1200
     """Conversations used (the demo's data budget); 5% of them are held out as eval prompts."""
     generate: bool = False
     """Regenerate the assistant turns with the target before capture (slower; better acceptance)."""
-    train_steps: int = 150
+    train_steps: int = 250
     """Drafter training steps."""
     ttt: int = 7
     """Training-time-test steps of the drafter."""
-    lr: float = 2e-3
+    lr: float = 3e-3
     """Drafter peak learning rate (a small drafter on little data trains well with a high rate)."""
     batch_tokens: int = 2048
     """Tokens per drafter micro-batch."""
@@ -113,7 +113,7 @@ def demo(cfg: DemoConfig) -> dict:
         records = [{"id": i, "conversations": m} for i, m in read_conversations(cfg.data)]
     else:
         from hstap.toy import stdlib_conversations
-        records = stdlib_conversations(max_chars=400)
+        records = stdlib_conversations(max_chars=700)
     random.Random(cfg.seed).shuffle(records)
     records = records[: cfg.max_samples]
     n_eval = max(cfg.eval_prompts, len(records) // 20)
