@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hstap.evaluate import check_lossless, eos_ids, load_prompts, run_method
+from hstap.evaluate import check_lossless, eos_ids, load_prompts, read_sim_tau, run_method, sim_chain_tau
 from hstap.speculate import ngram_generate, speculative_generate, target_generate
 
 
@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--methods", default=None,
+                    help="comma list of methods to run besides target (default all): ngram, eagle3-chain, eagle3-tree,\n"
+                         "baseline-chain, baseline-tree; lets several processes share the work")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on random tiny models built in a temp dir")
     args = ap.parse_args(argv)
     tmp = None
@@ -102,6 +105,18 @@ def main(argv=None) -> int:
         methods[f"{name}-tree"] = lambda p, g, m=n, d=d: speculative_generate(target, d, p, m, "tree", topk=topk,
                                                                               depth=depth, tokens=tokens, temperature=T,
                                                                               eos_ids=eos, generator=g)
+    if args.methods:
+        want = {m.strip() for m in args.methods.split(",") if m.strip()}
+        unknown = want - set(methods)
+        if unknown:
+            ap.error(f"--methods: unknown {sorted(unknown)}; choose from {sorted(set(methods) - {'target'})}")
+        methods = {k: v for k, v in methods.items() if k == "target" or k in want}
+    sims = {}
+    for name, path in (("eagle3", args.drafter), ("baseline", args.baseline_drafter)):
+        rec = read_sim_tau(path) if path else None
+        if rec is not None:
+            sims[name] = {"step": rec.get("step"), "acc_cond": rec.get("acc_cond"),
+                          "chain_tau": sim_chain_tau(rec.get("acc_cond"), args.k)}
     t0 = time.perf_counter()
     outputs, results = {}, {}
     for name, fn in methods.items():
@@ -124,6 +139,13 @@ def main(argv=None) -> int:
         acc = " ".join(f"{a:.2f}" for a in r.get("per_position_acceptance", []))
         print(f"{name:16s} {r['tau']:6.3f} {r['tokens_per_s']:8.1f} {r['speedup']:7.2f}x "
               f"{r.get('draft_s', 0.0):8.2f} {r.get('verify_s', 0.0):9.2f}  {acc}")
+    for name, sm in sims.items():
+        r = results.get(f"{name}-chain")
+        if r is not None and sm["chain_tau"] is not None:
+            sm["measured_chain_tau"] = r["tau"]
+            sm["sim_vs_measured"] = sm["chain_tau"] / r["tau"] - 1.0
+            print(f"{name}: simulated chain-{args.k} tau {sm['chain_tau']:.3f} (training eval, step {sm['step']}) vs "
+                  f"measured {r['tau']:.3f}: {100 * sm['sim_vs_measured']:+.1f}%")
     failed = [m for m in mismatches if not m["near_tie"]]
     for m in mismatches:
         print(f"{'near-tie' if m['near_tie'] else 'LOSSLESSNESS VIOLATION'}: {json.dumps(m)}", file=sys.stderr)
@@ -134,7 +156,8 @@ def main(argv=None) -> int:
                       "results": {name: {key: r.get(key) for key in ("tau", "tokens_per_s", "speedup", "draft_s",
                                                                      "verify_s", "per_position_acceptance",
                                                                      "new_tokens", "verify_forwards")}
-                                  for name, r in results.items()}}))
+                                  for name, r in results.items()},
+                      "simulated": sims}))
     if tmp is not None:
         tmp.cleanup()
     return 1 if failed else 0

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hstap.common import HstapError
-from hstap.evaluate import EvalConfig, evaluate, prompt_from_mask, read_sim_tau
+from hstap.evaluate import EvalConfig, evaluate, prompt_from_mask, read_sim_tau, sim_chain_tau
 from hstap.export import save_drafter
 from hstap.speculate import target_generate
 from tests._speculate_fixtures import load_tiny_target, random_drafter
@@ -34,7 +34,7 @@ def setup(tiny_llama, tmp_path_factory):
     (run / "best" / "trainer_state.json").write_text(json.dumps({"step": 20}))  # best = step 20, not the last eval
     (run / "metrics.jsonl").write_text(
         json.dumps({"step": 10, "loss": 3.0}) + "\n" + json.dumps({"step": 10, "eval": True, "sim_tau": 0.25}) + "\n"
-        + json.dumps({"step": 20, "eval": True, "sim_tau": 0.5, "acc_cond": [0.4, 0.2]}) + "\n"
+        + json.dumps({"step": 20, "eval": True, "sim_tau": 0.52, "acc_cond": [0.4, 0.2, 0.5]}) + "\n"
         + json.dumps({"step": 30, "eval": True, "sim_tau": 0.375}) + "\n"
         + json.dumps({"step": 30, "loss": 2.0}) + "\n" + '{"step": 40, "ev')  # torn last line of a killed run
     return target, tok, jsonl, run, root
@@ -50,7 +50,8 @@ def test_eval_jsonl_chain_with_ngram(setup, tiny_llama):
     rep = json.loads((out / "report.json").read_text())
     assert summary["lossless"] is True and rep["lossless"] is True and rep["mismatches"] == []
     assert set(rep["methods"]) == {"target", "ngram", "eagle"} and rep["method"] == "eagle"
-    assert rep["simulated_tau"] == 0.5 and rep["simulated"]["step"] == 20
+    # chain k=3 from the best checkpoint's eval line (step 20): 1 + 0.4 + 0.4*0.2 + 0.4*0.2*0.5
+    assert rep["simulated_tau"] == pytest.approx(1.52) and rep["simulated"]["step"] == 20
     assert len(rep["per_position_acceptance"]) == 3 and rep["tau"] >= 1.0 and rep["speedup"] > 0
     assert rep["methods"]["target"]["speedup"] == 1.0 and rep["methods"]["eagle"]["draft_s"] > 0
     # "c" has no user turn; "b" is cut at its last user turn (trailing assistant answer dropped).
@@ -78,7 +79,8 @@ def test_eval_prepared_tree_sampled(setup, tiny_llama):
     evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run / "best"), data=str(prepared), out=str(out),
                         mode="tree", topk=2, depth=3, tokens=6, temperature=0.7, max_new_tokens=8, device="cpu"))
     rep = json.loads((out / "report.json").read_text())
-    assert rep["lossless"] is None and rep["simulated_tau"] == 0.5  # found from RUN/best's parent
+    assert rep["lossless"] is None and rep["simulated"]["sim_tau"] == 0.52  # found from RUN/best's parent
+    assert rep["simulated_tau"] is None  # the chain simulation says nothing about a tree
     assert {p["id"] for p in rep["prompts"]} == {r for r in rows if sum(rows[r]["loss_mask"])}
     for p in rep["prompts"]:
         row = rows[p["id"]]
@@ -136,8 +138,9 @@ def test_lossless_violation_fails_loudly(setup, tiny_llama, monkeypatch, capsys)
 
 def test_read_sim_tau(setup, tmp_path):
     run = setup[3]
-    assert read_sim_tau(str(run))["sim_tau"] == 0.5  # RUN resolves to best/, whose step is 20
-    assert read_sim_tau(str(run / "best"))["acc_cond"] == [0.4, 0.2]
+    assert read_sim_tau(str(run))["sim_tau"] == 0.52  # RUN resolves to best/, whose step is 20
+    assert read_sim_tau(str(run / "best"))["acc_cond"] == [0.4, 0.2, 0.5]
+    assert sim_chain_tau([0.4, 0.2, 0.5], 2) == pytest.approx(1.48) and sim_chain_tau([0.4, 0.2], 3) is None
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000030"
     ckpt.mkdir(parents=True)
     (tmp_path / "run" / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())

@@ -234,6 +234,27 @@ def test_add_and_flush_from_two_threads(tmp_path):
     assert raw(s[50]["aux"]) == raw(sample(50)[2].to(torch.bfloat16))
 
 
+def test_when_written_runs_after_the_commit_and_never_for_dropped_samples(tmp_path):
+    w = StoreWriter(tmp_path / "s", header(), shard_tokens=100)
+    calls = []
+    w.when_written(lambda: calls.append(("empty", len(w.committed_ids()))))  # nothing pending: called at once
+    assert calls == [("empty", 0)]
+    w.add(sid(0), *sample(0, max_len=40))
+    w.when_written(lambda: calls.append(("s0", sorted(w.committed_ids()))))
+    assert len(calls) == 1  # sample 0 is still in the open shard
+    i = 1
+    while len(calls) == 1:  # the callback fires inside the add that commits the shard, after the commit point
+        w.add(sid(i), *sample(i, max_len=40))
+        i += 1
+    assert calls[1][0] == "s0" and sid(0) in calls[1][1] and (tmp_path / "s" / "parts" / "rank000.json").is_file()
+    w.add(sid(i), *sample(i, max_len=40))
+    w.when_written(lambda: calls.append("dropped"))
+    with pytest.raises(RuntimeError):
+        with w:
+            raise RuntimeError("boom")  # an exception inside `with` drops the open shard: no callback
+    assert calls[-1] != "dropped" and sid(i) not in open_store(tmp_path / "s").ids
+
+
 def test_verify_catches_flipped_byte_missing_file_nan_and_metadata(tmp_path):
     p = tmp_path / "s"
     write(p, 40, "fp32")

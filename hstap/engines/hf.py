@@ -12,12 +12,14 @@ The pipeline (`CaptureRunner`) keeps the GPU busy while storage works:
     main thread:  forward(batch i) -> demux real rows -> convert to the store dtype on the GPU (fp8: half the D2H)
                   -> event on the compute stream -> side stream waits on it, copies into a pinned buffer -> done event
                   -> queue.put((done, buffer, samples))           (blocks only when `queue_size` batches are waiting)
-    writer thread: done.synchronize() -> copy out of the pinned buffer -> StoreWriter.add() per sample (commits shards)
+    writer thread: done.synchronize() -> StoreWriter.add() per sample, views of the pinned buffer (commits shards)
+                   -> the buffer goes back to the pool once the shard holding its last sample is committed
 
-The compute stream never waits for the copy (the side stream does), and the pinned buffers come from a small pool
-reused in rotation, so pinning (slow, page-locking) happens a few times per run, not per batch. The writer copies each
-batch out of its pinned buffer before `add` because the store keeps added tensors by reference until their shard is
-written (a shard can be many GB; pinning that much host memory would be unsafe). On the CPU the same pipeline runs with
+The compute stream never waits for the copy (the side stream does). The store keeps added tensors by reference until
+their shard is written, so handing it views of the pinned buffer saves a host copy of every byte; the pool then holds
+about queue_size + 2 + shard_bytes / batch_bytes buffers, allocated in the first batches and reused (pinning is slow).
+With shards larger than `ZERO_COPY_MAX_SHARD` bytes the writer copies each batch out of its pinned buffer instead, so
+pinned memory stays bounded. On the CPU the same pipeline runs with
 plain tensors: the writer thread still overlaps disk writes with compute. An error in the writer thread (e.g. ENOSPC)
 stops it and is raised in the main thread at its next call.
 
@@ -45,6 +47,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a weight file
 _ALIGN = 512  # byte alignment of each tensor inside a pinned buffer (any dtype view stays aligned)
+ZERO_COPY_MAX_SHARD = 4 << 30  # larger shards: copy batches out of pinned memory rather than pin a whole shard
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -289,28 +292,37 @@ def to_store_dtype(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[s
 
 
 class PinnedPool:
-    """Pinned host buffers (uint8) by size class (powers of two >= 1 MiB), reused in rotation; thread-safe."""
+    """Pinned host buffers (uint8), reused: `acquire` hands out the smallest free buffer that is large enough, else
+    allocates one rounded up to 1/16 of its power of two (pinning is slow: a long capture allocates its few buffers in
+    the first batches and then only reuses them). Thread-safe; every released buffer is kept for reuse."""
 
-    def __init__(self, keep_per_class: int = 8):
-        self.keep = keep_per_class
-        self._free: dict[int, list[torch.Tensor]] = {}
+    def __init__(self):
+        self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.allocated = 0  # pinned allocations made (a reuse costs nothing)
 
+    @staticmethod
+    def capacity(nbytes: int) -> int:
+        step = max(1 << 20, 1 << max(0, max(1, nbytes).bit_length() - 4))
+        return -(-max(1, nbytes) // step) * step
+
     def acquire(self, nbytes: int) -> torch.Tensor:
-        cap = max(1 << 20, 1 << (max(1, nbytes) - 1).bit_length())
         with self._lock:
-            free = self._free.get(cap)
-            if free:
-                return free.pop()
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
             self.allocated += 1
-        return torch.empty(cap, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(self.capacity(nbytes), dtype=torch.uint8, pin_memory=True)
 
     def release(self, buf: torch.Tensor) -> None:
         with self._lock:
-            free = self._free.setdefault(buf.numel(), [])
-            if len(free) < self.keep:
-                free.append(buf)
+            self._free.append(buf)
+
+    def reserve(self, nbytes: int, count: int) -> None:
+        """Make sure `count` free buffers of >= nbytes exist (allocate them ahead of a timed or latency-bound run)."""
+        bufs = [self.acquire(nbytes) for _ in range(count)]
+        for b in bufs:
+            self.release(b)
 
 
 def staging_layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[int, int, torch.dtype, tuple]], int]:
@@ -345,14 +357,19 @@ class CaptureRunner:
     `submit` returns once the batch's forward pass is queued (CUDA) or done (CPU); the writer thread owns the
     StoreWriter until `close()`. `samples`, `tokens`, `bytes` count what the writer thread has handed to the store."""
 
-    def __init__(self, target: Target, layers: list[int], writer, dtype: str = "bf16", queue_size: int = 4):
+    def __init__(self, target: Target, layers: list[int], writer, dtype: str = "bf16", queue_size: int = 4,
+                 pool: PinnedPool | None = None):
         if queue_size < 1:
             raise HstapError(f"--queue-size: must be >= 1, got {queue_size}")
         self.target, self.layers, self.writer, self.dtype = target, list(layers), writer, dtype
         self.device = target.device
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.vocab_size = int(target.vocab_size)
-        self.pool = PinnedPool(keep_per_class=queue_size + 2) if self.cuda else None
+        self.pool = (pool or PinnedPool()) if self.cuda else None
+        shard = writer.shard_tokens * writer.bytes_per_token
+        if getattr(writer, "shard_bytes", None):
+            shard = min(shard, writer.shard_bytes)
+        self.zero_copy = shard <= ZERO_COPY_MAX_SHARD
         self.side = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.samples = self.tokens = self.bytes = 0
         self.submitted_tokens = 0
@@ -471,21 +488,28 @@ class CaptureRunner:
             try:
                 if done is not None:
                     done.synchronize()  # the D2H copy into buf has landed (also before a discard: buf is reused)
-                    if self._error is None and not self._abort:
-                        layout, nbytes = tensors, max(o + n for o, n, _, _ in tensors.values())
-                        # the store keeps added tensors until their shard is written: move them out of the
-                        # pinned buffer, which the next batches reuse
-                        owned = buf[:nbytes].clone()  # (nbytes,) uint8, pageable
-                        tensors = staging_views(owned, layout)
-                    self.pool.release(buf)
-                    buf = None
-                if self._error is None and not self._abort:
+                    if self._error is not None or self._abort:
+                        self.pool.release(buf)
+                        continue
+                    if self.zero_copy:
+                        # the store keeps what it is given until the shard is written: hand it views of the pinned
+                        # buffer itself (no host copy) and take the buffer back once that shard is committed
+                        tensors, owned, buf = staging_views(buf, tensors), buf, None
+                        self._write(tensors, metas)
+                        self.writer.when_written(lambda b=owned: self.pool.release(b))
+                    else:
+                        nbytes = max(o + n for o, n, _, _ in tensors.values())
+                        tensors = staging_views(buf[:nbytes].clone(), tensors)  # (nbytes,) pageable copy
+                        self.pool.release(buf)
+                        buf = None
+                        self._write(tensors, metas)
+                elif self._error is None and not self._abort:
                     self._write(tensors, metas)
             except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
                 if self._error is None:
                     self._error = e
                 if buf is not None:
-                    self.pool.release(buf)  # only reached after done.synchronize() or when it failed
+                    self.pool.release(buf)  # only when it never reached the store (synchronize failed)
 
     def _write(self, t: dict[str, torch.Tensor], metas: list[dict]) -> None:
         off = 0
@@ -503,13 +527,13 @@ class CaptureRunner:
 
 
 def run_capture(target: Target, layers: list[int], writer, batches: Iterable[list[dict]], dtype: str = "bf16",
-                queue_size: int = 4, progress=None) -> dict:
+                queue_size: int = 4, progress=None, pool: PinnedPool | None = None) -> dict:
     """Drive a CaptureRunner over `batches` (lists of sample dicts) into `writer`; returns counts and timings.
 
     `progress(runner, batch)` is called after each submitted batch. The caller closes the writer (which commits the
     last shard)."""
     t0 = time.perf_counter()
-    with CaptureRunner(target, layers, writer, dtype=dtype, queue_size=queue_size) as run:
+    with CaptureRunner(target, layers, writer, dtype=dtype, queue_size=queue_size, pool=pool) as run:
         for batch in batches:
             run.submit(batch)
             if progress is not None:

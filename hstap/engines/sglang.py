@@ -388,7 +388,7 @@ class CaptureHook:
 
         t = {k: v.contiguous() for k, v in t.items()}
         if self._side is None:
-            self._side, self._pool = torch.cuda.Stream(device=dev), PinnedPool(keep_per_class=self.cfg.queue_size + 2)
+            self._side, self._pool = torch.cuda.Stream(device=dev), PinnedPool()
         layout, nbytes = staging_layout(t)
         buf = self._pool.acquire(nbytes)  # (cap,) uint8, pinned
         ready = torch.cuda.Event()
