@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-drafter", help="a second drafter to compare with (e.g. EAGLE-1-style final-state)")
     ap.add_argument("--data", help="prepared dataset directory or conversations JSONL")
     ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--prompt-offset", type=int, default=0, help="skip this many prompts first (split work over processes)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=5, help="chain length (and n-gram proposal length)")
     ap.add_argument("--tree", default="8,6,60", help="topk,depth,tokens of the tree runs")
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     drafters = {"eagle3": load_any_drafter(args.drafter, target)[0]}
     if args.baseline_drafter:
         drafters["baseline"] = load_any_drafter(args.baseline_drafter, target)[0]
-    prompts = load_prompts(args.data, tok, args.num_prompts)
+    prompts = load_prompts(args.data, tok, args.prompt_offset + args.num_prompts)[args.prompt_offset:]
     eos, T, n = eos_ids(tok, target), args.temperature, args.max_new_tokens
     methods = {"target": lambda p, g, m=n: target_generate(target, p, m, T, eos, g),
                "ngram": lambda p, g, m=n: ngram_generate(target, p, m, args.k, 3, T, eos, g)}
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
         rec = read_sim_tau(path) if path else None
         if rec is not None:
             sims[name] = {"step": rec.get("step"), "acc_cond": rec.get("acc_cond"),
-                          "chain_tau": sim_chain_tau(rec.get("acc_cond"), args.k)}
+                          "chain_tau": sim_chain_tau(rec, args.k)}
     t0 = time.perf_counter()
     outputs, results = {}, {}
     for name, fn in methods.items():

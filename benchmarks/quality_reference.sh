@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Quality run on the reference target, one GPU: regenerate the corpus answers with the target itself (hstap generate,
 # greedy, fp32), prepare -> capture (train + eval splits) -> train the EAGLE-3 drafter and the EAGLE-1-style baseline
-# side by side on the same GPU -> speculative decoding on eval prompts (3 processes: EAGLE-3, baseline, n-gram).
+# side by side on the same GPU -> speculative decoding on eval prompts (8 processes side by side on the GPU: their
+# tau and acceptance are exact, their tokens/s are not a clean timing).
 #   REF=../shared/reference OUT=/tmp/out bash benchmarks/quality_reference.sh
 # Env: EPOCHS (3), LR (1e-3), NEWTOK (256: max tokens of a regenerated training answer), NT (128: new tokens per eval
 # prompt, also the eval split's regeneration length, so that the simulated tau sees the same answers), NP (48 eval
-# prompts), GEN_BS (768), MAXS (use only the first N conversations of each split), DEV (cuda; cpu for a smoke run),
+# prompts per method), NPC (160: prompts of the EAGLE-3 chain, split over 4 processes), GEN_BS (768), MAXS (use only the first N conversations of each split), DEV (cuda; cpu for a smoke run),
 # stage timeouts TG TT TE (s). REGEN=DIR reuses regen-{train,eval}.jsonl.gz from an earlier run.
 # A stage cut by its timeout keeps what it finished: generate output is resumable, training keeps its best checkpoint.
 set -uo pipefail
 REF=${REF:-../shared/reference}; OUT=${OUT:-/tmp/hstap-quality-out}; W=${W:-/dev/shm/hq}
-DEV=${DEV:-cuda}; EPOCHS=${EPOCHS:-3}; LR=${LR:-1e-3}; NEWTOK=${NEWTOK:-256}; NT=${NT:-128}; NP=${NP:-48}; GEN_BS=${GEN_BS:-768}
+DEV=${DEV:-cuda}; EPOCHS=${EPOCHS:-3}; LR=${LR:-1e-3}; NEWTOK=${NEWTOK:-256}; NT=${NT:-128}; NP=${NP:-48}; NPC=${NPC:-160}; GEN_BS=${GEN_BS:-768}
 H="python3 -m hstap.cli"; T=$REF/target-tiny
 mkdir -p "$OUT"; rm -rf "$W"; mkdir -p "$W"; rm -f "$OUT/eval.jsonl"
 t0=$(date +%s); stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s"; }
@@ -50,18 +51,50 @@ for r in eagle3 eagle1; do
 done
 python3 -c "import json; print('prepared train split:', json.load(open('$W/prep/meta.json'))['counts'])"
 
-stamp "eval ($NP prompts, <= $NT new tokens, greedy fp32; 3 processes)"
+stamp "eval (greedy fp32, <= $NT new tokens; EAGLE-3 chain on $NPC prompts in 4 processes, the rest on $NP; 8 processes)"
 ev="python3 benchmarks/bench_eval.py --target $T --drafter $W/run-eagle3 --baseline-drafter $W/run-eagle1 \
-  --data $W/prep-eval --num-prompts $NP --max-new-tokens $NT --device $DEV --dtype fp32 --k 5 --tree 8,6,60"
-timeout "${TE:-170}" $ev --methods eagle3-chain,eagle3-tree > $W/eval-eagle3.log 2>$W/eval-eagle3.err &
-e3=$!
-timeout "${TE:-170}" $ev --methods baseline-chain,baseline-tree > $W/eval-eagle1.log 2>$W/eval-eagle1.err &
-e1=$!
-timeout "${TE:-170}" $ev --methods ngram > $W/eval-ngram.log 2>$W/eval-ngram.err &
-en=$!
-wait $e3; wait $e1; wait $en
-for r in eagle3 eagle1 ngram; do
-  grep -v DEBUG $W/eval-$r.log | tail -6; grep -iE "error|violation|Traceback" $W/eval-$r.err | tail -3
-  tail -1 $W/eval-$r.log >> $OUT/eval.jsonl
+  --data $W/prep-eval --max-new-tokens $NT --device $DEV --dtype fp32 --k 5 --tree 8,6,60"
+export OMP_NUM_THREADS=2  # 8 batch-1 decoders side by side: each is one Python thread launching small kernels
+q=$((NPC / 4)); pids=()
+for i in 0 1 2 3; do
+  timeout "${TE:-200}" $ev --methods eagle3-chain --num-prompts $q --prompt-offset $((i * q)) > $W/eval-c$i.log 2>&1 &
+  pids+=($!)
 done
+for m in eagle3-tree baseline-chain baseline-tree ngram; do
+  timeout "${TE:-200}" $ev --methods $m --num-prompts $NP > $W/eval-$m.log 2>&1 & pids+=($!)
+done
+wait "${pids[@]}"
+for f in $W/eval-*.log; do
+  grep -iE "violation|Traceback|Error" $f | tail -2; tail -1 $f | grep '^{' >> $OUT/eval.jsonl || echo "no result: $f"
+done
+python3 - "$OUT/eval.jsonl" <<'PY'
+import json, sys
+agg, sims = {}, {}
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    sims.update({k: v for k, v in r.get("simulated", {}).items()})
+    for name, m in r["results"].items():
+        a = agg.setdefault(name, {"f": 0, "tok": 0.0, "acc": None, "p": 0, "tps": []})
+        f = m["verify_forwards"]
+        a["f"] += f; a["tok"] += m["tau"] * f; a["p"] += r["prompts"]; a["tps"].append(m["tokens_per_s"])
+        if m.get("per_position_acceptance"):
+            acc = [x * f for x in m["per_position_acceptance"]]
+            a["acc"] = acc if a["acc"] is None else [x + y for x, y in zip(a["acc"], acc)]
+print(f"{'method':16s} {'prompts':>7s} {'tau':>6s}  acceptance by position   (target rows: every process's own)")
+out = {}
+for name, a in agg.items():
+    tau = a["tok"] / a["f"]; acc = [round(x / a["f"], 3) for x in a["acc"]] if a["acc"] else []
+    out[name] = {"prompts": a["p"], "tau": round(tau, 4), "per_position_acceptance": acc, "verify_forwards": a["f"]}
+    print(f"{name:16s} {a['p']:7d} {tau:6.3f}  {' '.join(f'{x:.2f}' for x in acc)}")
+s = sims.get("eagle3", {})
+if s.get("chain_tau") and "eagle3-chain" in out:
+    d = s["chain_tau"] / out["eagle3-chain"]["tau"] - 1
+    print(f"EAGLE-3 chain-5: simulated {s['chain_tau']:.3f} (training eval, step {s['step']}) vs measured "
+          f"{out['eagle3-chain']['tau']:.3f} on {out['eagle3-chain']['prompts']} prompts: {100 * d:+.1f}%")
+    out["sim_vs_measured_eagle3_chain"] = d
+for d in ("chain", "tree"):
+    if f"eagle3-{d}" in out and f"baseline-{d}" in out:
+        out[f"eagle3_over_baseline_{d}"] = out[f"eagle3-{d}"]["tau"] / out[f"baseline-{d}"]["tau"]
+print(json.dumps({"bench": "quality_reference", "merged": out, "simulated": sims}))
+PY
 stamp done

@@ -39,6 +39,7 @@ import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -514,9 +515,10 @@ class TTTModel(nn.Module):
         Training: returns (loss, stats) with loss = scale * sum_k decay^k * sum(CE_k) / denom[k] (denom (K,) = counted
         positions of step k over the whole global batch, so that partial batches on several ranks or micro-steps add
         up to the global mean) and stats (K, 3) = [sum CE_k, correct_k, counted_k] of this batch (no grad).
-        evaluate=True (no grad): returns (stats, sim (K+1,)) where stats is as above and sim = [positions where every
-        step is countable (loss_mask and length only), positions where steps 0..k are all correct, for each k]; a step
-        whose target argmax lies outside the draft vocabulary counts as wrong there (the drafter cannot propose it)."""
+        evaluate=True (no grad): returns (stats, sim (K+1,), runs (B, T)) where stats is as above, sim = [positions where
+        every step is countable (loss_mask and length only), positions where steps 0..k are all correct, for each k] and
+        runs[b, t] = how many leading steps are correct at t (0..K; a step that cannot be counted there ends the run);
+        a step whose target argmax lies outside the draft vocabulary counts as wrong (the drafter cannot propose it)."""
         d = self.drafter
         B, T = input_ids.shape
         dev = input_ids.device
@@ -552,7 +554,34 @@ class TTTModel(nn.Module):
         if not evaluate:
             return loss, stats
         sim = torch.stack([countable.sum()] + [(pk & countable).sum() for pk in prefix]).double()  # (K+1,)
-        return stats, sim
+        runs = torch.stack(prefix).sum(0).view(B, T)  # (B, T): leading correct steps
+        return stats, sim, runs
+
+
+def replay_chain(runs: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, max_k: int):
+    """Greedy chain decoding replayed on teacher-forced runs -> (tokens (max_k,), rounds (max_k,)) for k = 1..max_k.
+
+    Each answer (maximal span [P, E) of loss_mask = 1) is decoded as `speculate.py` would: x[P] comes from the
+    prefill; a round at drafter position t (first t = P-1) accepts a = min(k, runs[t]) drafts plus one target token,
+    producing x[t+2 .. t+2+a], and the next round starts at t + a + 1. On the target's own greedy outputs (`hstap
+    generate`) this is what decoding does, round for round, so tokens / rounds predicts the measured tau; unlike the
+    mean of prod acc_cond it keeps the fact that rounds start right after a rejection, where drafting is harder."""
+    r, m = runs.cpu().numpy(), loss_mask.cpu().numpy().astype(bool)
+    tokens, rounds = np.zeros(max_k, dtype=np.int64), np.zeros(max_k, dtype=np.int64)
+    for b, n in enumerate(lengths.tolist()):
+        mb = m[b, :n]
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mb.astype(np.int8), [0]])))  # span starts, ends
+        for P, E in zip(edges[::2], edges[1::2]):
+            if P == 0:
+                continue  # no prompt token before the answer: nothing to decode from
+            for k in range(1, max_k + 1):
+                t = P - 1
+                while t + 2 < E:
+                    a = min(k, int(r[b, t]))
+                    tokens[k - 1] += min(a + 1, E - (t + 2))
+                    rounds[k - 1] += 1
+                    t += a + 1
+    return tokens, rounds
 
 
 def ttt_flops(cfg: DrafterConfig, lengths: torch.Tensor, counted: list[float], rows: float, ttt: int,

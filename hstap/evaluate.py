@@ -16,9 +16,9 @@ tree). Figures: tau = tokens produced by verify forwards / verify forwards (the 
 SGLang's accept length counts it); per-position acceptance = fraction of rounds whose accepted draft reached depth i;
 tokens/s = generated tokens / wall time including the prefill, summed over prompts; speedup = tokens/s over the
 target's. With --drafter RUN and --mode chain, the training run's simulated tau for a chain of --k drafts is reported
-next to the measured one: 1 + sum_{j<k} prod_{i<=j} acc_cond_i from the checkpoint's eval line in RUN/metrics.jsonl
-(acc_cond_i = P(draft step i right | earlier steps right), teacher-forced on the eval split; the 1 is the bonus token,
-as in the measured tau). It predicts the measured tau when the eval split holds the target's own outputs
+next to the measured one: `sim_chain_tau[k-1]` of the checkpoint's eval line in RUN/metrics.jsonl (chain decoding
+replayed round by round on the teacher-forced eval split, `hstap.drafter.replay_chain`; older runs: 1 + sum_{j<k}
+prod_{i<=j} acc_cond_i). It predicts the measured tau when the eval split holds the target's own outputs
 (`hstap generate`) and --k <= the run's --ttt.
 
 Losslessness: at temperature 0 every method's output must equal the target's, token for token. A mismatch is reported
@@ -165,13 +165,19 @@ def load_any_drafter(path: str, target):
     return load_drafter(p, device=target.device, dtype=target.dtype)
 
 
-def sim_chain_tau(acc_cond, k: int) -> float | None:
-    """Simulated tau of a greedy chain of k drafts: 1 + sum_{j<k} prod_{i<=j} acc_cond[i]; None when the training run
-    simulated fewer than k steps (its --ttt) or logged no acc_cond."""
-    if not acc_cond or len(acc_cond) < k:
+def sim_chain_tau(rec: dict | None, k: int) -> float | None:
+    """Simulated tau of greedy chain decoding with k drafts from a training eval record: its replayed `sim_chain_tau`
+    (hstap.drafter.replay_chain), else 1 + sum_{j<k} prod_{i<=j} acc_cond[i] (runs from before the replay); None when
+    the run simulated fewer than k steps (its --ttt) or logged neither."""
+    rec = rec or {}
+    chain = rec.get("sim_chain_tau")
+    if chain and len(chain) >= k:
+        return float(chain[k - 1])
+    acc = rec.get("acc_cond")
+    if not acc or len(acc) < k:
         return None
     tau, p = 1.0, 1.0
-    for a in acc_cond[:k]:
+    for a in acc[:k]:
         p *= float(a)
         tau += p
     return tau
@@ -209,7 +215,7 @@ def read_sim_tau(drafter_path: str) -> dict | None:
             own = [r for r in evals if step is not None and r.get("step") == step]
             rec = (own or evals)[-1]
             return {"sim_tau": float(rec["sim_tau"]), "step": rec.get("step"), "checkpoint_step": step,
-                    "acc_cond": rec.get("acc_cond"), "file": str(f)}
+                    "acc_cond": rec.get("acc_cond"), "sim_chain_tau": rec.get("sim_chain_tau"), "file": str(f)}
     return None
 
 
@@ -308,7 +314,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         "mean_accepted": p.get("mean_accepted"), "tokens_per_s": p["tokens_per_s"], "target_tokens_per_s": base,
         "speedup": p["speedup"], "draft_s": p.get("draft_s"), "verify_s": p.get("verify_s"),
         "prefill_s": p.get("prefill_s"), "total_s": p["total_s"],
-        "simulated_tau": sim_chain_tau(sim.get("acc_cond"), cfg.k) if sim and cfg.mode == "chain" else None,
+        "simulated_tau": sim_chain_tau(sim, cfg.k) if cfg.mode == "chain" else None,
         "simulated": sim,
         "lossless": (not failed) if T == 0 else None, "mismatches": mismatches,
         "methods": results, "num_prompts": len(prompts), "eos_ids": eos,
@@ -409,7 +415,7 @@ def _markdown(cfg: EvalConfig, r: dict) -> str:
     if r["simulated_tau"] is not None:
         sim, tau = r["simulated_tau"], r["tau"]
         lines.append(f"simulated tau of this chain (training eval at step {r['simulated']['step']}, teacher-forced: "
-                     f"1 + sum of prod acc_cond over {cfg.k} steps): {sim:.3f}; measured tau {tau:.3f} "
+                     f"chain of {cfg.k} drafts replayed on the eval split): {sim:.3f}; measured tau {tau:.3f} "
                      f"({100 * (sim - tau) / tau:+.1f}%)")
     if r["lossless"] is not None:
         lines.append(f"lossless (greedy outputs equal target-only): **{r['lossless']}**"

@@ -31,7 +31,10 @@ peak_mem_gb (CUDA). Eval lines ("eval": true), on the eval split: eval_loss, eva
 t is simulated when loss_mask[t+2+k] == 1 and t+2+k < length for every step k (a target argmax outside the draft
 vocabulary is a miss there: the drafter cannot propose it); acc_cond_k = P(step k right | steps 0..k-1 right) over
 those positions; sim_tau = sum_k prod_{i<=k} acc_cond_i, the expected accepted draft tokens of a greedy K-token chain
-under teacher forcing (SGLang's acceptance length adds 1 for the bonus token). RUN/best follows the highest sim_tau.
+under teacher forcing (SGLang's acceptance length adds 1 for the bonus token); sim_chain_tau[k-1] = the tau of greedy
+chain decoding with k drafts replayed round by round on the eval answers (`hstap.drafter.replay_chain`; rounds start
+after a rejection, so on the target's own outputs it predicts the measured tau, which the mean over positions
+overestimates). RUN/best follows the highest sim_tau.
 
 Checkpoints: RUN/checkpoints/step_{step:08d}/ = drafter.safetensors + drafter.json (hstap.export.save_drafter),
 optimizer.safetensors (AdamW state as `state.{param_idx}.{exp_avg,exp_avg_sq,step}`; names in trainer_state.json),
@@ -59,7 +62,8 @@ import torch
 from hstap import checkpoint
 from hstap import dist as D
 from hstap.common import HstapError, sha256_bytes, write_run_config
-from hstap.drafter import DrafterConfig, Eagle3Drafter, TTTModel, step_rows, target_distribution, ttt_flops
+from hstap.drafter import DrafterConfig, Eagle3Drafter, TTTModel, replay_chain, step_rows, target_distribution, \
+    ttt_flops
 
 STATE_FORMAT = "hstap-trainer-state"
 
@@ -508,21 +512,27 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
         wrapped.eval()
         stats = torch.zeros(cfg.ttt, 3, dtype=torch.float64, device=dev)
         sim = torch.zeros(cfg.ttt + 1, dtype=torch.float64, device=dev)
+        chain = torch.zeros(2, cfg.ttt, dtype=torch.float64)  # replayed chain decoding: tokens, rounds per k
         with torch.no_grad():
             for idx, real in eval_b:  # every rank runs the same number of batches; padding repeats are not counted
-                ids, feats, tb, _, _ = prepare(_collate([eval_rows[i] for i in idx]))
+                b = _collate([eval_rows[i] for i in idx])
+                ids, feats, tb, _, _ = prepare(b)
                 with autocast():
-                    s, m = wrapped(ids, feats, tb, evaluate=True)
+                    s, m, runs = wrapped(ids, feats, tb, evaluate=True)
                 if real:
                     stats, sim = stats + s, sim + m
+                    chain += torch.tensor(np.stack(replay_chain(runs, b["loss_mask"], b["lengths"], cfg.ttt)))
         wrapped.train()
         D.all_reduce_sum(stats)
         D.all_reduce_sum(sim)
+        chain = D.all_reduce_sum(chain.to(dev))
         n, w = stats[:, 2].clamp_min(1), cfg.ttt_decay ** torch.arange(cfg.ttt, device=dev)
         return {"step": step, "eval": True, "eval_loss": float((stats[:, 0] / n * w).sum()),
                 "eval_acc": (stats[:, 1] / n).tolist(),
                 "acc_cond": [float(sim[k + 1] / sim[k]) if sim[k] > 0 else 0.0 for k in range(cfg.ttt)],
-                "sim_tau": float((sim[1:] / sim[0]).sum()) if sim[0] > 0 else 0.0, "eval_positions": int(sim[0])}
+                "sim_tau": float((sim[1:] / sim[0]).sum()) if sim[0] > 0 else 0.0, "eval_positions": int(sim[0]),
+                "sim_chain_tau": [float(chain[0, k] / chain[1, k]) if chain[1, k] > 0 else 0.0
+                                  for k in range(cfg.ttt)]}
 
     log = _Log(run, rank, cfg.tensorboard)
     from tqdm import tqdm

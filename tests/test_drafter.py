@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hstap.drafter import (DrafterCache, DrafterConfig, Eagle3Drafter, TTTModel, soft_ce, step_rows,
-                           target_distribution, ttt_block_mask, ttt_mask)
+from hstap.drafter import (DrafterCache, DrafterConfig, Eagle3Drafter, TTTModel, replay_chain, soft_ce,
+                           step_rows, target_distribution, ttt_block_mask, ttt_mask)
 
 V, VD, H, KA = 24, 6, 16, 2
 
@@ -137,12 +137,30 @@ def test_ttt_equals_naive_reference(K):
 
     # Evaluation: the simulated chain over positions countable at every step, out-of-vocab targets counting as misses.
     with torch.no_grad():
-        est, sim = model(ids, aux, tb, evaluate=True)
+        est, sim, runs = model(ids, aux, tb, evaluate=True)
     B = ids.shape[0]
     full = [(b, t) for b in range(B) for t in range(T) if all((k, b, t) in table for k in range(K))]
     want = [len(full)] + [sum(all(table[(i, b, t)] for i in range(k + 1)) for b, t in full) for k in range(K)]
     assert sim.tolist() == [float(x) for x in want]
     assert est[:, 1:].tolist() == stats[:, 1:].tolist()
+    for b in range(B):  # runs: leading correct steps, a step that cannot be counted ending the run
+        for t in range(T):
+            n = 0
+            while n < K and table.get((n, b, t), False):
+                n += 1
+            assert runs[b, t] == n, (b, t)
+
+
+def test_replay_chain_by_hand():
+    """One answer x[3..12): rounds start at t = 2, advance by accepted + 1; the last round is cut at the answer end."""
+    runs = torch.tensor([[0, 0, 2, 0, 0, 1, 0, 0, 3, 0, 0, 0, 0, 0]])  # (1, T)
+    lm = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])  # answer span [3, 12)
+    tokens, rounds = replay_chain(runs, lm, torch.tensor([14]), 2)
+    # k=1: t=2 a=1 (x4,x5) -> t=4 a=0 (x6) -> t=5 a=1 (x7,x8) -> t=7 a=0 (x9) -> t=8 a=1 (x10,x11) -> t=10 stop
+    # k=2: t=2 a=2 (x4..x6) -> t=5 a=1 (x7,x8) -> t=7 a=0 (x9) -> t=8 a=2 (x10,x11 + x12 cut: 2) -> stop
+    assert tokens.tolist() == [8, 8] and rounds.tolist() == [5, 4]
+    two = replay_chain(torch.cat([runs, runs]), torch.cat([lm, lm]), torch.tensor([14, 6]), 1)
+    assert two[0].tolist() == [8 + 2] and two[1].tolist() == [5 + 1]  # second row cut at length 6: x4,x5 in 1 round
 
 
 def test_alignment_position_t_sees_next_token_and_own_aux():
@@ -170,11 +188,11 @@ def test_flex_attention_matches_sdpa_on_cpu():
     with torch.no_grad():
         outs = {a: (TTTModel(d, ttt=K, attn=a)(ids, aux, tb, denom),
                     TTTModel(d, ttt=K, attn=a)(ids, aux, tb, evaluate=True)) for a in ("sdpa", "flex")}
-    (l1, s1), (e1, m1) = outs["sdpa"]
-    (l2, s2), (e2, m2) = outs["flex"]
+    (l1, s1), (e1, m1, r1) = outs["sdpa"]
+    (l2, s2), (e2, m2, r2) = outs["flex"]
     torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s2, s1, rtol=1e-5, atol=1e-5)
-    assert torch.equal(m2, m1)
+    assert torch.equal(m2, m1) and torch.equal(r2, r1)
     # and the two masks encode the same pattern, element by element
     bm = ttt_block_mask(T, K - 1, device="cpu")
     dense = torch.stack([torch.tensor([bool(bm.mask_mod(0, 0, torch.tensor(q), torch.tensor(kv)))

@@ -140,7 +140,9 @@ def test_read_sim_tau(setup, tmp_path):
     run = setup[3]
     assert read_sim_tau(str(run))["sim_tau"] == 0.52  # RUN resolves to best/, whose step is 20
     assert read_sim_tau(str(run / "best"))["acc_cond"] == [0.4, 0.2, 0.5]
-    assert sim_chain_tau([0.4, 0.2, 0.5], 2) == pytest.approx(1.48) and sim_chain_tau([0.4, 0.2], 3) is None
+    rec = {"acc_cond": [0.4, 0.2, 0.5]}
+    assert sim_chain_tau(rec, 2) == pytest.approx(1.48) and sim_chain_tau({"acc_cond": [0.4, 0.2]}, 3) is None
+    assert sim_chain_tau({**rec, "sim_chain_tau": [1.3, 1.4, 1.45]}, 2) == 1.4  # the replayed figure first
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000030"
     ckpt.mkdir(parents=True)
     (tmp_path / "run" / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
