@@ -26,7 +26,6 @@ import datetime
 import importlib
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,8 +211,7 @@ def capture_hf(cfg: CaptureConfig) -> dict:
     import torch
 
     from hstap.data import load_prepared, read_meta
-    from hstap.engines.hf import PinnedPool, batches_by_tokens, load_target, resolve_device, resolve_dtype, \
-        run_capture, staging_plan, \
+    from hstap.engines.hf import batches_by_tokens, load_target, resolve_device, resolve_dtype, run_capture, \
         target_fingerprint
     from hstap.layers import parse_layers
     from hstap.store import StoreWriter, store_bytes_per_token
@@ -257,18 +255,8 @@ def capture_hf(cfg: CaptureConfig) -> dict:
 
             batches = [[mine[j] for j in b] for b in batches_by_tokens([lens[i] for i in mine], cfg.batch_tokens)]
             t_load = time.perf_counter()
-            pool = reserving = None
-            if batches and dev.type == "cuda":
-                # pinning the staging buffers (GBs, page-locked) takes seconds: do it while the weights load
-                pool = PinnedPool()
-                plan = staging_plan(writer, len(layers), target_block["hidden_size"], cfg.dtype,
-                                    max(sum(lens[i] for i in b) for b in batches), cfg.queue_size)
-                reserving = threading.Thread(target=_reserve, args=(pool, *plan), daemon=True)
-                reserving.start()
             # nothing left (a finished resume, or a rank with no share): no need to load the weights
             target = load_target(cfg.target, dev, engine["compute_dtype"])[0] if batches else None
-            if reserving is not None:
-                reserving.join()
             load_s = time.perf_counter() - t_load
 
             def fetch():
@@ -288,7 +276,7 @@ def capture_hf(cfg: CaptureConfig) -> dict:
             stats = {"samples": 0, "tokens": 0, "bytes": 0, "seconds": 0.0, "writer_wait_s": 0.0}
             if batches:
                 stats = run_capture(target, layers, writer, fetch(), dtype=cfg.dtype, queue_size=cfg.queue_size,
-                                    progress=progress, pool=pool)
+                                    progress=progress)
             if bar is not None:
                 bar.close()
         # leaving the block closed the writer: last shard committed, barrier, rank 0 merged the manifest
@@ -308,8 +296,7 @@ def capture_hf(cfg: CaptureConfig) -> dict:
                "seconds": round(stats["seconds"], 3), "load_s": round(load_s, 3),
                "tokens_per_s": round(tokens / stats["seconds"], 1) if stats["seconds"] > 0 else 0.0,
                "gb_written": round(nbytes / 1e9, 4), "world_size": world, "layers": layers, "dtype": cfg.dtype,
-               "writer_wait_s": round(stats["writer_wait_s"], 3),
-               "pinned_buffers": stats.get("pinned_allocations", 0), "out": cfg.out}
+               "writer_wait_s": round(stats["writer_wait_s"], 3), "out": cfg.out}
     if rank == 0:
         summary.update(_store_totals(cfg.out, len(layers), target_block["hidden_size"], cfg.dtype,
                                      store_bytes_per_token))
@@ -322,13 +309,6 @@ def capture_hf(cfg: CaptureConfig) -> dict:
               f"(formula {summary['bytes_per_token_formula']}); layers {layers}, {cfg.dtype}")
         print(f"capture: wrote {cfg.out} (model load {load_s:.1f} s, total {time.perf_counter() - t_start:.1f} s)")
     return summary
-
-
-def _reserve(pool, nbytes: int, count: int) -> None:
-    try:
-        pool.reserve(nbytes, count)
-    except Exception:  # noqa: BLE001 - out of pinned memory: the pipeline allocates on demand and reports it there
-        pass
 
 
 def _store_totals(out: str, num_aux: int, hidden: int, dtype: str, bpt_fn) -> dict:

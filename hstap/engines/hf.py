@@ -325,21 +325,6 @@ class PinnedPool:
             self.release(b)
 
 
-def staging_plan(writer, num_aux: int, hidden: int, dtype: str, max_batch_tokens: int, queue_size: int
-                 ) -> tuple[int, int]:
-    """(bytes, count) of the pinned staging buffers a capture into `writer` has in flight at most: the queue, the copy
-    in progress, the writer thread's batch and, when the store keeps views of them (zero copy), those held by the
-    open shard. `PinnedPool.reserve(*staging_plan(...))` allocates them up front (pinning GBs takes seconds)."""
-    from hstap.store import store_bytes_per_token
-
-    nbytes = (store_bytes_per_token(num_aux, hidden, dtype) - 5) * max_batch_tokens + 4 * _ALIGN  # ids, mask not staged
-    shard = writer.shard_tokens * writer.bytes_per_token
-    if getattr(writer, "shard_bytes", None):
-        shard = min(shard, writer.shard_bytes)
-    held = -(-shard // nbytes) + 1 if shard <= ZERO_COPY_MAX_SHARD else 0
-    return nbytes, queue_size + 2 + held
-
-
 def staging_layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[int, int, torch.dtype, tuple]], int]:
     """Byte offsets of each tensor in one buffer (aligned), and the total size."""
     out, off = {}, 0
