@@ -1,0 +1,404 @@
+"""Writing a store (`hstap.store` holds the format spec, the checksum and the reader): `StoreWriter` appends
+samples to shards and commits them with the protocol of the spec; `_write_safetensors` lays out one shard file and
+writes it while hashing its chunks."""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+import hashlib
+import json
+import math
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from hstap.common import HstapError, fsync_dir
+from hstap.store import (CHECKSUM, CHUNK_BYTES, FORMAT, PART_FORMAT, TORCH_DTYPES, VERSION, _NEW_SLACK_S, _SHARD_RE, _ST_NAMES, _TEMP_RE, _check_header, _combine, _header_diff,
+                         _load_manifest, _load_parts, _pool, _union, _write_json, log, merge_manifest,
+                         quantize_fp8, store_bytes_per_token)
+
+
+class _Shard:
+    """One open shard's tensors, stored by reference (no copies): lists of per-sample tensors."""
+
+    def __init__(self):
+        self.ids: list[str] = []
+        self.id_set: set[str] = set()
+        self.lengths: list[int] = []
+        self.parts: dict[str, list[torch.Tensor]] = {}
+        self.on_written: list[Callable[[], object]] = []  # run once this shard is committed (StoreWriter.when_written)
+
+    def append(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> None:
+        self.ids.append(sample_id)
+        self.id_set.add(sample_id)
+        self.lengths.append(int(tensors["input_ids"].shape[0]))
+        for k, t in tensors.items():
+            self.parts.setdefault(k, []).append(t)
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, list[torch.Tensor], list[int]]], metadata: dict[str, str]
+                       ) -> tuple[str, int]:
+    """Write a safetensors file from per-piece tensors (no concatenation); returns (file_checksum, size).
+
+    `tensors` is [(name, pieces, shape)]: tensor `name` is the pieces' bytes back to back. Pieces are contiguous CPU
+    tensors of one dtype. The file is laid out first, then its 16 MiB chunks are written (`pwrite`) and hashed in
+    parallel straight from the tensors' memory. The data is fsynced here; the caller renames."""
+    header: dict = {"__metadata__": metadata}
+    off = 0
+    for name, pieces, shape in tensors:
+        n = sum(p.numel() * p.element_size() for p in pieces)
+        if n != math.prod(shape) * pieces[0].element_size():
+            raise AssertionError(f"{name}: {n} bytes of pieces for shape {shape}")
+        header[name] = {"dtype": _ST_NAMES[pieces[0].dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)  # safetensors pads with spaces so the data starts 8-byte aligned
+    segs: list[tuple[int, memoryview]] = [(0, memoryview(len(hb).to_bytes(8, "little") + hb))]
+    pos = len(segs[0][1])
+    for _, pieces, _ in tensors:
+        for p in pieces:
+            if p.numel():
+                # raw bytes straight from the tensor's memory (bf16/fp8 have no numpy dtype: view as uint8)
+                mv = memoryview(p.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+                segs.append((pos, mv))
+                pos += mv.nbytes
+    size = pos
+    starts = [o for o, _ in segs]
+
+    def span(lo: int, hi: int) -> Iterator[tuple[int, memoryview]]:
+        """(file offset, bytes) pieces covering [lo, hi) of the file."""
+        i = bisect.bisect_right(starts, lo) - 1
+        while i < len(segs) and segs[i][0] < hi:
+            so, mv = segs[i]
+            yield max(lo, so), mv[max(lo, so) - so: min(hi, so + mv.nbytes) - so]
+            i += 1
+
+    def hash_chunk(c: int) -> bytes:
+        h = hashlib.sha256()
+        for _, piece in span(c * CHUNK_BYTES, min(size, (c + 1) * CHUNK_BYTES)):
+            h.update(piece)
+        return h.digest()
+
+    def write_all() -> None:
+        # One sequential writer: the kernel serialises writes to one file anyway (inode lock), and large in-order
+        # writes are what the sink's bandwidth is measured with. The hashes run beside it on the other threads.
+        for at, piece in span(0, size):
+            done = 0
+            while done < piece.nbytes:
+                done += os.pwrite(fd, piece[done: done + (64 << 20)], at + done)
+
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        os.ftruncate(fd, size)
+        pool = _pool()
+        wrote = pool.submit(write_all)
+        digests = list(pool.map(hash_chunk, range(max(1, -(-size // CHUNK_BYTES)))))
+        wrote.result()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return _combine(digests), size
+
+
+class StoreWriter:
+    """Append samples to a store, committing a shard each `shard_tokens` tokens (format: `hstap.store`'s docstring).
+
+    `add()` takes ownership of the tensors it is given: tensors already in the store dtype (and contiguous) are kept by
+    reference until their shard is written, so the caller must not modify or reuse them (e.g. a pinned staging buffer)
+    after `add`; anything else is converted (a copy). Thread-safety: `add`, `flush` and `close` share a lock, so one
+    thread may add while another flushes; several writers can flush in parallel threads (hashing and writing release
+    the GIL). Use as a context manager or call `close()`; on an exception inside `with`, samples not yet committed are
+    dropped (a re-run redoes them) and the manifest is not merged.
+
+    `barrier`: an optional callable (e.g. `torch.distributed.barrier`) called by every rank after rank 0 prepared the
+    store and again in `close()` before rank 0 merges. Without it, ranks > 0 poll for manifest.json (up to `wait_s`);
+    with new=True they additionally wait for a manifest created at most 60 s before they started (so they never resume
+    from the store rank 0 is about to wipe), and rank 0's `close()` merges whatever is committed at that time (readers
+    see the rest through the part files; `merge_manifest` can be re-run).
+    """
+
+    def __init__(self, path: str | os.PathLike, header: dict, rank: int = 0, world_size: int = 1,
+                 shard_tokens: int = 1 << 20, new: bool = False, *, shard_bytes: int | None = None,
+                 barrier: Callable[[], object] | None = None, wait_s: float = 600.0):
+        if not 0 <= rank < world_size:
+            raise HstapError(f"store: rank {rank} is out of range for world_size {world_size}")
+        if shard_tokens < 1 or (shard_bytes is not None and shard_bytes < 1):
+            raise HstapError(f"store: shard_tokens/shard_bytes must be >= 1 (got {shard_tokens}, {shard_bytes})")
+        started = time.time()
+        self.path = Path(path)
+        self.header = _check_header(header)
+        self.rank, self.world_size, self.new = rank, world_size, new
+        self.shard_tokens, self.shard_bytes = shard_tokens, shard_bytes
+        self.dtype: str = self.header["dtype"]
+        self.num_aux, self.hidden_size = len(self.header["layers"]), self.header["hidden_size"]
+        self.bytes_per_token = store_bytes_per_token(self.num_aux, self.hidden_size, self.dtype)
+        self._barrier = barrier if world_size > 1 else None
+        self._lock = threading.RLock()
+        self._open = _Shard()
+        self._open_tokens = 0
+        self._closed = False
+        self._failed: str | None = None
+        self.summary: dict | None = None  # merge_manifest's result after close() on rank 0
+
+        if rank == 0:
+            self._prepare(new)
+        if self._barrier is not None:
+            self._barrier()
+        elif rank > 0:
+            self._wait_for_rank0(started, wait_s)
+        manifest = _load_manifest(self.path)
+        diff = _header_diff(manifest, self.header)
+        if diff:
+            name, old, now = diff
+            raise HstapError(f"{self.path / 'manifest.json'}:1: {name}: the store was made with {old!r}, this run has "
+                             f"{now!r}; pass new=True (--new) to replace it, or write to another directory")
+        self.shards_dir, self.parts_dir = self.path / "shards", self.path / "parts"
+        self.part_path = self.parts_dir / f"rank{rank:03d}.json"
+        parts = _load_parts(self.path)
+        entries, problems, referenced = _union(manifest, parts)
+        for p in problems:
+            log.warning("%s: %s", self.path, p)
+        self._committed: set[str] = {i for e in entries for i in e["ids"]}
+        own: dict[str, dict] = {}
+        for e in manifest["shards"] + [e for p, q in parts if p == self.part_path for e in q["shards"]]:
+            if isinstance(e, dict) and e.get("rank") == rank:
+                own.setdefault(e["file"], e)
+        self._entries = sorted(own.values(), key=lambda e: e["seq"])
+        self._next_seq = max((e["seq"] for e in self._entries), default=-1) + 1
+        self._remove_orphans(referenced)
+        self._write_part(closed=False)
+
+    # -- setup ---------------------------------------------------------------------------------------------------------
+
+    def _prepare(self, new: bool) -> None:
+        """Rank 0: wipe (new=True) and create the store if needed."""
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise HstapError(f"{p}: exists and is not a directory")
+        has_manifest = (p / "manifest.json").is_file()
+        if new:
+            for name in ("manifest.json", "parts", "shards"):  # only the store's own files, never the whole directory
+                q = p / name
+                if q.is_dir():
+                    shutil.rmtree(q)
+                elif q.exists():
+                    q.unlink()
+            has_manifest = False
+        elif not has_manifest and (p / "parts").is_dir() and any((p / "parts").glob("*.json")):
+            # Committed part files without a manifest: the manifest is written before any shard is, so this store was
+            # damaged by hand. Empty shards/ and parts/ are only a creation interrupted by a kill: start over.
+            raise HstapError(f"{p}: has shards/ or parts/ but no manifest.json (a damaged store); "
+                             f"pass new=True to start over")
+        if not has_manifest:
+            (p / "shards").mkdir(parents=True, exist_ok=True)
+            (p / "parts").mkdir(exist_ok=True)
+            now = datetime.datetime.now(datetime.timezone.utc)
+            _write_json(p / "manifest.json", {"format": FORMAT, "version": VERSION, **self.header,
+                                              "created": now.isoformat(timespec="seconds"),
+                                              "created_unix": now.timestamp(), "checksum": CHECKSUM,
+                                              "shards": []})
+
+    def _wait_for_rank0(self, started: float, wait_s: float) -> None:
+        deadline, delay = started + wait_s, 0.02
+        while True:
+            mpath = self.path / "manifest.json"
+            if mpath.is_file():
+                m = _load_manifest(self.path)
+                fresh = m.get("created_unix", 0.0) >= started - _NEW_SLACK_S
+                if not self.new or (fresh and _header_diff(m, self.header) is None):
+                    return
+            if time.time() > deadline:
+                raise HstapError(f"{self.path}: rank {self.rank} waited {wait_s:.0f}s for rank 0 to "
+                                 f"{'re' if self.new else ''}create manifest.json (pass barrier= to synchronise ranks)")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+
+    def _remove_orphans(self, referenced: set[str]) -> None:
+        """Delete this rank's leftovers of a killed run: temp shards, uncommitted shards, temp part files."""
+        for f in self.shards_dir.iterdir():
+            m = _SHARD_RE.match(f.name) or _TEMP_RE.match(f.name)
+            if m and int(m.group(1)) == self.rank and (f.name.startswith(".") or f"shards/{f.name}" not in referenced):
+                f.unlink()
+                log.info("%s: removed uncommitted %s", self.path, f.name)
+        for f in self.parts_dir.glob(f".{self.part_path.name}.*.tmp"):  # atomic_write_bytes' temp names
+            f.unlink()
+
+    def _write_part(self, closed: bool) -> None:
+        _write_json(self.part_path, {"format": PART_FORMAT, "version": VERSION, "rank": self.rank, "closed": closed,
+                                     "shards": self._entries})
+
+    # -- writing -------------------------------------------------------------------------------------------------------
+
+    def committed_ids(self) -> set[str]:
+        """Ids committed by any rank: read from disk now, plus this writer's own commits."""
+        entries, _, _ = _union(_load_manifest(self.path), _load_parts(self.path))
+        with self._lock:
+            return {i for e in entries for i in e["ids"]} | self._committed
+
+    @property
+    def committed_samples(self) -> int:
+        """Samples committed in the store as this writer knows it (all ranks at open + its own commits since)."""
+        return len(self._committed)
+
+    def add(self, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
+            final: torch.Tensor, aux_scale: torch.Tensor | None = None,
+            final_scale: torch.Tensor | None = None) -> None:
+        """Queue one sample; commits the open shard once it holds >= shard_tokens tokens (or shard_bytes bytes).
+
+        input_ids (T,) int, loss_mask (T,) 0/1 (bool or int), aux (T, K, H), final (T, H), all on the CPU. aux/final in
+        the store dtype or any float dtype (converted; quantized for fp8 stores); with aux_scale (T, K) and
+        final_scale (T,) given, aux/final are already float8_e4m3fn (fp8 stores only)."""
+        sample_id = str(sample_id)
+        t = self._prepare_sample(sample_id, input_ids, loss_mask, aux, final, aux_scale, final_scale)
+        with self._lock:
+            if self._failed:
+                raise HstapError(f"{self.path}: writer stopped after an error ({self._failed})")
+            if self._closed:
+                raise HstapError(f"{self.path}: add() after close()")
+            if sample_id in self._committed:
+                raise HstapError(f"{self.path}: sample id {sample_id!r} is already committed (skip committed_ids())")
+            if sample_id in self._open.id_set:
+                raise HstapError(f"{self.path}: sample id {sample_id!r} was added twice")
+            self._open.append(sample_id, t)
+            self._open_tokens += int(t["input_ids"].shape[0])
+            if self._open_tokens >= self.shard_tokens or (
+                    self.shard_bytes is not None and self._open_tokens * self.bytes_per_token >= self.shard_bytes):
+                self._flush_locked()
+
+    def _prepare_sample(self, sid, input_ids, loss_mask, aux, final, aux_scale, final_scale) -> dict[str, torch.Tensor]:
+        K, H = self.num_aux, self.hidden_size
+        where = f"{self.path}: sample {sid!r}"
+        for name, x in (("input_ids", input_ids), ("loss_mask", loss_mask), ("aux", aux), ("final", final)):
+            if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+                raise HstapError(f"{where}: {name}: expected a CPU tensor (copy device->host before add)")
+        T = int(input_ids.shape[0]) if input_ids.dim() == 1 else -1
+        if T < 1:
+            raise HstapError(f"{where}: input_ids: expected shape (T,) with T >= 1, got {tuple(input_ids.shape)}")
+        for name, x, shape in (("loss_mask", loss_mask, (T,)), ("aux", aux, (T, K, H)), ("final", final, (T, H))):
+            if tuple(x.shape) != shape:
+                raise HstapError(f"{where}: {name}: expected shape {shape} (T, K=len(layers), H), got {tuple(x.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise HstapError(f"{where}: input_ids: expected an integer tensor, got {input_ids.dtype}")
+        mask = loss_mask.to(torch.uint8).contiguous()  # (T,)
+        if not torch.equal(mask, loss_mask.to(torch.bool).to(torch.uint8)):
+            raise HstapError(f"{where}: loss_mask: values must be 0 or 1")
+        out = {"input_ids": input_ids.to(torch.int32).contiguous(), "loss_mask": mask}  # (T,), (T,)
+        if self.dtype == "fp8":
+            if (aux_scale is None) != (final_scale is None):
+                raise HstapError(f"{where}: pass both aux_scale and final_scale or neither")
+            if aux_scale is None:
+                if aux.dtype == torch.float8_e4m3fn or final.dtype == torch.float8_e4m3fn:
+                    raise HstapError(f"{where}: float8 aux/final need aux_scale and final_scale")
+                aux, aux_scale = quantize_fp8(aux)  # (T, K, H), (T, K)
+                final, final_scale = quantize_fp8(final)  # (T, H), (T,)
+            f8, f32 = torch.float8_e4m3fn, torch.float32
+            for name, x, dt, shape in (("aux", aux, f8, (T, K, H)), ("final", final, f8, (T, H)),
+                                       ("aux_scale", aux_scale, f32, (T, K)), ("final_scale", final_scale, f32, (T,))):
+                if x.dtype != dt or tuple(x.shape) != shape or x.device.type != "cpu":
+                    raise HstapError(f"{where}: {name}: expected a CPU {dt} tensor of shape {shape}, got {x.dtype} "
+                                     f"{tuple(x.shape)} on {x.device}")
+            out |= {"aux_scale": aux_scale.contiguous(), "final_scale": final_scale.contiguous(),
+                    "aux": aux.contiguous(), "final": final.contiguous()}
+        else:
+            if aux_scale is not None or final_scale is not None:
+                raise HstapError(f"{where}: aux_scale/final_scale are only for fp8 stores (this one is {self.dtype})")
+            dt = TORCH_DTYPES[self.dtype]
+            for name, x in (("aux", aux), ("final", final)):
+                if not x.dtype.is_floating_point or x.dtype == torch.float8_e4m3fn:
+                    raise HstapError(f"{where}: {name}: expected a float tensor, got {x.dtype}")
+            out |= {"aux": aux.to(dt).contiguous(), "final": final.to(dt).contiguous()}  # no copy when already dt
+        return out
+
+    def when_written(self, fn: Callable[[], object]) -> None:
+        """Call `fn()` once every sample added so far is committed (at once when none is pending).
+
+        Lets a caller hand `add()` views of a reusable buffer (a pinned staging buffer) instead of a copy, and take the
+        buffer back when its shard is on disk. Never called for samples a failure drops (their memory is just freed)."""
+        with self._lock:
+            if self._open.ids:
+                self._open.on_written.append(fn)
+                return
+        fn()
+
+    def flush(self) -> None:
+        """Commit the open shard now (no-op when it is empty)."""
+        with self._lock:
+            self._flush_locked()
+
+    def _fail(self, fname: str, err: OSError) -> HstapError:
+        what = "no space left on device" if err.errno == 28 else (err.strerror or str(err))
+        self._failed = what
+        self._open, self._open_tokens = _Shard(), 0
+        return HstapError(f"{what} while writing {fname}: committed data is intact ({len(self._committed)} samples); "
+                          f"free space and re-run to resume")
+
+    def _flush_locked(self) -> None:
+        sh = self._open
+        if not sh.ids or self._failed:
+            return
+        seq, name = self._next_seq, f"r{self.rank:03d}-{self._next_seq:06d}.safetensors"
+        final_path, tmp = self.shards_dir / name, self.shards_dir / f".{name}.tmp"
+        T, N, K, H = sum(sh.lengths), len(sh.ids), self.num_aux, self.hidden_size
+        offsets = torch.zeros(N + 1, dtype=torch.int64)  # (N+1,)
+        offsets[1:] = torch.tensor(sh.lengths, dtype=torch.int64).cumsum(0)
+        tensors = [("offsets", [offsets], [N + 1]), ("input_ids", sh.parts["input_ids"], [T])]
+        if self.dtype == "fp8":
+            tensors += [("aux_scale", sh.parts["aux_scale"], [T, K]), ("final_scale", sh.parts["final_scale"], [T])]
+        tensors += [("aux", sh.parts["aux"], [T, K, H]), ("final", sh.parts["final"], [T, H]),
+                    ("loss_mask", sh.parts["loss_mask"], [T])]
+        meta = {"format": FORMAT, "version": str(VERSION), "ids": json.dumps(sh.ids), "dtype": self.dtype,
+                "layers": json.dumps(self.header["layers"]), "rank": str(self.rank)}
+        try:
+            sha, size = _write_safetensors(tmp, tensors, meta)
+            os.replace(tmp, final_path)
+            fsync_dir(self.shards_dir)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            final_path.unlink(missing_ok=True)  # renamed but its directory entry may not be durable: not committed
+            raise self._fail(str(final_path), e) from e
+        entry = {"file": f"shards/{name}", "rank": self.rank, "seq": seq, "sha256": sha, "bytes": size, "tokens": T,
+                 "ids": list(sh.ids), "lengths": list(sh.lengths)}
+        self._entries.append(entry)
+        try:
+            self._write_part(closed=False)  # the commit point
+        except OSError as e:
+            self._entries.pop()
+            final_path.unlink(missing_ok=True)  # not committed: do not leave it for a reader to wonder about
+            raise self._fail(str(self.part_path), e) from e
+        self._committed.update(sh.ids)
+        self._next_seq += 1
+        self._open, self._open_tokens = _Shard(), 0
+        sh.parts.clear()  # the shard's tensors are on disk: drop them before handing their memory back
+        for fn in sh.on_written:
+            fn()
+
+    def close(self) -> None:
+        """Commit the open shard, mark this rank's part file closed and (rank 0, after `barrier`) merge the manifest."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._failed:
+                raise HstapError(f"{self.path}: writer stopped after an error ({self._failed})")
+            self._flush_locked()
+            self._write_part(closed=True)
+            self._closed = True
+        if self._barrier is not None:
+            self._barrier()
+        if self.rank == 0:
+            self.summary = merge_manifest(self.path)
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            with self._lock:
+                self._open, self._open_tokens, self._closed = _Shard(), 0, True
