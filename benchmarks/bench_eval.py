@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-drafter", help="a second drafter to compare with (e.g. EAGLE-1-style final-state)")
     ap.add_argument("--data", help="prepared dataset directory or conversations JSONL")
     ap.add_argument("--num-prompts", type=int, default=40)
-    ap.add_argument("--prompt-offset", type=int, default=0, help="skip this many prompts first (split work over processes)")
+    ap.add_argument("--prompt-offset", type=int, default=0,
+                    help="skip this many prompts first (to split the work over processes)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=5, help="chain length (and n-gram proposal length)")
     ap.add_argument("--tree", default="8,6,60", help="topk,depth,tokens of the tree runs")
@@ -72,8 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", default=None,
-                    help="comma list of methods to run besides target (default all): ngram, eagle3-chain, eagle3-tree,\n"
-                         "baseline-chain, baseline-tree; lets several processes share the work")
+                    help="comma list of methods to run besides target (default all): ngram, eagle3-chain,\n"
+                         "eagle3-tree, baseline-chain, baseline-tree; lets several processes share the work")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on random tiny models built in a temp dir")
     args = ap.parse_args(argv)
     tmp = None
@@ -96,7 +97,11 @@ def main(argv=None) -> int:
     drafters = {"eagle3": load_any_drafter(args.drafter, target)[0]}
     if args.baseline_drafter:
         drafters["baseline"] = load_any_drafter(args.baseline_drafter, target)[0]
+    if args.prompt_offset < 0:
+        ap.error("--prompt-offset: must be >= 0")
     prompts = load_prompts(args.data, tok, args.prompt_offset + args.num_prompts)[args.prompt_offset:]
+    if not prompts:
+        ap.error(f"--prompt-offset {args.prompt_offset}: {args.data} has no prompt past it")
     eos, T, n = eos_ids(tok, target), args.temperature, args.max_new_tokens
     methods = {"target": lambda p, g, m=n: target_generate(target, p, m, T, eos, g),
                "ngram": lambda p, g, m=n: ngram_generate(target, p, m, args.k, 3, T, eos, g)}

@@ -13,6 +13,7 @@ set -uo pipefail
 REF=${REF:-../shared/reference}; OUT=${OUT:-/tmp/hstap-quality-out}; W=${W:-/dev/shm/hq}
 DEV=${DEV:-cuda}; EPOCHS=${EPOCHS:-3}; LR=${LR:-1e-3}; NEWTOK=${NEWTOK:-256}; NT=${NT:-128}; NP=${NP:-48}; NPC=${NPC:-160}; GEN_BS=${GEN_BS:-768}
 H="python3 -m hstap.cli"; T=$REF/target-tiny
+(( NPC % 4 == 0 )) || { echo "NPC=$NPC: must be a multiple of 4 (4 processes share the EAGLE-3 chain prompts)"; exit 2; }
 mkdir -p "$OUT"; rm -rf "$W"; mkdir -p "$W"; rm -f "$OUT/eval.jsonl"
 t0=$(date +%s); stamp() { echo "== $1 at +$(( $(date +%s) - t0 ))s"; }
 

@@ -515,10 +515,10 @@ class TTTModel(nn.Module):
         Training: returns (loss, stats) with loss = scale * sum_k decay^k * sum(CE_k) / denom[k] (denom (K,) = counted
         positions of step k over the whole global batch, so that partial batches on several ranks or micro-steps add
         up to the global mean) and stats (K, 3) = [sum CE_k, correct_k, counted_k] of this batch (no grad).
-        evaluate=True (no grad): returns (stats, sim (K+1,), runs (B, T)) where stats is as above, sim = [positions where
-        every step is countable (loss_mask and length only), positions where steps 0..k are all correct, for each k] and
-        runs[b, t] = how many leading steps are correct at t (0..K; a step that cannot be counted there ends the run);
-        a step whose target argmax lies outside the draft vocabulary counts as wrong (the drafter cannot propose it)."""
+        evaluate=True (no grad): returns (stats, sim (K+1,), runs (B, T)) where stats is as above, sim = [positions
+        where every step is countable (loss_mask and length only), positions where steps 0..k are all correct, for each
+        k] and runs[b, t] = how many leading steps are correct at t (0..K; a step that cannot be counted there ends the
+        run); a step whose target argmax lies outside the draft vocabulary counts as wrong (it cannot be proposed)."""
         d = self.drafter
         B, T = input_ids.shape
         dev = input_ids.device

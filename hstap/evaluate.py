@@ -172,7 +172,7 @@ def sim_chain_tau(rec: dict | None, k: int) -> float | None:
     rec = rec or {}
     chain = rec.get("sim_chain_tau")
     if chain and len(chain) >= k:
-        return float(chain[k - 1])
+        return float(chain[k - 1]) if chain[k - 1] > 0 else None  # 0: the eval split had no round to replay
     acc = rec.get("acc_cond")
     if not acc or len(acc) < k:
         return None
@@ -412,7 +412,7 @@ def _markdown(cfg: EvalConfig, r: dict) -> str:
         lines.append(f"| {name} | {m['tau']:.3f} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
                      f"{fmt(m.get('draft_s'))} | {fmt(m.get('verify_s'))} | {acc} |")
     lines.append("")
-    if r["simulated_tau"] is not None:
+    if r["simulated_tau"] is not None and r["tau"] > 0:
         sim, tau = r["simulated_tau"], r["tau"]
         lines.append(f"simulated tau of this chain (training eval at step {r['simulated']['step']}, teacher-forced: "
                      f"chain of {cfg.k} drafts replayed on the eval split): {sim:.3f}; measured tau {tau:.3f} "

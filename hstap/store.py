@@ -56,8 +56,8 @@ A shard entry (same in manifest and part files): `file` (path relative to STORE,
 `rank`, `seq`, `sha256` (the file's checksum: sha256 over the concatenated sha256 digests of its consecutive 16 MiB
 chunks, `store.file_checksum`; manifest key `checksum` names the scheme), `bytes` (file size), `tokens` (T), `ids`
 (sample ids, file order), `lengths` (tokens per sample, file order). A part file is {"format": "hstap-store-part",
-"version": 1, "rank": r, "closed": bool, "shards": [entries of rank r]}. Writers put one top-level key and one shard entry per line (readers
-must not rely on it).
+"version": 1, "rank": r, "closed": bool, "shards": [entries of rank r]}. Writers put one top-level key and one shard
+entry per line (readers must not rely on it).
 
 Commit protocol (one writer per rank; ranks never touch each other's files):
  1. The shard is written to `shards/.rRRR-SSSSSS.safetensors.tmp` (one sequential writer; its 16 MiB chunks are
@@ -470,6 +470,10 @@ def open_store(path: str | os.PathLike) -> Store:
         raise HstapError(f"{path / 'manifest.json'}:1: dtype: {m['dtype']!r} is not one of {', '.join(DTYPES)}")
     entries, problems, _ = _union(m, _load_parts(path))
     return Store(path, m, entries, problems)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "StoreWriter"])
 
 
 def __getattr__(name: str):

@@ -5,6 +5,7 @@ writes it while hashing its chunks."""
 from __future__ import annotations
 
 import bisect
+import concurrent.futures as futures
 import datetime
 import hashlib
 import json
@@ -19,9 +20,9 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError, fsync_dir
-from hstap.store import (CHECKSUM, CHUNK_BYTES, FORMAT, PART_FORMAT, TORCH_DTYPES, VERSION, _NEW_SLACK_S, _SHARD_RE, _ST_NAMES, _TEMP_RE, _check_header, _combine, _header_diff,
-                         _load_manifest, _load_parts, _pool, _union, _write_json, log, merge_manifest,
-                         quantize_fp8, store_bytes_per_token)
+from hstap.store import (CHECKSUM, CHUNK_BYTES, FORMAT, PART_FORMAT, TORCH_DTYPES, VERSION, _NEW_SLACK_S, _SHARD_RE,
+                         _ST_NAMES, _TEMP_RE, _check_header, _combine, _header_diff, _load_manifest, _load_parts, _pool,
+                         _union, _write_json, log, merge_manifest, quantize_fp8, store_bytes_per_token)
 
 
 class _Shard:
@@ -85,15 +86,18 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, list[torch.Tensor], 
             h.update(piece)
         return h.digest()
 
+    stop = threading.Event()
+
     def write_all() -> None:
         # One sequential writer: the kernel serialises writes to one file anyway (inode lock), and large in-order
         # writes are what the sink's bandwidth is measured with. The hashes run beside it on the other threads.
         for at, piece in span(0, size):
             done = 0
-            while done < piece.nbytes:
+            while done < piece.nbytes and not stop.is_set():
                 done += os.pwrite(fd, piece[done: done + (64 << 20)], at + done)
 
     fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    wrote = None
     try:
         os.ftruncate(fd, size)
         pool = _pool()
@@ -102,6 +106,9 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, list[torch.Tensor], 
         wrote.result()
         os.fsync(fd)
     finally:
+        if wrote is not None:  # never close fd under a running writer: its number could be reused by another file
+            stop.set()
+            futures.wait([wrote])
         os.close(fd)
     return _combine(digests), size
 
@@ -376,7 +383,10 @@ class StoreWriter:
         self._open, self._open_tokens = _Shard(), 0
         sh.parts.clear()  # the shard's tensors are on disk: drop them before handing their memory back
         for fn in sh.on_written:
-            fn()
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the shard is committed; a caller's callback must not undo that
+                log.exception("%s: a when_written callback failed", self.path)
 
     def close(self) -> None:
         """Commit the open shard, mark this rank's part file closed and (rank 0, after `barrier`) merge the manifest."""

@@ -237,3 +237,19 @@ def test_config_validation():
         with pytest.raises(HstapError, match=match):
             CaptureConfig(**ok, **bad)
     assert CaptureConfig(**ok, device="cuda:1").device == "cuda:1"
+
+
+def test_pinned_pool_reuses_the_smallest_fit_and_drops_outgrown_buffers():
+    from hstap.engines.hf import PinnedPool
+
+    pool = PinnedPool(pin=False)
+    a, b = pool.acquire(3 << 20), pool.acquire(5 << 20)  # (3 MiB, 5 MiB) rounded to 1 MiB steps
+    assert (a.numel(), b.numel()) == (3 << 20, 5 << 20) and pool.allocated == 2
+    pool.release(b)
+    pool.release(a)
+    assert pool.acquire(2 << 20) is a and pool.allocated == 2  # smallest free buffer that fits
+    pool.release(a)
+    for mib in range(6, 40):  # requests growing past every free buffer: the outgrown ones are let go
+        pool.release(pool.acquire(mib << 20))
+    assert len(pool._free) == 1 and pool._free[0].numel() >= 39 << 20
+    assert PinnedPool.capacity((512 << 20) + 1) == 576 << 20  # steps of 1/16 of the next power of two (1 GiB)

@@ -502,3 +502,35 @@ def test_collate_and_dataloader_with_forked_worker(tmp_path):
             assert (batch["aux"][b, n:] == 0).all() and (batch["loss_mask"][b, n:] == 0).all()
         seen += batch["ids"]
     assert sorted(seen) == sorted(s.ids)
+
+
+def test_a_failing_hash_never_leaves_the_writer_running_on_a_closed_fd(tmp_path, monkeypatch):
+    """If hashing fails mid-shard, the sequential writer thread is stopped and joined before the fd is closed:
+    bytes of the shard must not land in a file opened right after (its fd number could be the reused one)."""
+    import hstap.writer as W
+
+    class Boom:
+        def __init__(self):
+            raise OSError(5, "simulated hash failure")
+
+    real_pwrite = os.pwrite
+
+    def slow_pwrite(fd, data, offset):  # the writer is still inside a write when the hashes fail
+        time.sleep(0.3)
+        return real_pwrite(fd, data, offset)
+
+    w = StoreWriter(tmp_path / "s", header(), shard_tokens=1 << 30)
+    for i in range(20):
+        w.add(sid(i), *sample(i, max_len=40))
+    monkeypatch.setattr(W.hashlib, "sha256", Boom)
+    monkeypatch.setattr(W.os, "pwrite", slow_pwrite)
+    with pytest.raises(HstapError):
+        w.flush()
+    monkeypatch.undo()
+    victim = tmp_path / "victim.bin"
+    fd = os.open(victim, os.O_WRONLY | os.O_CREAT)  # most likely the number the shard's fd had
+    try:
+        time.sleep(0.6)  # a writer still running would complete its pwrite on this fd now
+    finally:
+        os.close(fd)
+    assert victim.stat().st_size == 0 and not list((tmp_path / "s" / "shards").glob(".*.tmp"))

@@ -294,9 +294,11 @@ def to_store_dtype(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[s
 class PinnedPool:
     """Pinned host buffers (uint8), reused: `acquire` hands out the smallest free buffer that is large enough, else
     allocates one rounded up to 1/16 of its power of two (pinning is slow: a long capture allocates its few buffers in
-    the first batches and then only reuses them). Thread-safe; every released buffer is kept for reuse."""
+    the first batches and then only reuses them). Released buffers are kept until a request larger than all of them
+    comes (then the free ones are dropped), so growing requests do not pile up pinned memory. Thread-safe."""
 
-    def __init__(self):
+    def __init__(self, pin: bool = True):
+        self.pin = pin  # False: plain host memory (the same reuse policy, testable without a GPU)
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.allocated = 0  # pinned allocations made (a reuse costs nothing)
@@ -311,8 +313,10 @@ class PinnedPool:
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
                 return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            # requests grew past every free buffer: let the smaller ones go (unpinned) rather than keep them forever
+            self._free.clear()
             self.allocated += 1
-        return torch.empty(self.capacity(nbytes), dtype=torch.uint8, pin_memory=True)
+        return torch.empty(self.capacity(nbytes), dtype=torch.uint8, pin_memory=self.pin)
 
     def release(self, buf: torch.Tensor) -> None:
         with self._lock:
@@ -366,10 +370,12 @@ class CaptureRunner:
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.vocab_size = int(target.vocab_size)
         self.pool = (pool or PinnedPool()) if self.cuda else None
-        shard = writer.shard_tokens * writer.bytes_per_token
-        if getattr(writer, "shard_bytes", None):
-            shard = min(shard, writer.shard_bytes)
-        self.zero_copy = shard <= ZERO_COPY_MAX_SHARD
+        self.zero_copy = False  # the CPU path hands the store its own tensors: nothing to copy either way
+        if self.cuda:
+            shard = getattr(writer, "shard_tokens", 1 << 62) * getattr(writer, "bytes_per_token", 1)
+            if getattr(writer, "shard_bytes", None):
+                shard = min(shard, writer.shard_bytes)
+            self.zero_copy = shard <= ZERO_COPY_MAX_SHARD and hasattr(writer, "when_written")
         self.side = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.samples = self.tokens = self.bytes = 0
         self.submitted_tokens = 0
