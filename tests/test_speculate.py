@@ -322,3 +322,49 @@ def test_bad_arguments(tiny):
             speculative_generate(tiny, drafter, [7, 8], 4, mode="tree")
     finally:
         tiny.config._attn_implementation = "sdpa"
+
+
+def test_replayed_training_eval_predicts_chain_decoding(tiny):
+    """The simulation `hstap train` logs (sim_chain_tau: TTT eval runs replayed by `replay_chain`) is chain decoding
+    itself when the eval answers are the target's own greedy outputs: train a real drafter a little on such answers,
+    then compare the replay with `speculative_generate` on the same prompts, round count for round count."""
+    from hstap.drafter import TTTModel, replay_chain, target_distribution
+
+    K, k, n_new = 4, 3, 40
+    prompts = _prompts(tiny.vocab_size, 8, 12, seed=11)
+    outs = [target_generate(tiny, p, n_new)[0] for p in prompts]
+    seqs = [p + o for p, o in zip(prompts, outs)]
+    T = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)  # (B, T)
+    lm = torch.zeros(len(seqs), T, dtype=torch.long)  # (B, T): the answers
+    for b, (p, s) in enumerate(zip(prompts, seqs)):
+        ids[b, :len(s)] = torch.tensor(s)
+        lm[b, len(p):len(s)] = 1
+    lengths = torch.tensor([len(s) for s in seqs])
+    aux, final, _ = tiny.capture(ids, [1, 2, 3])  # (B, T, K, H), (B, T, H)
+    drafter = random_drafter(tiny, (1, 2, 3), seed=3).train()
+    hot = torch.arange(tiny.vocab_size) + drafter.d2t  # (Vd,) the whole vocabulary
+    tb = target_distribution(final, lm, lengths, tiny.lm_head.weight.detach(), hot, drafter.t2d)
+    model = TTTModel(drafter, ttt=K)
+    opt = torch.optim.AdamW([q for q in drafter.parameters() if q.requires_grad], lr=3e-3)
+    denom = torch.tensor([float(tb["s"].numel())] * K)
+    torch.manual_seed(0)
+    for _ in range(60):  # fits these answers well enough for long accepted runs, not perfectly
+        loss, _ = model(ids, aux, tb, denom)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    drafter.eval()
+    with torch.no_grad():
+        _, _, runs = model(ids, aux, tb, evaluate=True)
+    tokens, rounds = replay_chain(runs, lm, lengths, K)
+
+    forwards = produced = 0
+    for p, o in zip(prompts, outs):
+        out, st = speculative_generate(tiny, drafter, p, n_new, mode="chain", k=k)
+        assert out == o
+        forwards, produced = forwards + st["verify_forwards"], produced + st["verify_tokens"]
+    assert produced == tokens[k - 1] == sum(len(o) - 1 for o in outs)
+    assert produced / forwards > 1.5  # the drafter accepts long runs: the comparison says something
+    # equal here (146 rounds both ways); the slack only absorbs a rare argmax flip between the two float paths
+    assert abs(forwards - rounds[k - 1]) <= max(1, forwards // 50), (forwards, rounds[k - 1])
