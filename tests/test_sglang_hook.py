@@ -270,7 +270,7 @@ def test_plugin_via_sglang_entry_points(sg, monkeypatch):
     monkeypatch.setenv("SGLANG_PLUGINS", "hstap")
     try:
         plugins._plugins_loaded = False
-        plugins.load_plugins()  # entry point group sglang.srt.plugins -> hstap.engines.sglang:plugin: a no-op
+        plugins.load_plugins()  # entry point group sglang.srt.plugins -> hstap.engines.sglang_plugin:plugin: a no-op
         assert mod.configure_aux_hidden_state_capture is original
         monkeypatch.setenv(ENV_LAYERS, "1,15,28")
         plugins._plugins_loaded = False

@@ -7,7 +7,7 @@ docs/engines.md has the launch command, what each flag is for, and what was and 
    output (Llama: `residual_batch.final_norm(...)` right before the call); `aux_hidden_states` are the EAGLE-3 taps,
    packed (T, K*H) or a list of K (T, H). The hook demultiplexes the batch per request, starts an async copy of the
    rows it keeps and hands them to a writer thread feeding the same `StoreWriter` as the embedded engine.
-2. `plugin()`: the `sglang.srt.plugins` entry point. Only when `HSTAP_CAPTURE_LAYERS` (canonical ids) is set, it makes
+2. `plugin()` (engines/sglang_plugin.py): the `sglang.srt.plugins` entry point. Only when `HSTAP_CAPTURE_LAYERS` (canonical ids) is set, it makes
    the target capture those layers (`set_eagle3_layers_to_capture`) before CUDA-graph capture, with no draft model.
 3. `run_sglang_capture(cfg)` (engines/sglang_driver.py, re-exported here): the `hstap capture --engine sglang
    --server URL` driver: checks the server's settings, sends prefill-only `/generate` requests and waits until the hook
@@ -44,11 +44,12 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError
+# The plugin (engines/sglang_plugin.py), re-exported: it is the `sglang.srt.plugins` entry point and owns ENV_LAYERS.
+from hstap.engines.sglang_plugin import ENV_LAYERS, capture_layers_from_env, plugin, set_capture_layers  # noqa: F401
 
 log = logging.getLogger("hstap.sglang")
 
 HOOK_FACTORY = "hstap.engines.sglang:make_hook"
-ENV_LAYERS = "HSTAP_CAPTURE_LAYERS"
 RID_PREFIX = "hstap:"
 EVENTS_DIR = "sglang-events"  # inside the store; hstap/store.py ignores other files
 _MANIFEST_ONLY = ("format", "version", "created", "created_unix", "shards")  # manifest keys that are not header keys
@@ -565,76 +566,6 @@ def make_hook(config: dict):
     hook = CaptureHook(config)
     atexit.register(hook.close, 10.0)
     return hook
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Plugin: turn on EAGLE-3 aux capture of the chosen layers without a draft model (only when HSTAP_CAPTURE_LAYERS is set)
-
-
-def capture_layers_from_env() -> list[int] | None:
-    spec = os.environ.get(ENV_LAYERS, "").strip()
-    if not spec:
-        return None
-    try:
-        ids = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise HstapError(f"{ENV_LAYERS}={spec!r}: expected comma-separated canonical layer ids") from None
-    if not ids or ids != sorted(set(ids)) or ids[0] < 0:
-        raise HstapError(f"{ENV_LAYERS}={spec!r}: expected strictly increasing non-negative layer ids")
-    return ids
-
-
-def set_capture_layers(model, layers: list[int]) -> list[int] | None:
-    """`model.set_eagle3_layers_to_capture(SGLang ids of canonical layers)`; returns the ids (None: no-op)."""
-    from hstap.layers import to_sglang
-
-    setter = getattr(model, "set_eagle3_layers_to_capture", None)
-    if setter is None:
-        return None  # a draft model or a model without EAGLE-3 support: nothing to do here
-    cfg = getattr(model, "config", None)
-    model_type = getattr(getattr(cfg, "text_config", None) or cfg, "model_type", "llama")
-    ids = to_sglang(layers, model_type)
-    setter(ids)
-    log.info("hstap: %s captures canonical layers %s (SGLang ids %s)", type(model).__name__, layers, ids)
-    return ids
-
-
-def _around_configure(original, *args, **kwargs):
-    """AROUND hook on `configure_aux_hidden_state_capture` (runs before CUDA-graph capture in SGLang >= 0.5.11)."""
-    out = original(*args, **kwargs)
-    layers = capture_layers_from_env()
-    model = kwargs.get("model", args[0] if args else None)
-    if layers is not None and model is not None:
-        if kwargs.get("eagle_use_aux_hidden_state") and kwargs.get("eagle_aux_hidden_state_layer_ids") is not None:
-            log.warning("hstap: the server also configures EAGLE-3 aux capture; %s=%s takes precedence",
-                        ENV_LAYERS, layers)
-        set_capture_layers(model, layers)
-    return out
-
-
-def _after_load_model(result, runner, *args, **kwargs):
-    """AFTER hook on `ModelRunner.load_model` (SGLang versions without configure_aux_hidden_state_capture)."""
-    layers = capture_layers_from_env()
-    if layers is not None and not getattr(runner, "is_draft_worker", False):
-        set_capture_layers(runner.model, layers)
-    return None
-
-
-def plugin() -> None:
-    """`sglang.srt.plugins` entry point (pyproject.toml). A no-op unless HSTAP_CAPTURE_LAYERS is set."""
-    if capture_layers_from_env() is None:
-        return
-    import importlib
-
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    try:
-        importlib.import_module("sglang.srt.model_executor.model_runner_components.attention_backend_setup")
-        HookRegistry.register("sglang.srt.model_executor.model_runner_components.attention_backend_setup."
-                              "configure_aux_hidden_state_capture", _around_configure, HookType.AROUND)
-    except ImportError:
-        HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model", _after_load_model,
-                              HookType.AFTER)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
