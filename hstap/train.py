@@ -512,7 +512,7 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
         wrapped.eval()
         stats = torch.zeros(cfg.ttt, 3, dtype=torch.float64, device=dev)
         sim = torch.zeros(cfg.ttt + 1, dtype=torch.float64, device=dev)
-        chain = torch.zeros(2, cfg.ttt, dtype=torch.float64)  # replayed chain decoding: tokens, rounds per k
+        replays = []  # (runs on the device, loss_mask, lengths): replayed after the loop, so no sync per batch
         with torch.no_grad():
             for idx, real in eval_b:  # every rank runs the same number of batches; padding repeats are not counted
                 b = _collate([eval_rows[i] for i in idx])
@@ -521,8 +521,11 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
                     s, m, runs = wrapped(ids, feats, tb, evaluate=True)
                 if real:
                     stats, sim = stats + s, sim + m
-                    chain += torch.tensor(np.stack(replay_chain(runs, b["loss_mask"], b["lengths"], cfg.ttt)))
+                    replays.append((runs, b["loss_mask"], b["lengths"]))
         wrapped.train()
+        chain = torch.zeros(2, cfg.ttt, dtype=torch.float64)  # replayed chain decoding: tokens, rounds per k
+        for runs, lm, lengths in replays:
+            chain += torch.tensor(np.stack(replay_chain(runs, lm, lengths, cfg.ttt)))
         D.all_reduce_sum(stats)
         D.all_reduce_sum(sim)
         chain = D.all_reduce_sum(chain.to(dev))
