@@ -6,7 +6,8 @@
 What is measured (same random target, same batches of 8 x 2048 tokens, warm-up excluded, CUDA synchronised):
   (a) plain prefill: the base model's forward over the batches, no hooks, nothing copied or stored (the ceiling);
   (b) capture into a store on /dev/shm (RAM: the pipeline without a disk), bf16 and fp8;
-  (c) capture into a store in --disk-dir (a real local disk);
+  (c) capture into a store in --disk-dir (a real local disk); with --compare-tail also once with fixed-size shards
+      (no StoreWriter.expect: the whole last shard is written after the last forward), before the default pass;
   (d) the sink's sequential write bandwidth (large writes + fsync) in /dev/shm and --disk-dir: what (b)/(c) can reach;
   (e) the per-sample cost of SGLang's return_hidden_states transport, `t.cpu().tolist()` + `json.dumps`, for one
       2048-token sample of 3 x 7168 bf16 (Kimi-K2/DeepSeek-V3 width), against our binary path for the same tensor
@@ -112,7 +113,9 @@ def fit_batches(batches, bytes_per_sample: int, directory: Path, keep: float = 0
 
 
 def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, shape: dict, shard_tokens: int,
-                  queue_size: int, dev) -> dict:
+                  queue_size: int, dev, tail: bool = True) -> dict:
+    """One timed capture pass. `tail`: tell the writer how many tokens are coming (StoreWriter.expect, what `hstap
+    capture` does), so the shards shrink toward the end; False measures fixed-size shards."""
     directory.mkdir(parents=True, exist_ok=True)
     seq = len(batches[0][0]["input_ids"])
     bps = store_bytes_per_token(len(layers), target.hidden_size, dtype) * seq
@@ -131,6 +134,8 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
             batch_bytes = store_bytes_per_token(len(layers), target.hidden_size, dtype) * max(map(_tokens, use))
             pool.reserve(batch_bytes + 4096, queue_size + 3 + -(-shard_tokens * bps // seq // batch_bytes))
         w = StoreWriter(out / "store", header(target, layers, dtype, shape), shard_tokens=shard_tokens)
+        if tail:
+            w.expect(sum(map(_tokens, use)))
         pinned_before = pool.allocated if pool is not None else 0
         last = use[-1]
         marks = {}
@@ -152,8 +157,8 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
         return {"dir": str(directory), "dtype": dtype, "samples": len(s), "tokens": tok, "seconds": round(dt, 3),
                 "tok_per_s": round(tok / dt, 1), "gb": round(nbytes / 1e9, 3), "gb_per_s": round(nbytes / 1e9 / dt, 3),
                 "gpu_done_s": round(gpu_s, 3), "tok_per_s_until_gpu_done": round(tok / gpu_s, 1),
-                "drain_s": round(dt - gpu_s, 3),
-                "shards": len(s.manifest["shards"]), "bytes_per_token": round(nbytes / tok, 2),
+                "drain_s": round(dt - gpu_s, 3), "tail": tail,
+                "shards": len(s.manifest["shards"]), "last_shard_tokens": int(s.manifest["shards"][-1]["tokens"]), "bytes_per_token": round(nbytes / tok, 2),
                 "bytes_per_token_formula": store_bytes_per_token(len(layers), target.hidden_size, dtype),
                 "gpu_waited_for_storage_s": round(st["writer_wait_s"], 3),
                 "pinned_allocations_in_timed_run": st["pinned_allocations"] - pinned_before}
@@ -241,6 +246,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--json-tokens", type=int, default=None, help="tokens of the JSON baseline sample (default 2048)")
     ap.add_argument("--json-hidden", type=int, default=None, help="hidden size of the JSON baseline (default 7168)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 capture pass")
+    ap.add_argument("--compare-tail", action="store_true",
+                    help="also run the disk pass with fixed-size shards (no StoreWriter.expect), before the default one")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
 
@@ -282,6 +289,9 @@ def main(argv=None) -> dict:
     res["sink_shm"] = bench_sink(shm, sink_gb)
     if a.disk_dir:
         disk = Path(a.disk_dir)
+        if a.compare_tail:
+            res["capture_disk_bf16_fixed_shards"] = bench_capture(target, layers, batches, disk, "bf16", shape,
+                                                                  a.shard_tokens, a.queue_size, dev, tail=False)
         res["capture_disk_bf16"] = bench_capture(target, layers, batches, disk, "bf16", shape, a.shard_tokens,
                                                  a.queue_size, dev)
         res["sink_disk"] = bench_sink(disk, sink_gb)
@@ -306,23 +316,25 @@ def report(r: dict) -> None:
     print(f"# hstap capture bench: {r['device']}, torch {r['torch']}, {r['compute_dtype']}; Llama shape "
           f"L{m['num_hidden_layers']} H{m['hidden_size']} I{m['intermediate_size']} V{m['vocab_size']}; "
           f"{r['samples']} x {r['seq']} tokens, batches of {r['batch_tokens']} tokens, layers {r['layers']}")
-    print(f"{'measurement':34s} {'tok/s':>12s} {'vs prefill':>10s} {'GB/s':>8s} {'bytes/tok':>10s} {'formula':>8s}")
+    print(f"{'measurement':40s} {'tok/s':>12s} {'vs prefill':>10s} {'GB/s':>8s} {'bytes/tok':>10s} {'formula':>8s}")
     p = r["prefill"]
-    print(f"{'(a) plain prefill (no hooks)':34s} {p['tok_per_s']:12,.0f} {'1.000':>10s}")
+    print(f"{'(a) plain prefill (no hooks)':40s} {p['tok_per_s']:12,.0f} {'1.000':>10s}")
     for key, label in (("capture_shm_bf16", "(b) capture bf16 -> /dev/shm"),
                        ("capture_shm_fp8", "(b) capture fp8 -> /dev/shm"),
+                       ("capture_disk_bf16_fixed_shards", "(c) capture bf16 -> disk, fixed shards"),
                        ("capture_disk_bf16", "(c) capture bf16 -> disk")):
         c = r.get(key)
         if c is None:
             continue
         if "skipped" in c:
-            print(f"{label:34s} skipped: {c['skipped']}")
+            print(f"{label:40s} skipped: {c['skipped']}")
             continue
-        print(f"{label:34s} {c['tok_per_s']:12,.0f} {c['vs_prefill']:10.3f} {c['gb_per_s']:8.2f} "
-              f"{c['bytes_per_token']:10.1f} {c['bytes_per_token_formula']:8d}")
+        print(f"{label:40s} {c['tok_per_s']:12,.0f} {c['vs_prefill']:10.3f} {c['gb_per_s']:8.2f} "
+              f"{c['bytes_per_token']:10.1f} {c['bytes_per_token_formula']:8d}  drain {c['drain_s']:.2f} s, "
+              f"{c['shards']} shards")
     for key, label in (("sink_shm", "(d) sequential write /dev/shm"), ("sink_disk", "(d) sequential write disk")):
         if key in r:
-            print(f"{label:34s} {'':12s} {'':10s} {r[key]['gb_per_s']:8.2f}")
+            print(f"{label:40s} {'':12s} {'':10s} {r[key]['gb_per_s']:8.2f}")
     j = r["json_vs_binary"]
     print(f"(e) one {j['tokens']} x {j['width']} bf16 sample: .cpu().tolist() {j['tolist_s']:.2f} s, + json.dumps "
           f"{j['tolist_json_s']:.2f} s ({j['json_mb']:.0f} MB); binary D2H + store {j['binary_s'] * 1e3:.1f} ms "

@@ -4,10 +4,12 @@
 # side by side on the same GPU -> speculative decoding on eval prompts (8 processes side by side on the GPU: their
 # tau and acceptance are exact, their tokens/s are not a clean timing).
 #   REF=../shared/reference OUT=/tmp/out bash benchmarks/quality_reference.sh
-# Env: EPOCHS (3), LR (1e-3), NEWTOK (256: max tokens of a regenerated training answer), NT (128: new tokens per eval
+# Env: EPOCHS (3) or STEPS, LR (1e-3), NEWTOK (256: max tokens of a regenerated training answer), NT (128: new tokens per eval
 # prompt, also the eval split's regeneration length, so that the simulated tau sees the same answers), NP (48 eval
 # prompts per method), NPC (160: prompts of the EAGLE-3 chain, split over 4 processes), GEN_BS (768), MAXS (use only the first N conversations of each split), DEV (cuda; cpu for a smoke run),
 # stage timeouts TG TT TE (s). REGEN=DIR reuses regen-{train,eval}.jsonl.gz from an earlier run.
+# MIX=1 also trains on the corpus's own train answers (ids prefixed "orig-"; labels are still the target's
+# distribution, from its captured final state). BASELINE=0 skips the EAGLE-1-style drafter (training and eval).
 # A stage cut by its timeout keeps what it finished: generate output is resumable, training keeps its best checkpoint.
 set -uo pipefail
 REF=${REF:-../shared/reference}; OUT=${OUT:-/tmp/hstap-quality-out}; W=${W:-/dev/shm/hq}
@@ -31,29 +33,46 @@ for split in train eval; do
 done
 
 stamp prepare
-$H prepare --tokenizer $T --data "$W/regen-train.jsonl" --out $W/prep --draft-vocab 8192 --num-proc 8 | tail -3
+extra=""
+if [ -n "${MIX:-}" ]; then
+  python3 - "$REF/corpus/train.jsonl.gz" "$W/orig-train.jsonl" <<'PY'
+import gzip, itertools, json, os, sys
+with gzip.open(sys.argv[1], "rt") as f, open(sys.argv[2], "w") as out:
+    for line in itertools.islice(f, int(os.environ.get("MAXS") or 0) or None):  # MAXS: as for the regenerated split
+        r = json.loads(line)
+        r["id"] = f"orig-{r['id']}"
+        out.write(json.dumps(r) + "\n")
+PY
+  extra="$W/orig-train.jsonl"
+fi
+$H prepare --tokenizer $T --data "$W/regen-train.jsonl" $extra --out $W/prep --draft-vocab 8192 --num-proc 8 | tail -3
 $H prepare --tokenizer $T --data "$W/regen-eval.jsonl" --out $W/prep-eval --draft-vocab 8192 --num-proc 4 | tail -1
 stamp capture
 $H capture --target $T --data $W/prep --out $W/store --device $DEV --compute-dtype fp32 --batch-tokens 65536 | tail -3
 $H capture --target $T --data $W/prep-eval --out $W/store-eval --device $DEV --compute-dtype fp32 \
   --batch-tokens 65536 | tail -1
 
-stamp "train EAGLE-3 and EAGLE-1-style side by side ($EPOCHS epochs, lr $LR)"
-common="--store $W/store --eval-store $W/store-eval --target $T --vocab-map $W/prep --epochs $EPOCHS --lr $LR \
+sched="--epochs $EPOCHS"; [ -n "${STEPS:-}" ] && sched="--steps $STEPS"
+stamp "train EAGLE-3 (and the EAGLE-1-style drafter side by side unless BASELINE=0): $sched, lr $LR"
+common="--store $W/store --eval-store $W/store-eval --target $T --vocab-map $W/prep $sched --lr $LR \
   --batch-tokens ${BT:-32768} --device $DEV --eval-every ${EV:-100} --save-every ${EV:-100} --log-every 50 --keep 2"
 timeout "${TT:-240}" $H train $common --out $W/run-eagle3 --ttt 7 > $W/train-eagle3.log 2>&1 &
-p3=$!
-timeout "${TT:-240}" $H train $common --out $W/run-eagle1 --aux-layers final --ttt 1 > $W/train-eagle1.log 2>&1 &
-p1=$!
-wait $p3; wait $p1
-for r in eagle3 eagle1; do
+runs="eagle3"
+if [ "${BASELINE:-1}" != 0 ]; then
+  timeout "${TT:-240}" $H train $common --out $W/run-eagle1 --aux-layers final --ttt 1 > $W/train-eagle1.log 2>&1 &
+  runs="eagle3 eagle1"
+fi
+wait
+for r in $runs; do
   grep -E "^(hstap|step)" $W/train-$r.log | tail -4
   cp $W/run-$r/metrics.jsonl $OUT/run-$r.metrics.jsonl 2>/dev/null
 done
 python3 -c "import json; print('prepared train split:', json.load(open('$W/prep/meta.json'))['counts'])"
 
-stamp "eval (greedy fp32, <= $NT new tokens; EAGLE-3 chain on $NPC prompts in 4 processes, the rest on $NP; 8 processes)"
-ev="python3 benchmarks/bench_eval.py --target $T --drafter $W/run-eagle3 --baseline-drafter $W/run-eagle1 \
+stamp "eval (greedy fp32, <= $NT new tokens; EAGLE-3 chain on $NPC prompts in 4 processes, the rest on $NP; one process per method)"
+base=""; methods="eagle3-tree ngram"
+if [ "${BASELINE:-1}" != 0 ]; then base="--baseline-drafter $W/run-eagle1"; methods="eagle3-tree baseline-chain baseline-tree ngram"; fi
+ev="python3 benchmarks/bench_eval.py --target $T --drafter $W/run-eagle3 $base \
   --data $W/prep-eval --max-new-tokens $NT --device $DEV --dtype fp32 --k 5 --tree 8,6,60"
 export OMP_NUM_THREADS=2  # 8 batch-1 decoders side by side: each is one Python thread launching small kernels
 q=$((NPC / 4)); pids=()
@@ -61,7 +80,7 @@ for i in 0 1 2 3; do
   timeout "${TE:-200}" $ev --methods eagle3-chain --num-prompts $q --prompt-offset $((i * q)) > $W/eval-c$i.log 2>&1 &
   pids+=($!)
 done
-for m in eagle3-tree baseline-chain baseline-tree ngram; do
+for m in $methods; do
   timeout "${TE:-200}" $ev --methods $m --num-prompts $NP > $W/eval-$m.log 2>&1 & pids+=($!)
 done
 wait "${pids[@]}"

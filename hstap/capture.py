@@ -252,6 +252,7 @@ def capture_hf(cfg: CaptureConfig) -> dict:
             empty = sum(1 for i in range(rank, n, world) if lens[i] == 0)
             skipped = sum(1 for i in range(rank, n, world) if ids[i] in committed)
             todo_tokens = sum(lens[i] for i in mine)
+            writer.expect(todo_tokens)  # shards shrink toward the end: little is left to write after the last forward
 
             batches = [[mine[j] for j in b] for b in batches_by_tokens([lens[i] for i in mine], cfg.batch_tokens)]
             t_load = time.perf_counter()

@@ -149,6 +149,7 @@ class StoreWriter:
         self._lock = threading.RLock()
         self._open = _Shard()
         self._open_tokens = 0
+        self._expect: int | None = None  # tokens still to come in this run (expect()); None: unknown
         self._closed = False
         self._failed: str | None = None
         self.summary: dict | None = None  # merge_manifest's result after close() on rank 0
@@ -273,10 +274,34 @@ class StoreWriter:
             if sample_id in self._open.id_set:
                 raise HstapError(f"{self.path}: sample id {sample_id!r} was added twice")
             self._open.append(sample_id, t)
-            self._open_tokens += int(t["input_ids"].shape[0])
-            if self._open_tokens >= self.shard_tokens or (
-                    self.shard_bytes is not None and self._open_tokens * self.bytes_per_token >= self.shard_bytes):
+            T = int(t["input_ids"].shape[0])
+            self._open_tokens += T
+            if self._expect is not None:
+                self._expect = max(0, self._expect - T)
+            if self._open_tokens >= self._shard_limit():
                 self._flush_locked()
+
+    def expect(self, tokens: int) -> None:
+        """Announce that `tokens` more tokens will be added in this run (optional).
+
+        A shard is written only once it closes, so whatever the open shard holds when the last sample arrives is written
+        after the producer is done (with 1 GiB shards, most of a second of drain at disk speed). Knowing what is left,
+        the writer closes shards early toward the end: a shard also closes once it holds a third of the tokens still
+        to come, but never below 1/16 of the shard limit, so shards shrink geometrically (x3/4 each) near the end while
+        each is still written while the next fills whenever the sink is >= 4/3 the producer's speed."""
+        if tokens < 0:
+            raise HstapError(f"store: expect() needs tokens >= 0 (got {tokens})")
+        with self._lock:
+            self._expect = int(tokens)
+
+    def _shard_limit(self) -> int:
+        """Tokens at which the open shard closes now (see expect())."""
+        limit = self.shard_tokens
+        if self.shard_bytes is not None:
+            limit = min(limit, -(-self.shard_bytes // self.bytes_per_token))
+        if self._expect is not None:
+            limit = min(limit, max(-(-limit // 16), -(-self._expect // 3)))
+        return limit
 
     def _prepare_sample(self, sid, input_ids, loss_mask, aux, final, aux_scale, final_scale) -> dict[str, torch.Tensor]:
         K, H = self.num_aux, self.hidden_size

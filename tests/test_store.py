@@ -234,6 +234,37 @@ def test_add_and_flush_from_two_threads(tmp_path):
     assert raw(s[50]["aux"]) == raw(sample(50)[2].to(torch.bfloat16))
 
 
+def test_expect_shrinks_the_last_shards_and_stores_the_same_samples(tmp_path):
+    n = 600
+    total = sum(len(sample(i)[0]) for i in range(n))  # ~12,000 tokens: 7-8 shards of 1,600
+    plain = write(tmp_path / "plain", n, shard_tokens=1600)
+    assert plain.summary["samples"] == n
+    w = StoreWriter(tmp_path / "tail", header(), shard_tokens=1600)
+    w.expect(total)
+    for i in range(n):
+        w.add(sid(i), *sample(i))
+    w.close()
+    a, b = open_store(tmp_path / "plain"), open_store(tmp_path / "tail")
+    assert a.ids == b.ids and b.verify() == []
+    for i in range(0, n, 7):
+        assert all(raw(a[i][k]) == raw(b[i][k]) for k in ("input_ids", "loss_mask", "aux", "final"))
+    fixed = [e["tokens"] for e in a.manifest["shards"]]
+    tail = [e["tokens"] for e in b.manifest["shards"]]
+    assert tail[:4] == fixed[:4]  # far from the end: the same full shards
+    # near the end each shard closes at a third of what is still to come, never below 1/16 of the limit (100 tokens)
+    assert tail[-1] < 100 + 40 and len(tail) > len(fixed)
+    left = total
+    for j, (t, e) in enumerate(zip(tail, b.manifest["shards"])):
+        last = e["lengths"][-1]
+        assert t - last < min(1600, max(100, -(-(left - t + last) // 3)))  # still open before its last sample
+        if j < len(tail) - 1:
+            assert t >= min(1600, max(100, -(-(left - t) // 3)))  # closed by add(), at the limit
+        left -= t
+    assert left == 0
+    with pytest.raises(HstapError, match="tokens >= 0"):
+        w.expect(-1)
+
+
 def test_when_written_runs_after_the_commit_and_never_for_dropped_samples(tmp_path):
     w = StoreWriter(tmp_path / "s", header(), shard_tokens=100)
     calls = []
