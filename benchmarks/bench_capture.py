@@ -6,8 +6,8 @@
 What is measured (same random target, same batches of 8 x 2048 tokens, warm-up excluded, CUDA synchronised):
   (a) plain prefill: the base model's forward over the batches, no hooks, nothing copied or stored (the ceiling);
   (b) capture into a store on /dev/shm (RAM: the pipeline without a disk), bf16 and fp8;
-  (c) capture into a store in --disk-dir (a real local disk); with --compare-tail also once with fixed-size shards
-      (no StoreWriter.expect: the whole last shard is written after the last forward), before the default pass;
+  (c) capture into a store in --disk-dir (a real local disk); --disk-variants adds passes without the writer's
+      end-of-run shard shrinking (StoreWriter.expect) and/or its early writeback (hstap.writer.START_WRITEBACK);
   (d) the sink's sequential write bandwidth (large writes + fsync) in /dev/shm and --disk-dir: what (b)/(c) can reach;
   (e) the per-sample cost of SGLang's return_hidden_states transport, `t.cpu().tolist()` + `json.dumps`, for one
       2048-token sample of 3 x 7168 bf16 (Kimi-K2/DeepSeek-V3 width), against our binary path for the same tensor
@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import hstap.writer as writer_mod  # noqa: E402
 from hstap.engines.hf import PinnedPool, batches_by_tokens, run_capture  # noqa: E402
 from hstap.layers import default_aux_layers  # noqa: E402
 from hstap.store import StoreWriter, open_store, store_bytes_per_token  # noqa: E402
@@ -113,9 +114,11 @@ def fit_batches(batches, bytes_per_sample: int, directory: Path, keep: float = 0
 
 
 def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, shape: dict, shard_tokens: int,
-                  queue_size: int, dev, tail: bool = True) -> dict:
+                  queue_size: int, dev, tail: bool = True, writeback: bool = True) -> dict:
     """One timed capture pass. `tail`: tell the writer how many tokens are coming (StoreWriter.expect, what `hstap
-    capture` does), so the shards shrink toward the end; False measures fixed-size shards."""
+    capture` does), so the shards shrink toward the end; False measures fixed-size shards. `writeback`: the writer
+    starts each piece's writeback as soon as it is written (hstap.writer.START_WRITEBACK, the default)."""
+    writer_mod.START_WRITEBACK = writeback
     directory.mkdir(parents=True, exist_ok=True)
     seq = len(batches[0][0]["input_ids"])
     bps = store_bytes_per_token(len(layers), target.hidden_size, dtype) * seq
@@ -157,12 +160,13 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
         return {"dir": str(directory), "dtype": dtype, "samples": len(s), "tokens": tok, "seconds": round(dt, 3),
                 "tok_per_s": round(tok / dt, 1), "gb": round(nbytes / 1e9, 3), "gb_per_s": round(nbytes / 1e9 / dt, 3),
                 "gpu_done_s": round(gpu_s, 3), "tok_per_s_until_gpu_done": round(tok / gpu_s, 1),
-                "drain_s": round(dt - gpu_s, 3), "tail": tail,
+                "drain_s": round(dt - gpu_s, 3), "tail": tail, "writeback": writeback,
                 "shards": len(s.manifest["shards"]), "last_shard_tokens": int(s.manifest["shards"][-1]["tokens"]), "bytes_per_token": round(nbytes / tok, 2),
                 "bytes_per_token_formula": store_bytes_per_token(len(layers), target.hidden_size, dtype),
                 "gpu_waited_for_storage_s": round(st["writer_wait_s"], 3),
                 "pinned_allocations_in_timed_run": st["pinned_allocations"] - pinned_before}
     finally:
+        writer_mod.START_WRITEBACK = True
         shutil.rmtree(out, ignore_errors=True)
 
 
@@ -230,6 +234,10 @@ def bench_json_vs_binary(tokens: int, hidden: int, dev: torch.device, directory:
             "binary_dir": str(directory), "speedup": round(t_json / t_bin, 1)}
 
 
+VARIANTS = {"default": (True, True), "fixed": (False, True), "nowb": (True, False), "old": (False, False)}
+"""--disk-variants: (tail shards, early writeback) of each disk pass."""
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -246,8 +254,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--json-tokens", type=int, default=None, help="tokens of the JSON baseline sample (default 2048)")
     ap.add_argument("--json-hidden", type=int, default=None, help="hidden size of the JSON baseline (default 7168)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 capture pass")
-    ap.add_argument("--compare-tail", action="store_true",
-                    help="also run the disk pass with fixed-size shards (no StoreWriter.expect), before the default one")
+    ap.add_argument("--disk-variants", default="default",
+                    help="comma list of disk passes, run in this order: default (shards shrink at the end + early "
+                         "writeback), fixed (fixed-size shards), nowb (no early writeback), old (neither)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
 
@@ -289,11 +298,11 @@ def main(argv=None) -> dict:
     res["sink_shm"] = bench_sink(shm, sink_gb)
     if a.disk_dir:
         disk = Path(a.disk_dir)
-        if a.compare_tail:
-            res["capture_disk_bf16_fixed_shards"] = bench_capture(target, layers, batches, disk, "bf16", shape,
-                                                                  a.shard_tokens, a.queue_size, dev, tail=False)
-        res["capture_disk_bf16"] = bench_capture(target, layers, batches, disk, "bf16", shape, a.shard_tokens,
-                                                 a.queue_size, dev)
+        for v in a.disk_variants.split(","):
+            tail, wb = VARIANTS[v]
+            res["capture_disk_bf16" + ("" if v == "default" else f"_{v}")] = bench_capture(
+                target, layers, batches, disk, "bf16", shape, a.shard_tokens, a.queue_size, dev, tail=tail,
+                writeback=wb)
         res["sink_disk"] = bench_sink(disk, sink_gb)
     del target, batches
     if dev.type == "cuda":
@@ -321,7 +330,9 @@ def report(r: dict) -> None:
     print(f"{'(a) plain prefill (no hooks)':40s} {p['tok_per_s']:12,.0f} {'1.000':>10s}")
     for key, label in (("capture_shm_bf16", "(b) capture bf16 -> /dev/shm"),
                        ("capture_shm_fp8", "(b) capture fp8 -> /dev/shm"),
-                       ("capture_disk_bf16_fixed_shards", "(c) capture bf16 -> disk, fixed shards"),
+                       ("capture_disk_bf16_old", "(c) capture bf16 -> disk, old writer"),
+                       ("capture_disk_bf16_fixed", "(c) capture bf16 -> disk, fixed shards"),
+                       ("capture_disk_bf16_nowb", "(c) capture bf16 -> disk, no writeback"),
                        ("capture_disk_bf16", "(c) capture bf16 -> disk")):
         c = r.get(key)
         if c is None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures as futures
+import ctypes
 import datetime
 import hashlib
 import json
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +25,31 @@ from hstap.common import HstapError, fsync_dir
 from hstap.store import (CHECKSUM, CHUNK_BYTES, FORMAT, PART_FORMAT, TORCH_DTYPES, VERSION, _NEW_SLACK_S, _SHARD_RE,
                          _ST_NAMES, _TEMP_RE, _check_header, _combine, _header_diff, _load_manifest, _load_parts, _pool,
                          _union, _write_json, log, merge_manifest, quantize_fp8, store_bytes_per_token)
+
+
+START_WRITEBACK = True
+"""Start the sink's writeback of each 64 MiB piece of a shard as soon as it is written (Linux `sync_file_range`).
+Without it the kernel keeps a whole shard as dirty pages until the commit's fsync, and the disk idles while the next
+shard is copied into the page cache: bursty I/O below the disk's sequential speed (benchmarks/bench_capture.py
+--compare-tail turns it off for the baseline pass)."""
+
+_SFR_WRITE = 2  # SYNC_FILE_RANGE_WRITE: initiate writeback of dirty pages in the range, do not wait for it
+_sfr = None
+if sys.platform.startswith("linux"):
+    try:
+        _sfr = ctypes.CDLL(None, use_errno=True).sync_file_range
+        _sfr.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        _sfr.restype = ctypes.c_int
+    except (OSError, AttributeError):  # a libc without it: the fsync at commit still makes the data durable
+        _sfr = None
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Ask the kernel to start writing [offset, offset + nbytes) of `fd` to the sink now (no wait, no durability:
+    the commit's fsync is what makes it durable). Returns False where unsupported (a no-op there)."""
+    if _sfr is None or not START_WRITEBACK:
+        return False
+    return _sfr(fd, offset, nbytes, _SFR_WRITE) == 0
 
 
 class _Shard:
@@ -94,7 +121,9 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, list[torch.Tensor], 
         for at, piece in span(0, size):
             done = 0
             while done < piece.nbytes and not stop.is_set():
-                done += os.pwrite(fd, piece[done: done + (64 << 20)], at + done)
+                n = os.pwrite(fd, piece[done: done + (64 << 20)], at + done)
+                start_writeback(fd, at + done, n)  # keep the disk streaming while the next pieces are copied
+                done += n
 
     fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     wrote = None
