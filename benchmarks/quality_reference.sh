@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Quality run on the reference target, one GPU: regenerate the corpus answers with the target itself (hstap generate,
 # greedy, fp32), prepare -> capture (train + eval splits) -> train the EAGLE-3 drafter and the EAGLE-1-style baseline
-# side by side on the same GPU -> speculative decoding on eval prompts (8 processes side by side on the GPU: their
-# tau and acceptance are exact, their tokens/s are not a clean timing).
+# side by side on the same GPU -> speculative decoding on eval prompts (a process per method, side by side on the
+# GPU: their tau and acceptance are exact, their tokens/s are not a clean timing).
 #   REF=../shared/reference OUT=/tmp/out bash benchmarks/quality_reference.sh
 # Env: EPOCHS (3) or STEPS, LR (1e-3), NEWTOK (256: max tokens of a regenerated training answer), NT (128: new tokens per eval
 # prompt, also the eval split's regeneration length, so that the simulated tau sees the same answers), NP (48 eval

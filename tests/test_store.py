@@ -10,6 +10,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
 import threading
 import time
 
@@ -263,6 +264,24 @@ def test_expect_shrinks_the_last_shards_and_stores_the_same_samples(tmp_path):
     assert left == 0
     with pytest.raises(HstapError, match="tokens >= 0"):
         w.expect(-1)
+
+
+def test_early_writeback_writes_the_same_bytes(tmp_path, monkeypatch):
+    import hstap.writer as writer_mod
+
+    fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, b"x" * 4096)
+        assert writer_mod.start_writeback(fd, 0, 4096) == sys.platform.startswith("linux")
+    finally:
+        os.close(fd)
+    write(tmp_path / "on", 60, shard_tokens=300)
+    monkeypatch.setattr(writer_mod, "START_WRITEBACK", False)
+    write(tmp_path / "off", 60, shard_tokens=300)
+    a, b = open_store(tmp_path / "on").manifest["shards"], open_store(tmp_path / "off").manifest["shards"]
+    assert len(a) > 2 and [e["sha256"] for e in a] == [e["sha256"] for e in b]
+    for e in a:
+        assert (tmp_path / "on" / e["file"]).read_bytes() == (tmp_path / "off" / e["file"]).read_bytes()
 
 
 def test_when_written_runs_after_the_commit_and_never_for_dropped_samples(tmp_path):
