@@ -118,7 +118,6 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
     """One timed capture pass. `tail`: tell the writer how many tokens are coming (StoreWriter.expect, what `hstap
     capture` does), so the shards shrink toward the end; False measures fixed-size shards. `writeback`: the writer
     starts each piece's writeback as soon as it is written (hstap.writer.START_WRITEBACK, the default)."""
-    writer_mod.START_WRITEBACK = writeback
     directory.mkdir(parents=True, exist_ok=True)
     seq = len(batches[0][0]["input_ids"])
     bps = store_bytes_per_token(len(layers), target.hidden_size, dtype) * seq
@@ -127,6 +126,7 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
         return {"skipped": f"not enough free space in {directory} ({shutil.disk_usage(directory).free / 1e9:.1f} GB)"}
     out = Path(tempfile.mkdtemp(prefix="hstap-bench-store-", dir=directory))
     pool = PinnedPool() if dev.type == "cuda" else None
+    prev, writer_mod.START_WRITEBACK = writer_mod.START_WRITEBACK, writeback
     try:
         w = StoreWriter(out / "warm", header(target, layers, dtype, shape), shard_tokens=shard_tokens)
         run_capture(target, layers, w, use[:1], dtype=dtype, queue_size=queue_size, pool=pool)  # warm-up: kernels
@@ -161,12 +161,13 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
                 "tok_per_s": round(tok / dt, 1), "gb": round(nbytes / 1e9, 3), "gb_per_s": round(nbytes / 1e9 / dt, 3),
                 "gpu_done_s": round(gpu_s, 3), "tok_per_s_until_gpu_done": round(tok / gpu_s, 1),
                 "drain_s": round(dt - gpu_s, 3), "tail": tail, "writeback": writeback,
-                "shards": len(s.manifest["shards"]), "last_shard_tokens": int(s.manifest["shards"][-1]["tokens"]), "bytes_per_token": round(nbytes / tok, 2),
+                "shards": len(s.manifest["shards"]), "last_shard_tokens": int(s.manifest["shards"][-1]["tokens"]),
+                "bytes_per_token": round(nbytes / tok, 2),
                 "bytes_per_token_formula": store_bytes_per_token(len(layers), target.hidden_size, dtype),
                 "gpu_waited_for_storage_s": round(st["writer_wait_s"], 3),
                 "pinned_allocations_in_timed_run": st["pinned_allocations"] - pinned_before}
     finally:
-        writer_mod.START_WRITEBACK = True
+        writer_mod.START_WRITEBACK = prev
         shutil.rmtree(out, ignore_errors=True)
 
 
@@ -259,6 +260,10 @@ def main(argv=None) -> dict:
                          "writeback), fixed (fixed-size shards), nowb (no early writeback), old (neither)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    variants = a.disk_variants.split(",")
+    bad = [v for v in variants if v not in VARIANTS] + [v for v in set(variants) if variants.count(v) > 1]
+    if bad:
+        ap.error(f"--disk-variants: unknown or repeated {bad} (choose from {', '.join(VARIANTS)})")
 
     dev = torch.device("cuda" if (a.device == "auto" and torch.cuda.is_available()) else
                        ("cpu" if a.device == "auto" else a.device))
@@ -298,7 +303,7 @@ def main(argv=None) -> dict:
     res["sink_shm"] = bench_sink(shm, sink_gb)
     if a.disk_dir:
         disk = Path(a.disk_dir)
-        for v in a.disk_variants.split(","):
+        for v in variants:
             tail, wb = VARIANTS[v]
             res["capture_disk_bf16" + ("" if v == "default" else f"_{v}")] = bench_capture(
                 target, layers, batches, disk, "bf16", shape, a.shard_tokens, a.queue_size, dev, tail=tail,

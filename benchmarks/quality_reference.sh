@@ -10,6 +10,7 @@
 # stage timeouts TG TT TE (s). REGEN=DIR reuses regen-{train,eval}.jsonl.gz from an earlier run.
 # MIX=1 also trains on the corpus's own train answers (ids prefixed "orig-"; labels are still the target's
 # distribution, from its captured final state). BASELINE=0 skips the EAGLE-1-style drafter (training and eval).
+# LAYERS=1,3,6 captures (and trains EAGLE-3 on) other aux layers than the default [1, N//2-1, N-4].
 # A stage cut by its timeout keeps what it finished: generate output is resumable, training keeps its best checkpoint.
 set -uo pipefail
 REF=${REF:-../shared/reference}; OUT=${OUT:-/tmp/hstap-quality-out}; W=${W:-/dev/shm/hq}
@@ -34,7 +35,7 @@ done
 
 stamp prepare
 extra=""
-if [ -n "${MIX:-}" ]; then
+if [ "${MIX:-0}" != 0 ]; then
   python3 - "$REF/corpus/train.jsonl.gz" "$W/orig-train.jsonl" <<'PY'
 import gzip, itertools, json, os, sys
 with gzip.open(sys.argv[1], "rt") as f, open(sys.argv[2], "w") as out:
@@ -43,13 +44,15 @@ with gzip.open(sys.argv[1], "rt") as f, open(sys.argv[2], "w") as out:
         r["id"] = f"orig-{r['id']}"
         out.write(json.dumps(r) + "\n")
 PY
+  [ $? = 0 ] || exit 1
   extra="$W/orig-train.jsonl"
 fi
 $H prepare --tokenizer $T --data "$W/regen-train.jsonl" $extra --out $W/prep --draft-vocab 8192 --num-proc 8 | tail -3
 $H prepare --tokenizer $T --data "$W/regen-eval.jsonl" --out $W/prep-eval --draft-vocab 8192 --num-proc 4 | tail -1
 stamp capture
-$H capture --target $T --data $W/prep --out $W/store --device $DEV --compute-dtype fp32 --batch-tokens 65536 | tail -3
-$H capture --target $T --data $W/prep-eval --out $W/store-eval --device $DEV --compute-dtype fp32 \
+$H capture --target $T --data $W/prep --out $W/store --device $DEV ${LAYERS:+--layers $LAYERS} --compute-dtype fp32 \
+  --batch-tokens 65536 | tail -3
+$H capture --target $T --data $W/prep-eval --out $W/store-eval --device $DEV ${LAYERS:+--layers $LAYERS} --compute-dtype fp32 \
   --batch-tokens 65536 | tail -1
 
 sched="--epochs $EPOCHS"; [ -n "${STEPS:-}" ] && sched="--steps $STEPS"
@@ -74,7 +77,7 @@ base=""; methods="eagle3-tree ngram"
 if [ "${BASELINE:-1}" != 0 ]; then base="--baseline-drafter $W/run-eagle1"; methods="eagle3-tree baseline-chain baseline-tree ngram"; fi
 ev="python3 benchmarks/bench_eval.py --target $T --drafter $W/run-eagle3 $base \
   --data $W/prep-eval --max-new-tokens $NT --device $DEV --dtype fp32 --k 5 --tree 8,6,60"
-export OMP_NUM_THREADS=2  # 8 batch-1 decoders side by side: each is one Python thread launching small kernels
+export OMP_NUM_THREADS=2  # 6-8 batch-1 decoders side by side: each is one Python thread launching small kernels
 q=$((NPC / 4)); pids=()
 for i in 0 1 2 3; do
   timeout "${TE:-200}" $ev --methods eagle3-chain --num-prompts $q --prompt-offset $((i * q)) > $W/eval-c$i.log 2>&1 &

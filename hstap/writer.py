@@ -28,10 +28,11 @@ from hstap.store import (CHECKSUM, CHUNK_BYTES, FORMAT, PART_FORMAT, TORCH_DTYPE
 
 
 START_WRITEBACK = True
-"""Start the sink's writeback of each 64 MiB piece of a shard as soon as it is written (Linux `sync_file_range`).
+"""Start the sink's writeback of a shard file every WRITEBACK_BYTES as it is written (Linux `sync_file_range`).
 Without it the kernel keeps a whole shard as dirty pages until the commit's fsync, and the disk idles while the next
 shard is copied into the page cache: bursty I/O below the disk's sequential speed (benchmarks/bench_capture.py
---compare-tail turns it off for the baseline pass)."""
+--disk-variants old,nowb turns it off for its comparison passes)."""
+WRITEBACK_BYTES = 8 << 20
 
 _SFR_WRITE = 2  # SYNC_FILE_RANGE_WRITE: initiate writeback of dirty pages in the range, do not wait for it
 _sfr = None
@@ -118,12 +119,17 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, list[torch.Tensor], 
     def write_all() -> None:
         # One sequential writer: the kernel serialises writes to one file anyway (inode lock), and large in-order
         # writes are what the sink's bandwidth is measured with. The hashes run beside it on the other threads.
+        handed = 0  # bytes [0, handed) already handed to the disk's writeback (whole pages, WRITEBACK_BYTES at a time)
         for at, piece in span(0, size):
             done = 0
             while done < piece.nbytes and not stop.is_set():
-                n = os.pwrite(fd, piece[done: done + (64 << 20)], at + done)
-                start_writeback(fd, at + done, n)  # keep the disk streaming while the next pieces are copied
-                done += n
+                done += os.pwrite(fd, piece[done: done + (64 << 20)], at + done)
+                end = (at + done) & ~4095  # whole pages only: a partly written page would be written twice
+                if end - handed >= WRITEBACK_BYTES:
+                    start_writeback(fd, handed, end - handed)  # keep the disk streaming while the rest is copied
+                    handed = end
+        if size > handed and not stop.is_set():
+            start_writeback(fd, handed, size - handed)  # the tail: its fsync follows at once, but the disk can start
 
     fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     wrote = None
@@ -306,7 +312,8 @@ class StoreWriter:
             T = int(t["input_ids"].shape[0])
             self._open_tokens += T
             if self._expect is not None:
-                self._expect = max(0, self._expect - T)
+                # more than announced: back to full-size shards (not a stream of floor-sized ones)
+                self._expect = None if self._expect == 0 else max(0, self._expect - T)
             if self._open_tokens >= self._shard_limit():
                 self._flush_locked()
 
@@ -317,10 +324,14 @@ class StoreWriter:
         after the producer is done (with 1 GiB shards, most of a second of drain at disk speed). Knowing what is left,
         the writer closes shards early toward the end: a shard also closes once it holds a third of the tokens still
         to come, but never below 1/16 of the shard limit, so shards shrink geometrically (x3/4 each) near the end while
-        each is still written while the next fills whenever the sink is >= 4/3 the producer's speed."""
+        each is still written while the next fills whenever the sink is >= 4/3 the producer's speed. A small run (under
+        ~3 shard limits) thus writes several small shards instead of one. Samples beyond the announced count get
+        full-size shards again."""
         if tokens < 0:
             raise HstapError(f"store: expect() needs tokens >= 0 (got {tokens})")
         with self._lock:
+            if self._closed:
+                raise HstapError(f"{self.path}: expect() after close()")
             self._expect = int(tokens)
 
     def _shard_limit(self) -> int:

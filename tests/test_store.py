@@ -227,6 +227,9 @@ def test_add_and_flush_from_two_threads(tmp_path):
     t.start()
     for i in range(60):
         w.add(sid(i), *sample(i))
+        deadline = time.time() + 30
+        while i == 29 and w.committed_samples == 0 and time.time() < deadline:
+            time.sleep(0.001)  # let the flusher commit at least once mid-run (else the check below is luck)
     stop.set()
     t.join()
     w.close()
@@ -266,22 +269,64 @@ def test_expect_shrinks_the_last_shards_and_stores_the_same_samples(tmp_path):
         w.expect(-1)
 
 
-def test_early_writeback_writes_the_same_bytes(tmp_path, monkeypatch):
+def test_early_writeback_hands_every_byte_over_once_in_page_aligned_ranges(tmp_path, monkeypatch):
     import hstap.writer as writer_mod
 
-    fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT)
-    try:
-        os.write(fd, b"x" * 4096)
-        assert writer_mod.start_writeback(fd, 0, 4096) == sys.platform.startswith("linux")
-    finally:
-        os.close(fd)
+    calls = []
+    monkeypatch.setattr(writer_mod, "_sfr", lambda fd, off, n, flags: calls.append((off, n, flags)) or 0)
+    monkeypatch.setattr(writer_mod, "WRITEBACK_BYTES", 4096)
     write(tmp_path / "on", 60, shard_tokens=300)
+    files = [tmp_path / "on" / e["file"] for e in open_store(tmp_path / "on").manifest["shards"]]
+    assert len(files) > 2 and len(calls) > 2 * len(files) and all(f == 2 for _, _, f in calls)  # while writing
+    # per file, in write order, the ranges tile [0, size) exactly; each starts on a page boundary
+    sizes, pos, k = [f.stat().st_size for f in files], 0, 0
+    for off, n, _ in calls:
+        if off == 0 and pos:
+            assert pos == sizes[k]
+            k, pos = k + 1, 0
+        assert off == pos and n > 0 and off % 4096 == 0
+        pos += n
+    assert pos == sizes[k] and k == len(files) - 1
+    calls.clear()
     monkeypatch.setattr(writer_mod, "START_WRITEBACK", False)
     write(tmp_path / "off", 60, shard_tokens=300)
+    assert calls == []
     a, b = open_store(tmp_path / "on").manifest["shards"], open_store(tmp_path / "off").manifest["shards"]
-    assert len(a) > 2 and [e["sha256"] for e in a] == [e["sha256"] for e in b]
-    for e in a:
-        assert (tmp_path / "on" / e["file"]).read_bytes() == (tmp_path / "off" / e["file"]).read_bytes()
+    assert [e["sha256"] for e in a] == [e["sha256"] for e in b]
+
+
+def test_expect_boundaries_bytes_limit_and_overrun(tmp_path):
+    # equal lengths make the limits exact: 10-token samples, limit 160 tokens, floor 10
+    g = torch.Generator().manual_seed(0)
+
+    def s10():
+        return (torch.randint(0, 100, (10,), generator=g), torch.ones(10, dtype=torch.uint8),
+                torch.randn(10, K, H, generator=g), torch.randn(10, H, generator=g))
+
+    w = StoreWriter(tmp_path / "a", header(), shard_tokens=160)
+    w.expect(300)
+    for i in range(30):
+        w.add(sid(i), *s10())
+    w.close()
+    # closes once open >= ceil(left / 3): 300 -> shard of 80 (80 >= ceil(220/3) = 74, 70 < ceil(230/3) = 77), then
+    # 60, 40 (exactly ceil(120/3)), 30, 30, 20, and the 10-token floor
+    want = [80, 60, 40, 30, 30, 20, 10, 10, 10, 10]
+    assert [e["tokens"] for e in open_store(tmp_path / "a").manifest["shards"]] == want
+    bpt = store_bytes_per_token(K, H, "bf16")
+    w = StoreWriter(tmp_path / "b", header(), shard_tokens=10_000, shard_bytes=160 * bpt)  # the bytes limit rules
+    w.expect(300)
+    for i in range(30):
+        w.add(sid(i), *s10())
+    w.close()
+    assert [e["tokens"] for e in open_store(tmp_path / "b").manifest["shards"]] == want
+    w = StoreWriter(tmp_path / "c", header(), shard_tokens=160)
+    w.expect(20)  # fewer than are added: the rest gets full-size shards, not a stream of floor-sized ones
+    for i in range(40):
+        w.add(sid(i), *s10())
+    w.close()
+    assert [e["tokens"] for e in open_store(tmp_path / "c").manifest["shards"]] == [10, 10, 160, 160, 60]
+    with pytest.raises(HstapError, match="after close"):
+        w.expect(10)
 
 
 def test_when_written_runs_after_the_commit_and_never_for_dropped_samples(tmp_path):
