@@ -180,6 +180,9 @@ class StoreWriter:
         self.dtype: str = self.header["dtype"]
         self.num_aux, self.hidden_size = len(self.header["layers"]), self.header["hidden_size"]
         self.bytes_per_token = store_bytes_per_token(self.num_aux, self.hidden_size, self.dtype)
+        self._limit = shard_tokens  # tokens at which a shard closes (the bytes limit converted, when tighter)
+        if shard_bytes is not None:
+            self._limit = min(shard_tokens, -(-shard_bytes // self.bytes_per_token))
         self._barrier = barrier if world_size > 1 else None
         self._lock = threading.RLock()
         self._open = _Shard()
@@ -336,12 +339,9 @@ class StoreWriter:
 
     def _shard_limit(self) -> int:
         """Tokens at which the open shard closes now (see expect())."""
-        limit = self.shard_tokens
-        if self.shard_bytes is not None:
-            limit = min(limit, -(-self.shard_bytes // self.bytes_per_token))
-        if self._expect is not None:
-            limit = min(limit, max(-(-limit // 16), -(-self._expect // 3)))
-        return limit
+        if self._expect is None:
+            return self._limit
+        return min(self._limit, max(-(-self._limit // 16), -(-self._expect // 3)))
 
     def _prepare_sample(self, sid, input_ids, loss_mask, aux, final, aux_scale, final_scale) -> dict[str, torch.Tensor]:
         K, H = self.num_aux, self.hidden_size
