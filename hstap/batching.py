@@ -1,4 +1,5 @@
-"""Training-side batching over a `Store`: length-bucketed batch sampler (rank-aware, resumable) and collate.
+"""Training-side batching over a `Store` (or a prepared set): length-bucketed batch sampler (rank-aware, resumable),
+collate, and the trainer's endless batch stream and eval batches.
 
     sampler = BucketBatchSampler(store.lengths, batch_tokens=16384, seed=0, rank=rank, world_size=world)
     loader = DataLoader(store, batch_sampler=sampler, collate_fn=collate)
@@ -98,18 +99,71 @@ class BucketBatchSampler(torch.utils.data.Sampler):
 
 
 def collate(samples: list[dict]) -> dict:
-    """Right-pad a list of `Store` samples with 0 into batch tensors (plus `lengths` (B,) and `ids`)."""
+    """Right-pad a list of `Store` samples with 0 into batch tensors (plus `lengths` (B,) and `ids`). Samples without
+    "aux"/"final" (prepared rows, for online training) give input_ids and loss_mask only."""
     B = len(samples)
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     T = max(lengths)
-    _, K, H = samples[0]["aux"].shape
     out = {"input_ids": torch.zeros(B, T, dtype=torch.long),  # (B, T)
-           "loss_mask": torch.zeros(B, T, dtype=torch.long),  # (B, T)
-           "aux": torch.zeros(B, T, K, H, dtype=samples[0]["aux"].dtype),  # (B, T, K, H)
-           "final": torch.zeros(B, T, H, dtype=samples[0]["final"].dtype)}  # (B, T, H)
+           "loss_mask": torch.zeros(B, T, dtype=torch.long)}  # (B, T)
+    if "aux" in samples[0]:
+        _, K, H = samples[0]["aux"].shape
+        out["aux"] = torch.zeros(B, T, K, H, dtype=samples[0]["aux"].dtype)  # (B, T, K, H)
+        out["final"] = torch.zeros(B, T, H, dtype=samples[0]["final"].dtype)  # (B, T, H)
     for b, (s, n) in enumerate(zip(samples, lengths)):
-        for k in ("input_ids", "loss_mask", "aux", "final"):
+        for k in out:
             out[k][b, :n] = s[k]
     out["lengths"] = torch.tensor(lengths, dtype=torch.long)  # (B,)
     out["ids"] = [s["id"] for s in samples]
     return out
+
+
+class Rows(torch.utils.data.Dataset):
+    """A subset of a store (samples with aux/final) or of a prepared set (ids and loss mask only), as tensors."""
+
+    def __init__(self, src, indices: list[int], prepared: bool):
+        self.src, self.indices, self.prepared = src, indices, prepared
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, j):
+        r = self.src[self.indices[j]]
+        if self.prepared:
+            return {"id": r["id"], "input_ids": torch.tensor(r["input_ids"], dtype=torch.long),
+                    "loss_mask": torch.tensor(r["loss_mask"], dtype=torch.long)}
+        return r
+
+
+class TrainBatches:
+    """Endless micro-batches of this rank, epoch after epoch; `epoch`/`done` give the position after the last one."""
+
+    def __init__(self, rows: Rows, lengths: list[int], batch_tokens: int, seed: int, rank: int, world: int,
+                 epoch: int, done: int, pin: bool, workers: int):
+        self.rows, self.pin, self.workers = rows, pin, workers
+        self.sampler = BucketBatchSampler(lengths, batch_tokens, shuffle=True, seed=seed, rank=rank, world_size=world)
+        if len(self.sampler) == 0:
+            raise HstapError(f"train: the training split is empty ({len(lengths)} samples)")
+        self.epoch, self.done = epoch, done
+
+    def __iter__(self):
+        while True:
+            if self.done >= len(self.sampler):
+                self.epoch, self.done = self.epoch + 1, 0
+            self.sampler.set_epoch(self.epoch)
+            self.sampler.skip(self.done)
+            loader = torch.utils.data.DataLoader(self.rows, batch_sampler=self.sampler, collate_fn=collate,
+                                                 num_workers=self.workers, pin_memory=self.pin)
+            for batch in loader:
+                self.done += 1
+                yield batch
+
+
+def eval_batches(lengths: list[int], batch_tokens: int, rank: int, world: int) -> list[tuple[list[int], bool]]:
+    """This rank's eval batches and whether each is real: every rank runs the same number (FSDP needs it), the padding
+    repeats are run but not counted."""
+    if not lengths:
+        return []
+    n = len(BucketBatchSampler(lengths, batch_tokens, shuffle=False))
+    mine = list(BucketBatchSampler(lengths, batch_tokens, shuffle=False, rank=rank, world_size=world))
+    return [(b, j * world + rank < n) for j, b in enumerate(mine)]

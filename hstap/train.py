@@ -61,6 +61,7 @@ import torch
 
 from hstap import checkpoint
 from hstap import dist as D
+from hstap.batching import Rows, TrainBatches, collate, eval_batches
 from hstap.common import HstapError, sha256_bytes, write_run_config
 from hstap.drafter import DrafterConfig, Eagle3Drafter, TTTModel, replay_chain, step_rows, target_distribution, \
     ttt_flops
@@ -177,73 +178,8 @@ class TrainConfig:
 
 
 # --- data ----------------------------------------------------------------------------------------------------------
-class _Rows(torch.utils.data.Dataset):
-    """A subset of a store (samples with aux/final) or of a prepared set (ids and loss mask only), as tensors."""
-
-    def __init__(self, src, indices: list[int], prepared: bool):
-        self.src, self.indices, self.prepared = src, indices, prepared
-
-    def __len__(self):
-        return len(self.indices)
-
-    def __getitem__(self, j):
-        r = self.src[self.indices[j]]
-        if self.prepared:
-            return {"id": r["id"], "input_ids": torch.tensor(r["input_ids"], dtype=torch.long),
-                    "loss_mask": torch.tensor(r["loss_mask"], dtype=torch.long)}
-        return r
-
-
-def _collate(samples: list[dict]) -> dict:
-    if "aux" in samples[0]:
-        from hstap.batching import collate
-        return collate(samples)
-    lengths = [int(s["input_ids"].shape[0]) for s in samples]
-    out = {k: torch.zeros(len(samples), max(lengths), dtype=torch.long) for k in ("input_ids", "loss_mask")}  # (B, T)
-    for b, (s, n) in enumerate(zip(samples, lengths)):
-        out["input_ids"][b, :n], out["loss_mask"][b, :n] = s["input_ids"], s["loss_mask"]
-    return out | {"lengths": torch.tensor(lengths), "ids": [s["id"] for s in samples]}
-
-
 def _is_eval(sample_id: str, frac: float) -> bool:
     return frac > 0 and int(sha256_bytes(sample_id)[:8], 16) / 2 ** 32 < frac
-
-
-class _Batches:
-    """Endless micro-batches of this rank, epoch after epoch; `epoch`/`done` give the position after the last one."""
-
-    def __init__(self, rows: _Rows, lengths: list[int], cfg: TrainConfig, rank: int, world: int, epoch: int, done: int,
-                 pin: bool, workers: int):
-        from hstap.batching import BucketBatchSampler
-        self.rows, self.pin, self.workers = rows, pin, workers
-        self.sampler = BucketBatchSampler(lengths, cfg.batch_tokens, shuffle=True, seed=cfg.seed, rank=rank,
-                                          world_size=world)
-        if len(self.sampler) == 0:
-            raise HstapError(f"train: the training split is empty ({len(lengths)} samples)")
-        self.epoch, self.done = epoch, done
-
-    def __iter__(self):
-        while True:
-            if self.done >= len(self.sampler):
-                self.epoch, self.done = self.epoch + 1, 0
-            self.sampler.set_epoch(self.epoch)
-            self.sampler.skip(self.done)
-            loader = torch.utils.data.DataLoader(self.rows, batch_sampler=self.sampler, collate_fn=_collate,
-                                                 num_workers=self.workers, pin_memory=self.pin)
-            for batch in loader:
-                self.done += 1
-                yield batch
-
-
-def _eval_batches(lengths: list[int], cfg: TrainConfig, rank: int, world: int) -> list[tuple[list[int], bool]]:
-    """This rank's eval batches and whether each is real: every rank runs the same number (FSDP needs it), the padding
-    repeats are run but not counted."""
-    from hstap.batching import BucketBatchSampler
-    if not lengths:
-        return []
-    n = len(BucketBatchSampler(lengths, cfg.batch_tokens, shuffle=False))
-    mine = list(BucketBatchSampler(lengths, cfg.batch_tokens, shuffle=False, rank=rank, world_size=world))
-    return [(b, j * world + rank < n) for j, b in enumerate(mine)]
 
 
 # --- target pieces -------------------------------------------------------------------------------------------------
@@ -457,7 +393,7 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
         tr = [i for i, s in enumerate(ids_all) if not _is_eval(s, cfg.eval_frac)]
         ev = [i for i, s in enumerate(ids_all) if _is_eval(s, cfg.eval_frac)]
         e_len = [lengths_all[i] for i in ev]
-    eval_rows, eval_b = _Rows(esrc, ev, prepared=cfg.online), _eval_batches(e_len, cfg, rank, world)
+    eval_rows, eval_b = Rows(esrc, ev, prepared=cfg.online), eval_batches(e_len, cfg.batch_tokens, rank, world)
 
     # Model, wrapping, optimizer; a resume loads the weights before wrapping and the rest after.
     ckpt = checkpoint.complete(run)[-1] if cfg.resume and checkpoint.complete(run) else None
@@ -481,9 +417,9 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
         checkpoint.load_rest(ckpt, state, rank, params, opt)
         if rank == 0:
             checkpoint.truncate_metrics(run / "metrics.jsonl", step)
-    batches = _Batches(_Rows(src, tr, prepared=cfg.online), [lengths_all[i] for i in tr], cfg, rank, world,
-                       state.get("epoch", 0), state.get("batches_done", 0), cuda,
-                       cfg.workers if cfg.workers >= 0 else (4 if cuda else 0))
+    batches = TrainBatches(Rows(src, tr, prepared=cfg.online), [lengths_all[i] for i in tr], cfg.batch_tokens,
+                           cfg.seed, rank, world, state.get("epoch", 0), state.get("batches_done", 0), cuda,
+                           cfg.workers if cfg.workers >= 0 else (4 if cuda else 0))
     per_epoch = math.ceil(len(batches.sampler) / cfg.grad_accum)
     total = cfg.steps or (cfg.epochs or 1) * per_epoch
     eval_every = cfg.eval_every or cfg.save_every
@@ -515,7 +451,7 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
         replays = []  # (runs on the device, loss_mask, lengths): replayed after the loop, so no sync per batch
         with torch.no_grad():
             for idx, real in eval_b:  # every rank runs the same number of batches; padding repeats are not counted
-                b = _collate([eval_rows[i] for i in idx])
+                b = collate([eval_rows[i] for i in idx])
                 ids, feats, tb, _, _ = prepare(b)
                 with autocast():
                     s, m, runs = wrapped(ids, feats, tb, evaluate=True)

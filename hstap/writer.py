@@ -337,6 +337,12 @@ class StoreWriter:
                 raise HstapError(f"{self.path}: expect() after close()")
             self._expect = int(tokens)
 
+    @property
+    def shard_limit_bytes(self) -> int:
+        """Bytes of states at which a full shard closes (the tighter of shard_tokens and shard_bytes, in whole tokens);
+        a shard overshoots it by at most its last sample."""
+        return self._limit * self.bytes_per_token
+
     def _shard_limit(self) -> int:
         """Tokens at which the open shard closes now (see expect())."""
         if self._expect is None:

@@ -314,6 +314,11 @@ def test_expect_boundaries_bytes_limit_and_overrun(tmp_path):
     assert [e["tokens"] for e in open_store(tmp_path / "a").manifest["shards"]] == want
     bpt = store_bytes_per_token(K, H, "bf16")
     w = StoreWriter(tmp_path / "b", header(), shard_tokens=10_000, shard_bytes=160 * bpt)  # the bytes limit rules
+    assert w.shard_limit_bytes == 160 * bpt
+    for name, kw, limit in (("b2", {"shard_tokens": 7, "shard_bytes": 160 * bpt}, 7 * bpt),
+                            ("b3", {"shard_bytes": bpt + 1}, 2 * bpt)):  # rounded up to whole tokens
+        with StoreWriter(tmp_path / name, header(), **kw) as other:
+            assert other.shard_limit_bytes == limit
     w.expect(300)
     for i in range(30):
         w.add(sid(i), *s10())

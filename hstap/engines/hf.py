@@ -372,10 +372,8 @@ class CaptureRunner:
         self.pool = (pool or PinnedPool()) if self.cuda else None
         self.zero_copy = False  # the CPU path hands the store its own tensors: nothing to copy either way
         if self.cuda:
-            shard = getattr(writer, "shard_tokens", 1 << 62) * getattr(writer, "bytes_per_token", 1)
-            if getattr(writer, "shard_bytes", None):
-                shard = min(shard, writer.shard_bytes)
-            self.zero_copy = shard <= ZERO_COPY_MAX_SHARD and hasattr(writer, "when_written")
+            shard = getattr(writer, "shard_limit_bytes", None)  # a writer without it gets the copying path
+            self.zero_copy = shard is not None and shard <= ZERO_COPY_MAX_SHARD and hasattr(writer, "when_written")
         self.side = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.samples = self.tokens = self.bytes = 0
         self.submitted_tokens = 0
