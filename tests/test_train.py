@@ -28,9 +28,11 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+# device cpu: these tests pin CPU fp32 behaviour (bitwise resume, gloo ranks equal to one process) on any machine; a
+# GPU box would otherwise pick cuda + bf16 + compiled flex attention. tests/test_cuda.py covers the GPU paths.
 def _argv(a, out, **kw) -> list[str]:
     opts = {"store": a["store"], "target": a["target"], "out": out, "batch_tokens": 600, "ttt": 3, "log_every": 1,
-            "skip_verify": True, **kw}
+            "skip_verify": True, "device": "cpu", **kw}
     argv = []
     for k, v in opts.items():
         argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
@@ -39,7 +41,7 @@ def _argv(a, out, **kw) -> list[str]:
 
 def _cfg(a, out, **kw) -> TrainConfig:
     base = {"store": str(a["store"]), "target": str(a["target"]), "out": str(out), "batch_tokens": 600, "ttt": 3,
-            "log_every": 1, "skip_verify": True}
+            "log_every": 1, "skip_verify": True, "device": "cpu"}
     return TrainConfig(**(base | kw))
 
 
