@@ -2,8 +2,9 @@
 # Issue #8 on 2 GPUs (NCCL), in one call: capture scaling + exactly-once merge on a Llama-3.1-8B-shaped random target,
 # DDP / FSDP2 training equivalence on the reference target, drafter training scaling. Ends with ONE JSON line.
 #
-#   bash benchmarks/bench_multigpu.sh              # 2 GPUs (W=/dev/shm/mg); ~9 min on 2 H200s. With N8B=512 BUDGET=545
-#                                                  # bt_fsdp was left 15 s and skipped: RESULTS.md runs it separately
+#   bash benchmarks/bench_multigpu.sh              # 2 GPUs (W=/dev/shm/mg); all stages need ~10 min on 2 H200s, so
+#                                                  # the budget skips bt_fsdp (seen with N8B=512 BUDGET=545); then:
+#   BT_ONLY=1 bash benchmarks/bench_multigpu.sh    # stage 4 alone (~4 min)
 #   bash benchmarks/bench_multigpu.sh --tiny       # same stages on the CPU: 2 gloo processes, tiny shapes (~3 min)
 #
 # Stages (each prints "== NAME at +Ns"; a failing stage does not stop the later ones; the JSON lists failures):
@@ -19,6 +20,7 @@
 #              logged windows after the first (which holds the compilation)
 #  bt_1gpu, bt_ddp, bt_fsdp   benchmarks/bench_train.py --no-baseline on 1 GPU, then torchrun x2 --dist ddp / fsdp
 #              (weak scaling: 16384 tokens per rank); scaling = aggregate tok/s / 1-GPU tok/s
+# BT_ONLY=1 runs stage 4 alone (bt_1gpu, bt_ddp, bt_fsdp): the full script needs more than one 10-minute call.
 # Knobs (env): N8B SEQ CAP_BT REF_N (0 = whole train split) REF_MAXLEN REF_BT STEPS TRAIN_BT LOG_EVERY TTT LR
 # BT_STEPS BT_WARMUP LOSS_TOL VERIFY_REF W REF PY; BUDGET = seconds for the whole script (a stage is skipped when fewer
 # than MIN_STAGE s are left; each stage's timeout is cut to what is left). $OUT (if set) receives multigpu.log (every
@@ -49,7 +51,7 @@ else
   BUDGET=${BUDGET:-525}; VERIFY_REF=${VERIFY_REF:-0}  # VERIFY_REF=1: Store.verify() of the 21 GB ref store (~15 s)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}  # the same in 1-process runs and in each torchrun child
 fi
-LR=${LR:-8e-4}; MIN_STAGE=${MIN_STAGE:-20}
+LR=${LR:-8e-4}; MIN_STAGE=${MIN_STAGE:-20}; BT_ONLY=${BT_ONLY:-0}
 H="$PY -m hstap.cli"
 rm -rf "$W"; mkdir -p "$W/logs" "$W/res"
 : > "$W/status"
@@ -127,12 +129,13 @@ EOF
 }
 
 echo "bench_multigpu: tiny=$TINY W=$W N8B=$N8B SEQ=$SEQ CAP_BT=$CAP_BT STEPS=$STEPS TRAIN_BT=$TRAIN_BT TTT=$TTT" \
-     "LR=$LR BT_STEPS=$BT_STEPS LOSS_TOL=$LOSS_TOL BUDGET=$BUDGET OMP_NUM_THREADS=$OMP_NUM_THREADS" \
+     "LR=$LR BT_STEPS=$BT_STEPS LOSS_TOL=$LOSS_TOL BUDGET=$BUDGET BT_ONLY=$BT_ONLY OMP_NUM_THREADS=$OMP_NUM_THREADS" \
      "git=$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +dirty)"
 [[ $DEV == cuda ]] && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -2
 df -h "$W" | tail -1
 
 HAVE_REF=0; [[ -d $REF/target-tiny && -f $REF/corpus/train.jsonl.gz ]] && HAVE_REF=1
+if [[ $BT_ONLY != 1 ]]; then  # stages 1-3
 # ---- 1: random 8B-shaped target + prepared random tokens; the reference train split is prepared meanwhile (CPU only,
 # nothing measured runs at the same time)
 if [[ $HAVE_REF == 1 ]]; then
@@ -181,6 +184,7 @@ else
   [[ -n $BG_CHECK ]] && wait "$BG_CHECK"
 fi
 rm -rf "$W/ref-store" "$W/s8b-1" "$W/s8b-2" "$W/t8b"
+fi  # BT_ONLY
 
 # ---- 4: 8B-shaped drafter training throughput, 1 GPU vs 2 (DDP, FSDP2)
 BT=(benchmarks/bench_train.py $TF --no-baseline --steps "$BT_STEPS" --warmup "$BT_WARMUP")

@@ -152,6 +152,19 @@ def test_resume_skips_committed_and_refuses_other_target_or_layers(tiny_llama, t
     assert st.layers == [1, 3, 4] and st.manifest["target"]["model_type"] == "deepseek_v3" and len(st) == 24
 
 
+def test_zero_copy_only_when_a_shard_fits_the_limit(tmp_path, monkeypatch):
+    """The CUDA path's choice between zero-copy and copying, decided from the writer's real shard limit."""
+    from hstap.engines import hf
+
+    header = {"target": {}, "engine": {}, "dtype": "bf16", "layers": [1, 2], "hidden_size": 64}
+    with StoreWriter(tmp_path / "s", header, shard_tokens=1 << 20, shard_bytes=1000 * 100) as w:
+        monkeypatch.setattr(hf, "ZERO_COPY_MAX_SHARD", w.shard_limit_bytes)
+        assert hf.zero_copy_ok(w)
+        monkeypatch.setattr(hf, "ZERO_COPY_MAX_SHARD", w.shard_limit_bytes - 1)
+        assert not hf.zero_copy_ok(w)
+        assert not hf.zero_copy_ok(object())  # a duck-typed writer without the limit: copies
+
+
 def test_capture_runner_handles_writer_errors(tiny_llama, tmp_path):
     """An error in the writer thread (here: a sample the store refuses) surfaces in the main thread, once, cleanly."""
     target, _ = load_target(tiny_llama)

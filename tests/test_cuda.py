@@ -133,4 +133,5 @@ def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_ll
         x, y = a[i], b[i]
         assert torch.equal(x["aux"], y["aux"]) and torch.equal(x["final"], y["final"])
     # alive at once: queue (1) + in copy (1) + in the writer (1) + held by the open shard (<= 300 tokens, >= 1 batch)
+    assert stats["zero_copy"]["zero_copy"] and not stats["copy"]["zero_copy"]  # each mode took its own path
     assert len(batches) > 12 and stats["zero_copy"]["pinned_allocations"] <= 8

@@ -370,10 +370,8 @@ class CaptureRunner:
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.vocab_size = int(target.vocab_size)
         self.pool = (pool or PinnedPool()) if self.cuda else None
-        self.zero_copy = False  # the CPU path hands the store its own tensors: nothing to copy either way
-        if self.cuda:
-            shard = getattr(writer, "shard_limit_bytes", None)  # a writer without it gets the copying path
-            self.zero_copy = shard is not None and shard <= ZERO_COPY_MAX_SHARD and hasattr(writer, "when_written")
+        # the CPU path hands the store its own tensors: nothing to copy either way
+        self.zero_copy = self.cuda and zero_copy_ok(writer)
         self.side = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.samples = self.tokens = self.bytes = 0
         self.submitted_tokens = 0
@@ -530,6 +528,13 @@ class CaptureRunner:
             self.bytes += sum(x[sl].numel() * x.element_size() for x in t.values()) + 5 * L  # + int32 ids, u8 mask
 
 
+def zero_copy_ok(writer) -> bool:
+    """Whether the CUDA path may hand `writer` views of its pinned buffers (held until the shard commits): only when a
+    full shard fits in ZERO_COPY_MAX_SHARD bytes. A writer without `shard_limit_bytes` / `when_written` gets copies."""
+    shard = getattr(writer, "shard_limit_bytes", None)
+    return shard is not None and shard <= ZERO_COPY_MAX_SHARD and hasattr(writer, "when_written")
+
+
 def run_capture(target: Target, layers: list[int], writer, batches: Iterable[list[dict]], dtype: str = "bf16",
                 queue_size: int = 4, progress=None, pool: PinnedPool | None = None) -> dict:
     """Drive a CaptureRunner over `batches` (lists of sample dicts) into `writer`; returns counts and timings.
@@ -546,4 +551,5 @@ def run_capture(target: Target, layers: list[int], writer, batches: Iterable[lis
         torch.cuda.synchronize(run.device)
     dt = time.perf_counter() - t0
     return {"samples": run.samples, "tokens": run.tokens, "bytes": run.bytes, "seconds": dt,
-            "writer_wait_s": run.writer_wait_s, "pinned_allocations": run.pool.allocated if run.pool else 0}
+            "writer_wait_s": run.writer_wait_s, "pinned_allocations": run.pool.allocated if run.pool else 0,
+            "zero_copy": run.zero_copy}
