@@ -1,28 +1,17 @@
-"""Helpers for the capture tests: a small prepared set, store comparison, and CLI runs in real child processes.
-
-Why a forkserver: importing torch + transformers + datasets costs ~6 s of CPU per fresh interpreter on the 2-core test
-box, and the kill test needs >= 10 separate `hstap capture` processes. A multiprocessing forkserver imports them once;
-each run is then a real child process (own pid, SIGKILL-able, its own exit status) that executes `hstap.cli.main`
-exactly as `python -m hstap.cli capture ...` would. The forkserver never runs any compute before forking, so the
-children start with clean OpenMP / tokenizer thread state. One test still runs a fresh `sys.executable` (the real
-entry point).
+"""Helpers for the capture tests: a small prepared set, store comparison, and CLI runs in real child processes
+(forked from the shared forkserver of `_procs`). One test still runs a fresh `sys.executable` (the real entry point).
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import signal
-import socket
 import sys
 from pathlib import Path
 
-PRELOAD = ["torch", "numpy", "datasets", "pyarrow", "safetensors", "tqdm", "transformers", "hstap.cli", "hstap.capture",
-           "hstap.engines.hf", "hstap.store", "hstap.data", "hstap.target", "hstap.layers", "torch.distributed",
-           "transformers.models.llama.modeling_llama", "transformers.models.llama.configuration_llama",
-           "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto", "_capture_fixtures"]
+from _procs import Child, free_port, redirect_output, start_forkserver  # noqa: F401 (re-exported)
 
 # `hstap capture` as cli.py registers it (added here when the lead has not registered it yet; no-op afterwards)
 CAPTURE_ENTRY = ("hstap.capture", "CaptureConfig", "capture",
@@ -81,12 +70,6 @@ def assert_same_store(a: dict[str, dict], b: dict[str, dict], atol: float = 1e-5
         torch.testing.assert_close(x["final"], y["final"], rtol=1e-5, atol=atol)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # CLI runs in forked children
 
@@ -94,10 +77,7 @@ def free_port() -> int:
 def _child(argv: list[str], env: dict, log_path: str, fsize_limit: int | None) -> None:
     """Body of a child process: `hstap <argv>` with stdout+stderr to log_path; exit status = the CLI's."""
     os.environ.update(env)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    redirect_output(log_path)
     if fsize_limit is not None:  # a real OS write failure (EFBIG) once a file would grow past the limit
         import resource
 
@@ -115,9 +95,6 @@ def _child(argv: list[str], env: dict, log_path: str, fsize_limit: int | None) -
     sys.exit(code)
 
 
-_CTX = None
-
-
 def _make_tqdm_lock() -> None:
     # datasets.load_from_disk takes tqdm's multiprocessing lock; created here (in the forkserver, at preload) the
     # children inherit it instead of registering a named semaphore that a SIGKILL would leak (a warning at exit).
@@ -129,56 +106,11 @@ def _make_tqdm_lock() -> None:
 _make_tqdm_lock()
 
 
-def forkserver():
-    """The multiprocessing context whose server has imported PRELOAD (started on first use)."""
-    global _CTX
-    if _CTX is None:
-        here = str(Path(__file__).resolve().parent)
-        if here not in sys.path:
-            sys.path.insert(0, here)
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        _CTX = ctx
-    return _CTX
-
-
-def start_forkserver() -> None:
-    """Start the server now (its imports then overlap whatever the caller does next)."""
-    from multiprocessing import forkserver as fs
-
-    forkserver()
-    fs.ensure_running()
-
-
-class Run:
-    """One `hstap ...` child process."""
+class Run(Child):
+    """One `hstap ...` child process (fsize_limit: RLIMIT_FSIZE in bytes, for real EFBIG write failures)."""
 
     def __init__(self, argv: list[str], log: Path, env: dict | None = None, fsize_limit: int | None = None):
-        self.log = Path(log)
-        env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-        self.proc = forkserver().Process(target=_child, args=(list(argv), env, str(self.log), fsize_limit))
-        self.proc.start()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def kill(self) -> None:
-        try:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # it had just exited
-            pass
-
-    def wait(self, timeout: float = 120.0) -> int:
-        self.proc.join(timeout)
-        if self.proc.exitcode is None:
-            self.kill()
-            self.proc.join()
-            raise AssertionError(f"child {self.pid} did not finish in {timeout} s; log:\n{self.output()[-3000:]}")
-        return self.proc.exitcode
-
-    def output(self) -> str:
-        return self.log.read_text() if self.log.exists() else ""
+        super().__init__(_child, argv, log, env, extra=(fsize_limit,))
 
 
 def run_cli(argv: list[str], log: Path, **kw) -> tuple[int, str]:

@@ -4,9 +4,8 @@ Assets: a tiny random Llama target (6 layers, H=64, its lm_head scaled up so tha
 a drafter has something to learn), a prepared set of stdlib-documentation chats (hstap.data.prepare, a 96-token draft
 vocabulary) and an fp32 store captured from it by the real capture stage (hstap.capture, layers 1,3,4).
 
-Child processes: `hstap.train` runs as real processes (own pid, SIGKILL-able, gloo process groups across them) forked
-from a multiprocessing forkserver that has imported torch/transformers/hstap once; a fresh interpreter per run would
-cost seconds of CPU each on the 2-core test box. Children run single-threaded, like the in-process reference runs.
+Child processes: `hstap.train` runs as real processes (gloo process groups across them), forked from the shared
+forkserver of `_procs`. Children run single-threaded, like the in-process reference runs.
 """
 
 from __future__ import annotations
@@ -14,19 +13,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import multiprocessing
 import os
 import random
-import signal
-import socket
 import sys
 from pathlib import Path
 
-PRELOAD = ["torch", "numpy", "safetensors", "tqdm", "transformers", "transformers.models.llama.configuration_llama",
-           "transformers.models.llama.modeling_llama", "torch.distributed", "torch.distributed.fsdp",
-           "torch.nn.parallel", "hstap.cli", "hstap.train", "hstap.drafter", "hstap.store", "hstap.export",
-           "hstap.data", "hstap.dist", "_train_fixtures"]
-
+import _procs
+from _procs import free_port, redirect_output, start_forkserver  # noqa: F401 (re-exported)
 
 def build_assets(root: Path, tokenizer, n: int = 28) -> dict:
     """target/, prepared/ and store/ (fp32) under root; returns their paths."""
@@ -64,18 +57,9 @@ def metrics(run: Path) -> tuple[list[dict], list[dict]]:
     return [r for r in rows if not r.get("eval")], [r for r in rows if r.get("eval")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child(argv: list[str], env: dict, log_path: str) -> None:
     os.environ.update(env)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    redirect_output(log_path)
     import torch
 
     torch.set_num_threads(1)
@@ -94,52 +78,13 @@ def _child(argv: list[str], env: dict, log_path: str) -> None:
     os._exit(code)
 
 
-_CTX = None
-
-
-def forkserver():
-    global _CTX
-    if _CTX is None:
-        here = str(Path(__file__).resolve().parent)
-        if here not in sys.path:
-            sys.path.insert(0, here)
-        _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(PRELOAD)
-    return _CTX
-
-
-def start_forkserver() -> None:
-    from multiprocessing import forkserver as fs
-
-    forkserver()
-    fs.ensure_running()
-
-
-class Child:
+class Child(_procs.Child):
     """`hstap train <argv>` in a forked child; env adds to the environment (RANK, WORLD_SIZE, ... for gloo ranks)."""
 
+    timeout = 180.0
+
     def __init__(self, argv: list[str], log: Path, env: dict | None = None):
-        self.log = Path(log)
-        env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-        self.proc = forkserver().Process(target=_child, args=(list(argv), env, str(self.log)), daemon=False)
-        self.proc.start()
-
-    def kill(self) -> None:
-        try:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def wait(self, timeout: float = 180.0) -> int:
-        self.proc.join(timeout)
-        if self.proc.exitcode is None:
-            self.kill()
-            self.proc.join()
-            raise AssertionError(f"child did not finish in {timeout} s; log:\n{self.output()[-3000:]}")
-        return self.proc.exitcode
-
-    def output(self) -> str:
-        return self.log.read_text() if self.log.exists() else ""
+        super().__init__(_child, argv, log, env)
 
 
 def ranks(argv: list[str], logdir: Path, world: int = 2) -> list[Child]:
