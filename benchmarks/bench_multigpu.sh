@@ -20,7 +20,6 @@
 #              logged windows after the first (which holds the compilation)
 #  bt_1gpu, bt_ddp, bt_fsdp   benchmarks/bench_train.py --no-baseline on 1 GPU, then torchrun x2 --dist ddp / fsdp
 #              (weak scaling: 16384 tokens per rank); scaling = aggregate tok/s / 1-GPU tok/s
-# BT_ONLY=1 runs stage 4 alone (bt_1gpu, bt_ddp, bt_fsdp): the full script needs more than one 10-minute call.
 # Knobs (env): N8B SEQ CAP_BT REF_N (0 = whole train split) REF_MAXLEN REF_BT STEPS TRAIN_BT LOG_EVERY TTT LR
 # BT_STEPS BT_WARMUP LOSS_TOL VERIFY_REF W REF PY; BUDGET = seconds for the whole script (a stage is skipped when fewer
 # than MIN_STAGE s are left; each stage's timeout is cut to what is left). $OUT (if set) receives multigpu.log (every
