@@ -7,8 +7,9 @@ docs/engines.md has the launch command, what each flag is for, and what was and 
    output (Llama: `residual_batch.final_norm(...)` right before the call); `aux_hidden_states` are the EAGLE-3 taps,
    packed (T, K*H) or a list of K (T, H). The hook demultiplexes the batch per request, starts an async copy of the
    rows it keeps and hands them to a writer thread feeding the same `StoreWriter` as the embedded engine.
-2. `plugin()` (engines/sglang_plugin.py): the `sglang.srt.plugins` entry point. Only when `HSTAP_CAPTURE_LAYERS` (canonical ids) is set, it makes
-   the target capture those layers (`set_eagle3_layers_to_capture`) before CUDA-graph capture, with no draft model.
+2. `plugin()` (engines/sglang_plugin.py, re-exported here): the `sglang.srt.plugins` entry point. Only when
+   `HSTAP_CAPTURE_LAYERS` (canonical ids) is set, it makes the target capture those layers
+   (`set_eagle3_layers_to_capture`) before CUDA-graph capture, with no draft model.
 3. `run_sglang_capture(cfg)` (engines/sglang_driver.py, re-exported here): the `hstap capture --engine sglang
    --server URL` driver: checks the server's settings, sends prefill-only `/generate` requests and waits until the hook
    committed each sample (the store is shared).
