@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         ap.error("--target, --drafter and --data are required (or --tiny)")
     topk, depth, tokens = (int(x) for x in args.tree.split(","))
 
-    from hstap.engines.hf import load_target
+    from hstap.model_dir import load_target
     from hstap.evaluate import load_any_drafter
 
     target, tok = load_target(args.target, device=args.device, dtype=args.dtype)

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hstap.data import PrepareConfig, build_vocab_map, load_tokenizer, prepare, read_conversations
+from hstap.conversations import read_conversations
+from hstap.data import PrepareConfig, build_vocab_map, prepare
+from hstap.model_dir import load_tokenizer
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "reference"
 

@@ -211,8 +211,8 @@ def capture_hf(cfg: CaptureConfig) -> dict:
     import torch
 
     from hstap.data import load_prepared, read_meta
-    from hstap.engines.hf import batches_by_tokens, load_target, resolve_device, resolve_dtype, run_capture, \
-        target_fingerprint
+    from hstap.engines.hf import batches_by_tokens, run_capture
+    from hstap.model_dir import load_target, resolve_device, resolve_dtype, target_fingerprint
     from hstap.layers import parse_layers
     from hstap.store import StoreWriter, store_bytes_per_token
 

@@ -24,6 +24,11 @@ class HstapError(Exception):
     """A user-facing error: the CLI prints `hstap: error: <message>` (one line) and exits with status 2."""
 
 
+def one_line(e: BaseException | str) -> str:
+    """An exception's message on one line (what a user-facing error quotes)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 

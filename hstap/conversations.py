@@ -21,7 +21,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
-from hstap.common import HstapError, sha256_bytes
+from hstap.common import HstapError, one_line, sha256_bytes
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
@@ -36,10 +36,6 @@ class BadRecord(HstapError):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
-
-
-def one_line(e: BaseException | str) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------------------- reading

@@ -59,11 +59,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, sha256_bytes, write_run_config
-# Re-exported: the conversation readers live in hstap.conversations; callers import them from hstap.data too.
-from hstap.conversations import (MAX_WARNINGS, ROLES, SHAREGPT_ROLES, SUFFIXES, BadRecord,  # noqa: F401
-                                 conversation_id, count_skip, expand_paths, iter_records, one_line,
-                                 read_conversations)
+from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, one_line, write_run_config
+from hstap.conversations import BadRecord, count_skip, expand_paths, iter_records
+from hstap.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
 
 CHUNK = 64  # records per worker task: large enough to amortise IPC, small enough to keep workers busy
 
@@ -105,73 +103,6 @@ class PrepareConfig:
         if self.chat_template is not None:
             self.chat_template = os.path.abspath(self.chat_template)
 
-
-
-# ------------------------------------------------------------------------------------------ tokenizer and template
-
-
-def read_chat_template(path: str | os.PathLike) -> str:
-    """The text of a Jinja chat template file."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise HstapError(f"{path}: cannot read chat template: {one_line(e)}") from None
-    if not text.strip():
-        raise HstapError(f"{path}: empty chat template")
-    return text
-
-
-def load_tokenizer(path: str | os.PathLike, chat_template_file: str | os.PathLike | None = None):
-    """The HF fast tokenizer in directory `path`, with its chat template replaced by `chat_template_file` if given."""
-    d = Path(path)
-    if not d.is_dir():
-        raise HstapError(f"{d}: tokenizer directory not found")
-    try:
-        cls = json.loads((d / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        cls = None
-    # The generic fast class needs no AutoTokenizer dispatch, whose import costs seconds (model registries).
-    if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-        from transformers import PreTrainedTokenizerFast as AutoTokenizer
-    else:
-        from transformers import AutoTokenizer
-    try:
-        tok = AutoTokenizer.from_pretrained(str(d))
-    except Exception as e:  # noqa: BLE001 - whatever transformers raises, it is about the user's directory
-        raise HstapError(f"{d}: cannot load tokenizer: {one_line(e)}") from None
-    if not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
-        raise HstapError(f"{d}: a fast tokenizer (tokenizer.json) is needed for offset mapping")
-    if chat_template_file is not None:
-        tok.chat_template = read_chat_template(chat_template_file)
-    return tok
-
-
-def chat_template_of(tokenizer, where: str = "tokenizer") -> str:
-    """The template apply_chat_template uses; HstapError if there is none."""
-    t = tokenizer.chat_template
-    if isinstance(t, dict):
-        t = t.get("default")
-    if not isinstance(t, str) or not t.strip():
-        raise HstapError(f"{where}: the tokenizer has no chat template; pass --chat-template FILE")
-    return t
-
-
-def chat_template_sha256(template: str) -> str:
-    return sha256_bytes(template.encode("utf-8"))
-
-
-def tokenizer_sha256(tokenizer) -> str:
-    """sha256 of what maps text to ids: the tokenizer's serialized JSON (vocab, merges, added tokens, normalizer,
-    pre-tokenizer, post-processor, decoder; transient truncation/padding settings dropped) and its special tokens,
-    as sorted compact JSON. Takes a directory or a loaded tokenizer (same value for both). The chat template is not
-    part of it: see `chat_template_sha256`."""
-    if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(tokenizer)
-    state = json.loads(tokenizer.backend_tokenizer.to_str())
-    state.pop("truncation", None)
-    state.pop("padding", None)
-    canonical = {"tokenizer": state, "special_tokens": dict(tokenizer.special_tokens_map)}
-    return sha256_bytes(json.dumps(canonical, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str))
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:

@@ -94,7 +94,8 @@ def build_toy_target(out: Path, records: list[dict], minutes: float, seed: int) 
 
 def demo(cfg: DemoConfig) -> dict:
     from hstap.capture import CaptureConfig, capture
-    from hstap.data import PrepareConfig, prepare, read_conversations
+    from hstap.conversations import read_conversations
+    from hstap.data import PrepareConfig, prepare
     from hstap.evaluate import EvalConfig, evaluate
     from hstap.train import TrainConfig, train
 

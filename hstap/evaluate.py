@@ -132,7 +132,8 @@ def load_prompts(data: str, tokenizer, num_prompts: int | None = None) -> list[t
             if len(out) >= want:
                 break
     else:
-        from hstap.data import read_conversations, render_prompt
+        from hstap.conversations import read_conversations
+        from hstap.data import render_prompt
 
         if tokenizer is None:
             raise HstapError(f"{data}: conversations need the target's tokenizer, and the target directory has none")
@@ -272,7 +273,7 @@ def check_lossless(target, prompts, ref: list[list[int]], outs: list[list[int]],
 
 # --- the stage --------------------------------------------------------------------------------------------------------
 def evaluate(cfg: EvalConfig) -> dict:
-    from hstap.engines.hf import load_target
+    from hstap.model_dir import load_target
 
     target, tok = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
     dev = target.device
@@ -350,7 +351,7 @@ def _same_target(target_dir: str, meta: dict) -> bool | None:
     want = ((meta or {}).get("store") or {}).get("target", {}).get("weights_fingerprint")
     if not want:
         return None
-    from hstap.engines.hf import weights_fingerprint
+    from hstap.model_dir import weights_fingerprint
 
     same = weights_fingerprint(target_dir) == want
     if not same:

@@ -241,7 +241,7 @@ class EmbeddedEngine:
 
     def __init__(self, path: str, device: str = "cpu", dtype: str = "auto"):
         from hstap.data import render_prompt
-        from hstap.engines.hf import load_target
+        from hstap.model_dir import load_target
 
         self.target, self.tokenizer = load_target(path, device=device, dtype=dtype)
         if self.tokenizer is None:
@@ -410,7 +410,7 @@ def _check_resume(cfg: GenerateConfig, out: Path, cfg_path: Path) -> None:
 
 
 def _todo(cfg: GenerateConfig, done: set[str], stats: dict) -> Iterator[tuple[str, list[dict]]]:
-    from hstap.data import conversation_id, read_conversations
+    from hstap.conversations import conversation_id, read_conversations
 
     seen: dict[str, str] = {}  # id -> digest of its messages: an exact duplicate is skipped, as prepare does
     n = 0

@@ -24,7 +24,24 @@ from collections.abc import Sequence
 
 from hstap.common import HstapError
 
-DEEPSEEK_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32"})
+DEEPSEEK_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "deepseek_v32"})  # MLA targets
+
+EMBEDDINGS = -1  # pseudo-id of the embedding output (the input of layer 0) among a recomputation's reference states
+
+
+def parse_ids(spec: str | Sequence[int], what: str = "--layers") -> list[int]:
+    """`"1,3,4"` (or a sequence) -> [1, 3, 4]; the one parser of comma-separated layer ids (`what` names the option)."""
+    if isinstance(spec, str):
+        try:
+            return [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            raise HstapError(f"{what}: expected comma-separated integers, got {spec!r}") from None
+    return [int(x) for x in spec]
+
+
+def fc_slots(aux_layers: Sequence[int]) -> int:
+    """States the drafter's fc fuses: one per aux layer, or the final state alone when there is none (EAGLE-1-style)."""
+    return max(1, len(aux_layers))
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -39,13 +56,7 @@ def parse_layers(spec: str | Sequence[int] | None, num_layers: int) -> list[int]
     """Parse `--layers 1,3,4` (or a list) into validated canonical ids; None/"" means the default."""
     if spec is None or spec == "" or spec == "default":
         return default_aux_layers(num_layers)
-    if isinstance(spec, str):
-        try:
-            ids = [int(x) for x in spec.split(",") if x.strip()]
-        except ValueError:
-            raise HstapError(f"--layers: expected comma-separated integers, got {spec!r}") from None
-    else:
-        ids = [int(x) for x in spec]
+    ids = parse_ids(spec)
     check_layers(ids, num_layers)
     return ids
 
@@ -117,11 +128,41 @@ def to_vllm(ids: Sequence[int]) -> list[int]:
     return [int(i) + 1 for i in ids]
 
 
-def from_vllm(ids: Sequence[int], num_layers: int) -> list[int]:
-    """vLLM ids -> canonical ids; j = N (the last layer's pre-norm output) maps to canonical N-1."""
+def from_vllm(ids: Sequence[int], num_layers: int | None = None) -> list[int]:
+    """vLLM ids -> canonical ids; j = N (the last layer's pre-norm output) maps to canonical N-1. Without num_layers
+    (a drafter config that does not name its target's depth) only j >= 1 is checked."""
     out = []
     for j in ids:
-        if not 1 <= j <= num_layers:
+        if j < 1 or (num_layers is not None and j > num_layers):
             raise HstapError(f"vLLM layer id {j} is out of range for a {num_layers}-layer target (valid: 1..{num_layers})")
         out.append(int(j) - 1)
     return out
+
+
+def parse_vllm_layers(spec: str | Sequence[int] | None, num_layers: int) -> tuple[list[int], list[int]]:
+    """`--vllm-layers 2,4,5,8` -> (vLLM ids, canonical aux ids). The last id must be N: vLLM's slot for the last layer's
+    pre-norm output, from which the final state is computed."""
+    if spec is None or spec == "" or spec == []:
+        raise HstapError("--vllm-layers: required with --engine vllm-import: the eagle_aux_hidden_state_layer_ids "
+                         f"the vLLM server was launched with, ending with {num_layers} "
+                         f"(e.g. 2,{num_layers // 2},{num_layers - 3},{num_layers})")
+    ids = parse_ids(spec, "--vllm-layers")
+    if len(ids) < 2 or ids[-1] != num_layers:
+        raise HstapError(f"--vllm-layers {spec}: the last id must be {num_layers} (the last layer's pre-norm output, "
+                         f"from which `final` is computed) and at least one aux id must precede it")
+    canonical = from_vllm(ids[:-1], num_layers)
+    check_layers(canonical, num_layers)
+    if num_layers - 1 in canonical:
+        raise HstapError(f"--vllm-layers {spec}: id {num_layers} appears twice")
+    return ids, canonical
+
+
+def reference_ids(num_layers: int) -> list[int]:
+    """The states a recomputation compares stored slots against, in order: EMBEDDINGS (-1), the outputs of layers
+    0..N-1 (pre-norm) and N = the final-norm output (what `final` must be)."""
+    return list(range(EMBEDDINGS, num_layers + 1))
+
+
+def reference_index(i: int) -> int:
+    """Position of id `i` (EMBEDDINGS, a canonical layer id, or N for the final-norm output) in `reference_ids`."""
+    return i - EMBEDDINGS

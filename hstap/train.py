@@ -65,6 +65,7 @@ from hstap.batching import Rows, TrainBatches, collate, eval_batches
 from hstap.common import HstapError, sha256_bytes, write_run_config
 from hstap.drafter import DrafterConfig, Eagle3Drafter, TTTModel, replay_chain, step_rows, target_distribution, \
     ttt_flops
+from hstap.model_dir import load_config, target_head
 
 STATE_FORMAT = "hstap-trainer-state"
 
@@ -180,41 +181,6 @@ class TrainConfig:
 # --- data ----------------------------------------------------------------------------------------------------------
 def _is_eval(sample_id: str, frac: float) -> bool:
     return frac > 0 and int(sha256_bytes(sample_id)[:8], 16) / 2 ** 32 < frac
-
-
-# --- target pieces -------------------------------------------------------------------------------------------------
-def target_head(target_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding (V, H), lm_head (V, H)) read from the target's safetensors; lm_head = embedding when tied."""
-    from safetensors import safe_open
-    p = Path(target_dir)
-    index = p / "model.safetensors.index.json"
-    if index.is_file():
-        where = {k: p / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    else:
-        where = {}
-        for f in sorted(p.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as h:
-                where.update({k: f for k in h.keys()})
-    embed = "model.embed_tokens.weight" if "model.embed_tokens.weight" in where else next(
-        (k for k in sorted(where) if k.endswith("embed_tokens.weight")), None)
-    if embed is None:
-        raise HstapError(f"{p}: no *embed_tokens.weight in the target's safetensors (the drafter reuses the embedding)")
-    head = "lm_head.weight" if "lm_head.weight" in where else embed  # absent = tied to the embedding
-
-    def get(k):
-        with safe_open(str(where[k]), framework="pt") as h:
-            return h.get_tensor(k)
-    e = get(embed)
-    return e, (e if head == embed else get(head))
-
-
-def _target_config(target_dir: str):
-    from transformers import AutoConfig
-    try:
-        cfg = AutoConfig.from_pretrained(target_dir)
-    except (OSError, ValueError, KeyError) as e:
-        raise HstapError(f"{target_dir}/config.json: cannot read the target config: {type(e).__name__}: {e}") from None
-    return getattr(cfg, "text_config", None) or cfg
 
 
 def _store_freq(store, V: int) -> np.ndarray:
@@ -343,12 +309,12 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
     D.barrier()
 
     # Sources: a store (offline), or a prepared set + the live target (online, same Target.capture as hstap capture).
-    hf_cfg = _target_config(cfg.target)
+    hf_cfg = load_config(cfg.target)
     V = int(hf_cfg.vocab_size)
     target = store = None
     if cfg.online:
         from hstap.data import load_prepared
-        from hstap.engines.hf import load_target, target_fingerprint
+        from hstap.model_dir import load_target, target_fingerprint
         src = load_prepared(cfg.data)
         ids_all, lengths_all = list(src["id"]), [len(x) for x in src["input_ids"]]
         target, _ = load_target(cfg.target, device=dev, dtype="bf16" if bf16 else "fp32")

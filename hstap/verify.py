@@ -221,7 +221,7 @@ def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = 
     """Recompute `samples` samples of the store with the target; per-layer metrics, offsets and problems (see above).
 
     `target`: an already loaded hstap Target (its device/dtype are used) to skip loading."""
-    from hstap.engines.hf import load_target, target_fingerprint
+    from hstap.model_dir import load_target, target_fingerprint
     from hstap.store import open_store
 
     s = open_store(store_path)

@@ -89,7 +89,7 @@ def create_store(target: Path, data: Path, out: Path, layers: list[int], dtype: 
     """What the driver does before it sends requests: create the store with the target's header."""
     from hstap.capture import store_header
     from hstap.data import read_meta
-    from hstap.engines.hf import target_fingerprint
+    from hstap.model_dir import target_fingerprint
     from hstap.store import StoreWriter
 
     tb = target_fingerprint(target)
@@ -169,7 +169,7 @@ def serve(argv: list[str]) -> None:
     from sglang.srt.utils.common import build_server_info
     from transformers import AutoConfig
 
-    from hstap.engines.hf import load_target
+    from hstap.model_dir import load_target
 
     torch.set_num_threads(1)
     sa = publish_server_args(target_dir, sg_argv)

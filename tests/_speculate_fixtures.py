@@ -20,7 +20,7 @@ from hstap.drafter import DrafterConfig, Eagle3Drafter
 def load_tiny_target(path):
     """(Target, tokenizer) through engines/hf.py when it exists, else straight from transformers (fp32, CPU)."""
     try:
-        from hstap.engines.hf import load_target
+        from hstap.model_dir import load_target
     except ImportError:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -15,8 +15,8 @@ from _capture_fixtures import assert_same_store, make_prepared, store_samples
 
 from hstap.capture import CaptureConfig, capture, check_tokenizer
 from hstap.common import HstapError
-from hstap.engines.hf import (CaptureRunner, batches_by_tokens, capture_batch, forward_packed, load_target,
-                              target_fingerprint, weights_fingerprint)
+from hstap.engines.hf import CaptureRunner, batches_by_tokens, capture_batch, forward_packed
+from hstap.model_dir import load_target, target_fingerprint, weights_fingerprint
 from hstap.store import StoreWriter, open_store, store_bytes_per_token
 
 LAYERS = "0,2,4"  # HF hidden_states[1], [3], [5] of a 6-layer model; final = hidden_states[6]

@@ -81,7 +81,7 @@ def _wide(**kw):
 def test_gpu_speculative_greedy_equals_target(tiny_llama):
     from _speculate_fixtures import random_drafter
 
-    from hstap.engines.hf import load_target
+    from hstap.model_dir import load_target
     from hstap.speculate import speculative_generate, target_generate
 
     target, _ = load_target(tiny_llama, device="cuda", dtype="fp32")
@@ -111,9 +111,10 @@ def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_ll
     """The writer hands the store views of pinned buffers and takes them back after the shard commit: a buffer
     reused too early would corrupt committed samples. Compare bitwise with the copying path; count pinned buffers."""
     from hstap.engines import hf
+    from hstap.model_dir import load_target
     from hstap.store import StoreWriter, open_store
 
-    target, _ = hf.load_target(tiny_llama, device="cuda", dtype="bf16")
+    target, _ = load_target(tiny_llama, device="cuda", dtype="bf16")
     g = torch.Generator().manual_seed(0)
     samples = [{"id": f"s{i:03d}", "input_ids": torch.randint(0, 200, (int(torch.randint(5, 120, (1,), generator=g)),),
                                                               generator=g), "loss_mask": None} for i in range(80)]

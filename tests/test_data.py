@@ -17,9 +17,10 @@ import pytest
 
 from hstap import cli
 from hstap.common import HstapError
-from hstap.data import (PrepareConfig, assistant_spans, build_vocab_map, chat_template_sha256, check_vocab_map,
-                        conversation_id, load_prepared, load_tokenizer, load_vocab_map, prepare, read_conversations,
-                        read_meta, render_prompt, tokenize_conversation, tokenizer_sha256)
+from hstap.conversations import conversation_id, read_conversations
+from hstap.data import (PrepareConfig, assistant_spans, build_vocab_map, check_vocab_map, load_prepared, load_vocab_map,
+                        prepare, read_meta, render_prompt, tokenize_conversation)
+from hstap.model_dir import chat_template_sha256, load_tokenizer, tokenizer_sha256
 
 REPO = Path(__file__).resolve().parent.parent
 

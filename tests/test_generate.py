@@ -168,7 +168,7 @@ def embedded_run(corpus, tiny_llama, tmp_path_factory):
 
 
 def test_embedded_replaces_turns_in_order(embedded_run, engine, corpus, tiny_llama):
-    from hstap.data import read_conversations
+    from hstap.conversations import read_conversations
 
     out, summary = embedded_run
     got = {r["id"]: r["conversations"] for r in _read_jsonl(out)}
@@ -204,7 +204,7 @@ def test_output_feeds_prepare(embedded_run, tiny_llama, tmp_path):
 
 
 def test_reference_target_greedy(ref_target, ref_corpus, tmp_path):
-    from hstap.data import read_conversations
+    from hstap.conversations import read_conversations
 
     src = tmp_path / "ref.jsonl"
     recs = []

@@ -74,7 +74,8 @@ def _run(cfg):
 
 def test_capture_through_server_equals_hf_and_resumes(setup, tiny_llama):
     from hstap.data import load_prepared
-    from hstap.engines.hf import capture_batch, load_target
+    from hstap.engines.hf import capture_batch
+    from hstap.model_dir import load_target
 
     s = _run(_cfg(setup, tiny_llama))
     ds = load_prepared(setup["data"])

@@ -53,7 +53,7 @@ def stores(tiny_llama, prepared, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def target(tiny_llama):
-    from hstap.engines.hf import load_target
+    from hstap.model_dir import load_target
 
     return load_target(tiny_llama, "cpu", "fp32")[0]
 

@@ -23,185 +23,26 @@ pinned memory stays bounded. On the CPU the same pipeline runs with
 plain tensors: the writer thread still overlaps disk writes with compute. An error in the writer thread (e.g. ENOSPC)
 stops it and is raised in the main thread at its next call.
 
-    from hstap.engines.hf import load_target, capture_batch
+    from hstap.engines.hf import capture_batch
+    from hstap.model_dir import load_target
     target, tok = load_target("models/Llama-3.1-8B-Instruct", device="cuda", dtype="bf16")
     [(aux, final)] = capture_batch(target, [ids], layers=[1, 15, 28])  # (T, K, H), (T, H)
 """
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import torch
 
-from hstap.common import HstapError, sha256_bytes
+from hstap.common import HstapError
 from hstap.target import Target
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a weight file
 _ALIGN = 512  # byte alignment of each tensor inside a pinned buffer (any dtype view stays aligned)
 ZERO_COPY_MAX_SHARD = 4 << 30  # larger shards: copy batches out of pinned memory rather than pin a whole shard
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Loading
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """"auto" -> cuda if available else cpu; "cuda" without an index -> the current CUDA device."""
-    if str(device) == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise HstapError(f"--device: {device} requested but CUDA is not available (torch {torch.__version__})")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise HstapError(f"--device: expected cpu, cuda or auto, got {device!r}")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" -> fp32 on the CPU (exact, tests), bf16 on CUDA (what serving engines run)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in COMPUTE_DTYPES:
-        raise HstapError(f"--compute-dtype: expected auto, fp32 or bf16, got {dtype!r}")
-    return COMPUTE_DTYPES[dtype]
-
-
-def _check_model_dir(path: str | Path) -> Path:
-    p = Path(path)
-    if not p.is_dir():
-        raise HstapError(f"{p}: target model directory does not exist")
-    if not (p / "config.json").is_file():
-        raise HstapError(f"{p}: not a HF model directory (no config.json)")
-    return p
-
-
-def has_tokenizer(path: str | Path) -> bool:
-    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
-
-
-def load_tokenizer(path: str | Path):
-    """The tokenizer saved with the model, or None when the directory has none."""
-    p = Path(path)
-    if not has_tokenizer(p):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(p))
-    except Exception as e:  # noqa: BLE001 - any failure here is a broken model directory
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise HstapError(f"{p}: cannot load the tokenizer: {type(e).__name__}: {first}") from None
-
-
-def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str = "fp32"):
-    """Load a local HF causal LM directory -> (Target in eval mode with frozen weights, tokenizer or None).
-
-    dtype: "fp32" | "bf16" | "auto" (fp32 on CPU, bf16 on CUDA). Attention is SDPA, or eager for architectures without
-    it."""
-    p = _check_model_dir(path)
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import is_accelerate_available
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
-    kw: dict = {"dtype": dt}
-    if dev.type == "cuda" and is_accelerate_available():  # transformers needs accelerate for device_map
-        kw["device_map"] = {"": dev.index}  # load straight into GPU memory, not through a full CPU copy
-    try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(p), attn_implementation="sdpa", **kw)
-        except ValueError as e:
-            if "attention" not in str(e).lower() and "sdpa" not in str(e).lower():
-                raise
-            model = AutoModelForCausalLM.from_pretrained(str(p), attn_implementation="eager", **kw)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise HstapError(f"{p}: cannot load the target model: {type(e).__name__}: {first}") from None
-    if "device_map" not in kw:
-        model.to(dev)
-    model.eval()
-    model.requires_grad_(False)
-    return Target(model), load_tokenizer(p)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Fingerprint (the `target` block of a store header)
-
-
-def weights_fingerprint(path: str | Path) -> str:
-    """A fingerprint of the weight files, NOT a full hash: sha256 over, for each weight file sorted by name, its name,
-    its size, its safetensors header (tensor names, dtypes, shapes, offsets) and its first and last 1 MiB.
-
-    Why not a full hash: hashing 16 GB (8B bf16) to 1.4 TB (a 700B model) would dominate a short capture and run again
-    on every resume. Renamed, resized, re-sharded, re-typed or re-shaped weights change the fingerprint; so does
-    anything that touches the ends of a file. An in-place edit of bytes in the middle of a file with the same layout
-    does not."""
-    p = Path(path)
-    h = hashlib.sha256()
-    files = sorted(f for f in p.iterdir()
-                   if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES) and not f.name.startswith("."))
-    for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}\0{size}\0".encode())
-        with open(f, "rb") as fh:
-            if f.name.endswith(".safetensors") and size >= 8:
-                n = int.from_bytes(fh.read(8), "little")
-                if 8 + n <= min(size, 1 << 28):  # a sane header; a corrupt length just falls back to the edges
-                    h.update(fh.read(n))
-            fh.seek(0)
-            h.update(fh.read(FINGERPRINT_EDGE))
-            if size > FINGERPRINT_EDGE:
-                fh.seek(max(FINGERPRINT_EDGE, size - FINGERPRINT_EDGE))
-                h.update(fh.read(FINGERPRINT_EDGE))
-    return f"edges-sha256:{h.hexdigest()}"
-
-
-def target_fingerprint(path: str | Path, tokenizer=None) -> dict:
-    """The `target` block of a store header; reads config.json, the tokenizer files and the ends of the weight files.
-
-    tokenizer_sha256 / chat_template_sha256 are computed as `hstap prepare` does (hstap.data), None when the directory
-    has no (fast) tokenizer or no chat template. `vocab_size` (the embedding rows) is added for the data check."""
-    from transformers import AutoConfig
-
-    from hstap.data import chat_template_of, chat_template_sha256, tokenizer_sha256
-
-    p = _check_model_dir(path)
-    raw = (p / "config.json").read_bytes()
-    try:
-        cfg = AutoConfig.from_pretrained(str(p))
-    except (OSError, ValueError, KeyError) as e:
-        raise HstapError(f"{p / 'config.json'}: cannot read the model config: {type(e).__name__}: {e}") from None
-    cfg = getattr(cfg, "text_config", None) or cfg  # multimodal wrappers keep the LM's shape in text_config
-    tok_sha = tmpl_sha = None
-    if tokenizer is None:
-        tokenizer = load_tokenizer(p)
-    if tokenizer is not None:
-        try:
-            tok_sha = tokenizer_sha256(tokenizer)
-        except (AttributeError, HstapError):  # a slow tokenizer: prepare could not have used it either
-            tok_sha = None
-        try:
-            tmpl_sha = chat_template_sha256(chat_template_of(tokenizer, str(p)))
-        except HstapError:
-            tmpl_sha = None
-    return {"path": str(p.resolve()), "model_type": cfg.model_type, "num_layers": int(cfg.num_hidden_layers),
-            "hidden_size": int(cfg.hidden_size), "vocab_size": int(cfg.vocab_size), "config_sha256": sha256_bytes(raw),
-            "weights_fingerprint": weights_fingerprint(p), "tokenizer_sha256": tok_sha,
-            "chat_template_sha256": tmpl_sha}
 
 
 # ---------------------------------------------------------------------------------------------------------------------

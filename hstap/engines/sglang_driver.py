@@ -125,7 +125,7 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     from hstap.capture import check_tokenizer, store_header
     from hstap.common import write_run_config
     from hstap.data import load_prepared, read_meta
-    from hstap.engines.hf import target_fingerprint
+    from hstap.model_dir import target_fingerprint
     from hstap.layers import parse_layers
     from hstap.store import StoreWriter, merge_manifest, open_store
 

@@ -118,7 +118,7 @@ def import_vllm(cfg) -> dict:
     from hstap.capture import check_tokenizer, store_header
     from hstap.common import write_run_config
     from hstap.data import load_prepared, read_meta
-    from hstap.engines.hf import target_fingerprint
+    from hstap.model_dir import target_fingerprint
     from hstap.engines.sglang import short_id
     from hstap.layers import parse_layers
     from hstap.store import StoreWriter
