@@ -7,7 +7,7 @@ What is measured (same random target, same batches of 8 x 2048 tokens, warm-up e
   (a) plain prefill: the base model's forward over the batches, no hooks, nothing copied or stored (the ceiling);
   (b) capture into a store on /dev/shm (RAM: the pipeline without a disk), bf16 and fp8;
   (c) capture into a store in --disk-dir (a real local disk); --disk-variants adds passes without the writer's
-      end-of-run shard shrinking (StoreWriter.expect) and/or its early writeback (hstap.writer.START_WRITEBACK);
+      end-of-run shard shrinking (StoreWriter.expect) and/or its early writeback (hstap.store.writer.START_WRITEBACK);
   (d) the sink's sequential write bandwidth (large writes + fsync) in /dev/shm and --disk-dir: what (b)/(c) can reach;
   (e) the per-sample cost of SGLang's return_hidden_states transport, `t.cpu().tolist()` + `json.dumps`, for one
       2048-token sample of 3 x 7168 bf16 (Kimi-K2/DeepSeek-V3 width), against our binary path for the same tensor
@@ -37,10 +37,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import hstap.writer as writer_mod  # noqa: E402
-from hstap.engines.hf import PinnedPool, batches_by_tokens, run_capture  # noqa: E402
+import hstap.store.writer as writer_mod  # noqa: E402
+from hstap.batching import pack_by_tokens  # noqa: E402
+from hstap.engines.hf import run_capture  # noqa: E402
+from hstap.engines.staging import PinnedPool  # noqa: E402
 from hstap.layers import default_aux_layers  # noqa: E402
-from hstap.store import StoreWriter, open_store, store_bytes_per_token  # noqa: E402
+from hstap.store.format import store_bytes_per_token  # noqa: E402
+from hstap.store.reader import open_store  # noqa: E402
+from hstap.store.writer import StoreWriter  # noqa: E402
 from hstap.target import Target  # noqa: E402
 
 LLAMA_8B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
@@ -71,7 +75,7 @@ def make_batches(n: int, seq: int, batch_tokens: int, vocab: int, seed: int) -> 
     g = torch.Generator().manual_seed(seed)
     samples = [{"id": f"s{i:06d}", "input_ids": torch.randint(0, vocab, (seq,), generator=g),
                 "loss_mask": torch.ones(seq, dtype=torch.uint8)} for i in range(n)]
-    return [[samples[i] for i in b] for b in batches_by_tokens([seq] * n, batch_tokens)]
+    return [[samples[i] for i in b] for b in pack_by_tokens([seq] * n, batch_tokens)]
 
 
 def header(target: Target, layers: list[int], dtype: str, shape: dict) -> dict:
@@ -117,7 +121,7 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
                   queue_size: int, dev, tail: bool = True, writeback: bool = True) -> dict:
     """One timed capture pass. `tail`: tell the writer how many tokens are coming (StoreWriter.expect, what `hstap
     capture` does), so the shards shrink toward the end; False measures fixed-size shards. `writeback`: the writer
-    starts each piece's writeback as soon as it is written (hstap.writer.START_WRITEBACK, the default)."""
+    starts each piece's writeback as soon as it is written (hstap.store.writer.START_WRITEBACK, the default)."""
     directory.mkdir(parents=True, exist_ok=True)
     seq = len(batches[0][0]["input_ids"])
     bps = store_bytes_per_token(len(layers), target.hidden_size, dtype) * seq

@@ -33,6 +33,7 @@ def build_tiny(root: Path) -> dict:
     JSONL of prompts, all written under root."""
     from hstap.drafter import DrafterConfig, Eagle3Drafter
     from hstap.export import save_drafter
+    from hstap.layers import fc_slots
     from hstap.toy import build_random_target, build_tokenizer, sample_texts
 
     texts = sample_texts()
@@ -40,7 +41,7 @@ def build_tiny(root: Path) -> dict:
     model = build_random_target(root / "target", tok, num_layers=6, hidden_size=64)
     for name, layers in (("eagle3", [1, 2, 3]), ("baseline", [])):
         torch.manual_seed(0)
-        cfg = DrafterConfig.from_target_config(model.config, draft_vocab_size=300, num_aux=max(1, len(layers)),
+        cfg = DrafterConfig.from_target_config(model.config, draft_vocab_size=300, num_aux=fc_slots(layers),
                                                aux_layers=layers)
         d = Eagle3Drafter(cfg)
         hot = torch.arange(300) * 4 // 3  # any increasing subset of the vocabulary
@@ -89,8 +90,8 @@ def main(argv=None) -> int:
         ap.error("--target, --drafter and --data are required (or --tiny)")
     topk, depth, tokens = (int(x) for x in args.tree.split(","))
 
-    from hstap.model_dir import load_target
     from hstap.evaluate import load_any_drafter
+    from hstap.model_dir import load_target
 
     target, tok = load_target(args.target, device=args.device, dtype=args.dtype)
     dev = target.device

@@ -86,7 +86,7 @@ check_store() {
 import json, os, sys, time
 import torch
 from hstap.data import load_prepared
-from hstap.store import open_store
+from hstap.store.reader import open_store
 path, prep, other = sys.argv[1], sys.argv[2], sys.argv[3]
 t0 = time.perf_counter()
 want = [str(x) for x in load_prepared(prep).data.column("id").to_pylist()]

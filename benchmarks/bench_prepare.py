@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from hstap.conversations import read_conversations
-from hstap.data import PrepareConfig, build_vocab_map, prepare
+from hstap.data import PrepareConfig, prepare
 from hstap.model_dir import load_tokenizer
+from hstap.vocab import build_vocab_map
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "reference"
 

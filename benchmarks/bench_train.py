@@ -16,7 +16,7 @@ under bf16 autocast (fp32 master weights) with the fused chunked lm_head + soft 
 clipping, fused AdamW. The step runs with the exact TTT mask (flex_attention, compiled) and then, as the in-run
 baseline, with causal-only attention (each step attends causally to its own keys; SDPA/flash; no TTT diagonal).
 
-FLOPs (hstap.train.model_flops, per step; N = real tokens): fc 4*N*3*4096*4096 + 6*7*N*P_mid (P_mid = q,k,v,o,gate,
+FLOPs (hstap.ttt.ttt_flops, per step; N = real tokens): fc 4*N*3*4096*4096 + 6*7*N*P_mid (P_mid = q,k,v,o,gate,
 up,down = 218.1M) + 6*sum_k counted_k*4096*32000 (drafter lm_head) + 12*32*128*sum_k sum_t (t+1+k) (attention, exact
 mask; the baseline counts sum_t (t+1)) + 2*rows*4096*128256 (target head, forward only). MFU = FLOPs / time / peak
 (--peak-tflops, 790 for an H200 in bf16). Warm-up steps (compilation) are excluded; the timed steps are synchronised.
@@ -47,8 +47,8 @@ import time
 import torch
 
 from hstap import dist as D
-from hstap.drafter import DrafterConfig, Eagle3Drafter, TTTModel, step_rows, target_distribution
-from hstap.drafter import ttt_flops as model_flops
+from hstap.drafter import DrafterConfig, Eagle3Drafter
+from hstap.ttt import TTTModel, step_rows, target_distribution, ttt_flops
 
 
 def build(a, dev):
@@ -114,7 +114,7 @@ def bench(a, dev, model, params, opt, head, hot, t2d, data, cd, exact: bool, wra
     flops = 0.0
     for _ in range(a.steps):
         counted, rows = step()
-        flops += model_flops(model.drafter.config, data["lengths"].cpu(), counted, rows, a.ttt, exact)
+        flops += ttt_flops(model.drafter.config, data["lengths"].cpu(), counted, rows, a.ttt, exact)
     if cuda:
         torch.cuda.synchronize(dev)
     D.barrier()
@@ -171,10 +171,7 @@ def _main(a, dev, world: int) -> dict:
         print("no CUDA device: use --tiny for the CPU smoke test", file=sys.stderr)
         sys.exit(2)
     d, head, hot, t2d, data, cd = build(a, dev)
-    compile_ = dev.type == "cuda" and not a.no_compile
-    if compile_:
-        from torch import _dynamo
-        _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 64)  # shapes vary per TTT step
+    compile_ = dev.type == "cuda" and not a.no_compile  # TTTModel gives its compiled regions their recompile budget
     exact = TTTModel(d, ttt=a.ttt, attn="flex" if dev.type == "cuda" else "sdpa", ce_chunk=a.ce_chunk, compile=compile_)
     wrapped, fsdp = None, a.dist == "fsdp" and world > 1
     if world > 1:  # as hstap.train: FSDP2 shards in place (before the optimizer sees the parameters), DDP wraps
@@ -200,7 +197,7 @@ def _main(a, dev, world: int) -> dict:
               f"(warm-up {res['warmup_s']:.0f} s)", file=sys.stderr)
     if not a.no_baseline and world == 1:
         base = TTTModel(d, ttt=a.ttt, attn="causal", ce_chunk=a.ce_chunk)
-        base._core = exact._core  # same (possibly compiled) cross-entropy; the midlayer's compiled parts are shared
+        base.ce_core = exact.ce_core  # same (possibly compiled) cross-entropy; the midlayer's compiled parts are shared
         b = bench(a, dev, base, params, opt, head, hot, t2d, data, cd, exact=False)
         out["baseline_causal"] = b
         out["exact_vs_causal_time"] = res["step_s"] / b["step_s"]

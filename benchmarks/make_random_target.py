@@ -11,7 +11,7 @@ vocab_size and the largest token id only (hstap.capture.check_tokenizer).
 
 Prepared set: the layout `hstap prepare` writes (hstap.data): an Arrow dataset (`save_to_disk`) with id (str),
 input_ids (list[int32], uniform in [0, vocab)), loss_mask (list[int8], all 1), plus token_freq.safetensors,
-vocab_map.safetensors (the --draft-vocab most frequent ids, hstap.data.build_vocab_map) and meta.json (format
+vocab_map.safetensors (the --draft-vocab most frequent ids, hstap.vocab.build_vocab_map) and meta.json (format
 "hstap-prepared", tokenizer and chat template None). Both outputs are built in a hidden temp sibling and renamed into
 place; an existing one is refused unless --force. Prints one JSON line (sizes and timings).
 """
@@ -101,7 +101,8 @@ def make_prepared(out: Path, vocab: int, samples: int, seq: int, draft_vocab: in
     from safetensors.numpy import save as st_save
 
     from hstap.common import atomic_write_bytes, atomic_write_json
-    from hstap.data import _record_batch, build_vocab_map, check_vocab_map
+    from hstap.data import record_batch
+    from hstap.vocab import build_vocab_map, check_vocab_map
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
@@ -112,7 +113,7 @@ def make_prepared(out: Path, vocab: int, samples: int, seq: int, draft_vocab: in
     d2t, t2d = build_vocab_map(freq, draft_vocab)
     check_vocab_map(d2t, t2d, vocab)
     schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
-    batches = [_record_batch(rids[a:a + 256], list(ids[a:a + 256]), list(mask[a:a + 256]))
+    batches = [record_batch(rids[a:a + 256], list(ids[a:a + 256]), list(mask[a:a + 256]))
                for a in range(0, samples, 256)]
     table = pa.Table.from_batches(batches, schema=schema)
     tmp = _temp_sibling(out)

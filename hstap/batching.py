@@ -1,5 +1,6 @@
-"""Training-side batching over a `Store` (or a prepared set): length-bucketed batch sampler (rank-aware, resumable),
-collate, and the trainer's endless batch stream and eval batches.
+"""Batching: the one greedy token-budget packing (`pack_by_tokens`, used by capture and training), and over a `Store`
+(or a prepared set) the length-bucketed batch sampler (rank-aware, resumable), collate, and the trainer's endless batch
+stream and eval batches.
 
     sampler = BucketBatchSampler(store.lengths, batch_tokens=16384, seed=0, rank=rank, world_size=world)
     loader = DataLoader(store, batch_sampler=sampler, collate_fn=collate)
@@ -7,12 +8,36 @@ collate, and the trainer's endless batch stream and eval batches.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from hstap.common import HstapError
+
+
+def pack_by_tokens(lengths: Sequence[int], batch_tokens: int, order: Iterable[int] | None = None) -> list[list[int]]:
+    """Indices cut greedily, in `order`, into batches with len(batch) * max_len <= batch_tokens; a sample longer than
+    batch_tokens goes alone.
+
+    order None: by length descending, ties by index (capture's order: an out-of-memory shows up in the first batch)."""
+    if batch_tokens < 1:
+        raise HstapError(f"--batch-tokens: must be >= 1, got {batch_tokens}")
+    if order is None:
+        order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    cur_max = 0
+    for i in order:
+        L = int(lengths[i])
+        if cur and (len(cur) + 1) * max(cur_max, L) > batch_tokens:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, L)
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 class BucketBatchSampler(torch.utils.data.Sampler):
@@ -23,9 +48,9 @@ class BucketBatchSampler(torch.utils.data.Sampler):
     the list is padded by repeating batches from its start (drop_last=True drops the remainder instead). The batch
     partition of lengths does not depend on the epoch, so `len()` is fixed.
 
-    Resuming mid-epoch: `state_dict()` records the epoch and the number of batches this sampler has yielded in it;
-    `load_state_dict()` makes the next `__iter__` skip them. With a DataLoader that prefetches (num_workers > 0) the
-    sampler runs ahead of training, so rather save your own count of batches trained and call `set_epoch(e); skip(n)`.
+    Resuming mid-epoch: save your own count of batches trained and call `set_epoch(e); skip(n)` (what the trainer
+    does). A count kept by the sampler would not do: with a DataLoader that prefetches (num_workers > 0) the sampler
+    runs ahead of training.
     """
 
     def __init__(self, lengths: Sequence[int], batch_tokens: int, shuffle: bool = True, seed: int = 0, rank: int = 0,
@@ -37,7 +62,7 @@ class BucketBatchSampler(torch.utils.data.Sampler):
             raise HstapError(f"sampler: rank {rank} is out of range for world_size {world_size}")
         self.batch_tokens, self.shuffle, self.seed = batch_tokens, shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
-        self.epoch, self._skip, self._yielded = 0, 0, 0
+        self.epoch, self._skip = 0, 0
         self._len = len(self._rank_batches(0))
 
     def _batches(self, epoch: int) -> list[list[int]]:
@@ -47,16 +72,7 @@ class BucketBatchSampler(torch.utils.data.Sampler):
             order = np.lexsort((rng.permutation(n), self.lengths))  # by length, random among equal lengths
         else:
             order = np.argsort(self.lengths, kind="stable")
-        batches, cur, cur_max = [], [], 0
-        for i in order.tolist():
-            L = int(self.lengths[i])
-            if cur and (len(cur) + 1) * max(cur_max, L) > self.batch_tokens:
-                batches.append(cur)
-                cur, cur_max = [], 0
-            cur.append(i)
-            cur_max = max(cur_max, L)
-        if cur:
-            batches.append(cur)
+        batches = pack_by_tokens(self.lengths, self.batch_tokens, order.tolist())
         if self.shuffle:
             batches = [batches[j] for j in rng.permutation(len(batches))]
         return batches
@@ -75,27 +91,14 @@ class BucketBatchSampler(torch.utils.data.Sampler):
     def __iter__(self) -> Iterator[list[int]]:
         batches = self._rank_batches(self.epoch)
         start, self._skip = self._skip, 0
-        self._yielded = start
-        for b in batches[start:]:
-            self._yielded += 1
-            yield b
+        yield from batches[start:]
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self._yielded = int(epoch), 0
+        self.epoch = int(epoch)
 
     def skip(self, n: int) -> None:
         """The next `__iter__` (of the current epoch) starts after this rank's first n batches."""
         self._skip = int(n)
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_done": self._yielded, "seed": self.seed, "num_batches": self._len}
-
-    def load_state_dict(self, sd: dict) -> None:
-        if sd.get("seed", self.seed) != self.seed or sd.get("num_batches", self._len) != self._len:
-            raise HstapError("sampler state: seed or batch count differ from this sampler's "
-                             "(another dataset or batch_tokens?)")
-        self.set_epoch(sd["epoch"])
-        self.skip(sd["batches_done"])
 
 
 def collate(samples: list[dict]) -> dict:

@@ -5,7 +5,7 @@
     hstap capture --target ../shared/reference/target-tiny --data runs/prepared --out runs/store \
         --dtype fp32 --device cpu
 
-What is stored per sample (format: `hstap/store.py`): input_ids, loss_mask, `aux` = outputs of the decoder layers
+What is stored per sample (format: `hstap/store/format.py`): input_ids, loss_mask, `aux` = outputs of the decoder layers
 `--layers` (canonical ids, default [1, N//2-1, N-4]) and `final` = the final-norm output, in `--dtype`.
 
 Resumable: a sample is written once its shard commits; killing the run (even with SIGKILL) loses at most the open
@@ -15,24 +15,27 @@ is refused.
 
 Multi-GPU: under torchrun each rank takes samples rank::world_size, runs its own copy of the model on cuda:LOCAL_RANK
 and writes its own shards; rank 0 merges the manifest after a barrier (a gloo process group is used only for barriers
-and the final counts). Engines: `hf` (embedded, engines/hf.py), `sglang` (a server with the hstap plugin) and
-`vllm-import` (convert vLLM extract_hidden_states output); the last two live in engines/sglang.py / engines/vllm.py.
+and the final counts; torchrun's environment is read by hstap/dist.py). Engines, each owning its capture loop:
+`hf` (embedded, engines/hf.py), `sglang` (a server with the hstap plugin and hook, engines/sglang.py, driven by
+engines/sglang_driver.py) and `vllm-import` (convert vLLM extract_hidden_states output, engines/vllm.py). This module
+holds what they share: the config, the tokenizer check, the store header and the summary pieces.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import importlib
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hstap.common import HstapError, git_commit, write_run_config
+from hstap.common import HstapError, git_commit
 
-ENGINES = ("hf", "sglang", "vllm-import")
+# --engine NAME -> "module:function" that runs it. Loaded on use: the config is checked before torch or any engine is
+# imported, and this module depends on no engine (each engine owns its capture loop and uses the pieces below).
+ENGINES = {"hf": "hstap.engines.hf:capture_hf", "sglang": "hstap.engines.sglang_driver:run_sglang_capture",
+           "vllm-import": "hstap.engines.vllm:import_vllm"}
 DTYPES = ("bf16", "fp8", "fp32")
 
 
@@ -43,7 +46,7 @@ class CaptureConfig:
     data: str
     """Prepared dataset directory (output of `hstap prepare`, made with the target's tokenizer)."""
     out: str
-    """Store directory to create or resume (see hstap/store.py for the format)."""
+    """Store directory to create or resume (see hstap/store/format.py for the format)."""
     layers: str = ""
     """Comma-separated canonical layer ids to tap (output of decoder layer i); empty = EAGLE-3's [1, N//2-1, N-4]."""
     dtype: str = "bf16"
@@ -102,31 +105,17 @@ class CaptureConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Pieces shared with the other engines (engines/sglang.py, engines/vllm.py)
+# Entry point
 
 
-def dist_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) without it."""
-    try:
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        local = int(os.environ.get("LOCAL_RANK", str(rank)))
-    except ValueError:
-        raise HstapError("RANK / WORLD_SIZE / LOCAL_RANK must be integers") from None
-    if not 0 <= rank < world:
-        raise HstapError(f"RANK={rank} is out of range for WORLD_SIZE={world}")
-    return rank, world, local
+def capture(cfg: CaptureConfig) -> dict:
+    """Capture hidden states into cfg.out; prints and returns a summary (rank 0's has the totals of all ranks)."""
+    module, name = ENGINES[cfg.engine].split(":")
+    return getattr(importlib.import_module(module), name)(cfg)
 
 
-def init_barrier(world_size: int):
-    """A gloo process group for barriers and counts (no tensors of the model go through it); None for one process."""
-    if world_size <= 1:
-        return None
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        # hours, not the default 30 min: a rank that finished waits at the final barrier for the slowest one
-        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
-    return dist
+# ---------------------------------------------------------------------------------------------------------------------
+# Pieces every engine uses (engines/hf.py, engines/sglang_driver.py, engines/vllm.py)
 
 
 def check_tokenizer(data: str, meta: dict, target_block: dict, max_token_id=None) -> None:
@@ -155,7 +144,7 @@ def check_tokenizer(data: str, meta: dict, target_block: dict, max_token_id=None
 
 def store_header(target_block: dict, engine: dict, dtype: str, layers: list[int], cfg,
                  data_meta: dict | None = None) -> dict:
-    """The StoreWriter header (see hstap/store.py). `data` records what the samples were rendered and tokenized with."""
+    """The StoreWriter header (see hstap/store/format.py). `data` records what the samples were rendered and tokenized with."""
     h = {"target": target_block, "engine": engine, "dtype": dtype, "layers": list(layers),
          "hidden_size": int(target_block["hidden_size"]),
          "capture_config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg or {}),
@@ -166,154 +155,16 @@ def store_header(target_block: dict, engine: dict, dtype: str, layers: list[int]
     return h
 
 
-def _engine_fn(module: str, name: str):
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise HstapError(f"--engine: {module}.{name} is not available in this hstap "
-                         f"({type(e).__name__}: {e})") from None
-    return fn
+def short_id(sample_id: str, n: int = 60) -> str:
+    """A sample id for a message: repr, cut to n characters (ids can be anything, e.g. 5000 characters)."""
+    r = repr(sample_id)
+    return r if len(r) <= n else r[:n] + f"...({len(sample_id)} chars)"
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Entry point
-
-
-def capture(cfg: CaptureConfig) -> dict:
-    """Capture hidden states into cfg.out; prints and returns a summary (rank 0's has the totals of all ranks)."""
-    if cfg.engine == "sglang":
-        return _engine_fn("hstap.engines.sglang", "run_sglang_capture")(cfg)
-    if cfg.engine == "vllm-import":
-        return _engine_fn("hstap.engines.vllm", "import_vllm")(cfg)
-    return capture_hf(cfg)
-
-
-def _dataset_columns(ds, n: int) -> tuple[list[str], list[int]]:
-    """(ids, lengths) of the first n rows, read column-wise from Arrow (no Python lists of tokens)."""
-    import pyarrow.compute as pc
-
-    if getattr(ds, "_indices", None) is not None:
-        ds = ds.flatten_indices()
-    ids = [str(x) for x in ds.data.column("id").slice(0, n).to_pylist()]
-    lens = pc.list_value_length(ds.data.column("input_ids").slice(0, n)).to_pylist()
-    return ids, [int(x or 0) for x in lens]
-
-
-def _max_token_id(ds, n: int):
-    import pyarrow.compute as pc
-
-    col = ds.data.column("input_ids").slice(0, n)
-    return pc.max(pc.list_flatten(col)).as_py()
-
-
-def capture_hf(cfg: CaptureConfig) -> dict:
-    """The embedded engine: the HF model in this process (engines/hf.py)."""
-    import torch
-
-    from hstap.data import load_prepared, read_meta
-    from hstap.engines.hf import batches_by_tokens, run_capture
-    from hstap.model_dir import load_target, resolve_device, resolve_dtype, target_fingerprint
-    from hstap.layers import parse_layers
-    from hstap.store import StoreWriter, store_bytes_per_token
-
-    t_start = time.perf_counter()
-    rank, world, local_rank = dist_env()
-    meta = read_meta(cfg.data)
-    ds = load_prepared(cfg.data)
-    n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
-
-    target_block = target_fingerprint(cfg.target)
-    check_tokenizer(cfg.data, meta, target_block, max_token_id=lambda: _max_token_id(ds, n))
-    layers = parse_layers(cfg.layers, target_block["num_layers"])
-
-    device = cfg.device
-    if world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(local_rank)
-    dev = resolve_device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)  # streams, events and pinned copies then all default to the target's GPU
-    compute_dtype = resolve_dtype(cfg.compute_dtype, dev)
-    import transformers
-
-    engine = {"name": "hf", "version": f"transformers {transformers.__version__}", "torch": torch.__version__,
-              "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-              "compute_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}[compute_dtype]}
-    header = store_header(target_block, engine, cfg.dtype, layers, cfg, meta)
-
-    dist = init_barrier(world)
-    try:
-        with StoreWriter(cfg.out, header, rank=rank, world_size=world, shard_tokens=cfg.shard_tokens, new=cfg.new,
-                         shard_bytes=cfg.shard_mb << 20,
-                         barrier=dist.barrier if dist else None) as writer:
-            committed = writer.committed_ids()
-            ids, lens = _dataset_columns(ds, n)
-            mine = [i for i in range(rank, n, world) if ids[i] not in committed and lens[i] > 0]
-            empty = sum(1 for i in range(rank, n, world) if lens[i] == 0)
-            skipped = sum(1 for i in range(rank, n, world) if ids[i] in committed)
-            todo_tokens = sum(lens[i] for i in mine)
-            writer.expect(todo_tokens)  # shards shrink toward the end: little is left to write after the last forward
-
-            batches = [[mine[j] for j in b] for b in batches_by_tokens([lens[i] for i in mine], cfg.batch_tokens)]
-            t_load = time.perf_counter()
-            # nothing left (a finished resume, or a rank with no share): no need to load the weights
-            target = load_target(cfg.target, dev, engine["compute_dtype"])[0] if batches else None
-            load_s = time.perf_counter() - t_load
-
-            def fetch():
-                for b in batches:
-                    rows = ds[b]  # column dict for these rows
-                    yield [{"id": str(i), "input_ids": x, "loss_mask": m}
-                           for i, x, m in zip(rows["id"], rows["input_ids"], rows["loss_mask"])]
-
-            bar = _progress(rank, todo_tokens)
-
-            def progress(run, batch):
-                if bar is not None:
-                    bar.update(sum(len(s["input_ids"]) for s in batch))
-                    bar.set_postfix_str(f"{run.samples}/{len(mine)} samples, {run.bytes / 1e9:.2f} GB out",
-                                        refresh=False)
-
-            stats = {"samples": 0, "tokens": 0, "bytes": 0, "seconds": 0.0, "writer_wait_s": 0.0}
-            if batches:
-                stats = run_capture(target, layers, writer, fetch(), dtype=cfg.dtype, queue_size=cfg.queue_size,
-                                    progress=progress)
-            if bar is not None:
-                bar.close()
-        # leaving the block closed the writer: last shard committed, barrier, rank 0 merged the manifest
-        counts = [stats["samples"], stats["tokens"], stats["bytes"], skipped, empty]
-        if dist is not None:
-            t = torch.tensor(counts, dtype=torch.float64)
-            dist.all_reduce(t)
-            sec = torch.tensor([stats["seconds"]], dtype=torch.float64)
-            dist.all_reduce(sec, op=dist.ReduceOp.MAX)
-            counts, stats["seconds"] = [int(x) for x in t.tolist()], float(sec.item())
-    finally:
-        if dist is not None and dist.is_initialized():
-            dist.destroy_process_group()
-
-    samples, tokens, nbytes, skipped, empty = counts
-    summary = {"samples": samples, "tokens": tokens, "skipped_committed": skipped, "skipped_empty": empty,
-               "seconds": round(stats["seconds"], 3), "load_s": round(load_s, 3),
-               "tokens_per_s": round(tokens / stats["seconds"], 1) if stats["seconds"] > 0 else 0.0,
-               "gb_written": round(nbytes / 1e9, 4), "world_size": world, "layers": layers, "dtype": cfg.dtype,
-               "writer_wait_s": round(stats["writer_wait_s"], 3), "out": cfg.out}
-    if rank == 0:
-        summary.update(_store_totals(cfg.out, len(layers), target_block["hidden_size"], cfg.dtype,
-                                     store_bytes_per_token))
-        write_run_config(cfg.out, "capture", cfg)
-        print(f"capture: {samples} samples, {tokens} tokens in {summary['seconds']:.1f} s on {world} process(es) "
-              f"({engine['device']}, {engine['compute_dtype']}): {summary['tokens_per_s']:,.0f} tok/s; "
-              f"{skipped} already in the store")
-        print(f"capture: store {summary['store_samples']} samples, {summary['store_tokens']} tokens, "
-              f"{summary['store_bytes'] / 1e9:.3f} GB, {summary['bytes_per_token']:.1f} bytes/token "
-              f"(formula {summary['bytes_per_token_formula']}); layers {layers}, {cfg.dtype}")
-        print(f"capture: wrote {cfg.out} (model load {load_s:.1f} s, total {time.perf_counter() - t_start:.1f} s)")
-    return summary
-
-
-def _store_totals(out: str, num_aux: int, hidden: int, dtype: str, bpt_fn) -> dict:
-    from hstap.store import open_store
+def store_totals(out: str, num_aux: int, hidden: int, dtype: str) -> dict:
+    """What the store at `out` holds now (samples, tokens, bytes, bytes per token) and the bytes-per-token formula."""
+    from hstap.store.format import store_bytes_per_token
+    from hstap.store.reader import open_store
 
     s = open_store(out)
     entries = s.manifest["shards"]
@@ -321,10 +172,11 @@ def _store_totals(out: str, num_aux: int, hidden: int, dtype: str, bpt_fn) -> di
     b = sum(int(e["bytes"]) for e in entries)
     return {"store_samples": len(s), "store_tokens": tok, "store_bytes": b,
             "bytes_per_token": round(b / tok, 2) if tok else 0.0,
-            "bytes_per_token_formula": bpt_fn(num_aux, hidden, dtype)}
+            "bytes_per_token_formula": store_bytes_per_token(num_aux, hidden, dtype)}
 
 
-def _progress(rank: int, total_tokens: int):
+def progress_bar(rank: int, total_tokens: int):
+    """A tqdm bar of captured tokens on rank 0 when stderr is a terminal, else None."""
     if rank != 0 or not sys.stderr.isatty():  # a log file gets the summary lines, not a progress bar
         return None
     from tqdm import tqdm

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from safetensors.torch import load_file, save_file
 
@@ -18,8 +17,8 @@ from hstap import dist as D
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir
 from hstap.drafter import Eagle3Drafter
 
-if TYPE_CHECKING:
-    from hstap.train import TrainConfig
+RESUME_KEYS = ("world_size", "grad_accum", "batch_tokens", "seed", "ttt", "eval_frac")
+"""Run settings a resume must repeat: they decide the data order, the global batch and the model's shape."""
 
 
 def complete(run: Path) -> list[Path]:
@@ -83,6 +82,7 @@ def _replace_best(src: Path, run: Path) -> None:
 
 
 def recover(run: Path) -> None:
+    """Undo what a crash during `save` left: RUN/best put back from .best.old, temp dirs removed."""
     if not (run / "best").exists() and (run / ".best.old").exists():
         os.rename(run / ".best.old", run / "best")
     shutil.rmtree(run / ".best.tmp", ignore_errors=True)
@@ -90,11 +90,14 @@ def recover(run: Path) -> None:
         shutil.rmtree(t, ignore_errors=True)
 
 
-def load(ckpt: Path, cfg: TrainConfig, world: int, drafter: Eagle3Drafter) -> dict:
-    """trainer_state.json of ckpt (checked against this run) after loading its weights into the unwrapped drafter."""
+def load(ckpt: Path, config: dict, drafter: Eagle3Drafter) -> dict:
+    """trainer_state.json of ckpt after loading its weights into the unwrapped drafter.
+
+    config: this run's trainer_state "config" ({"world_size": W, **the TrainConfig fields}); its RESUME_KEYS must
+    equal the checkpoint's."""
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    for k in ("world_size", "grad_accum", "batch_tokens", "seed", "ttt", "eval_frac"):
-        if state["config"][k] != {"world_size": world, **vars(cfg)}[k]:
+    for k in RESUME_KEYS:
+        if state["config"][k] != config[k]:
             raise HstapError(f"{ckpt}/trainer_state.json: {k} was {state['config'][k]}; resume with the same value")
     missing, unexpected = drafter.load_state_dict(load_file(str(ckpt / "drafter.safetensors")), strict=False)
     if [k for k in missing if not k.startswith("rotary.")] or unexpected:

@@ -61,18 +61,15 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _base_type(tp: Any) -> tuple[Any, bool, bool]:
-    """(scalar type, optional?, list?) of a field annotation."""
-    optional = False
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(scalar type, list?) of a field annotation; `X | None` is X."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(tp))
-        tp = args[0]
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
         origin = typing.get_origin(tp)
     if origin in (list, tuple):
-        return typing.get_args(tp)[0], optional, True
-    return tp, optional, False
+        return typing.get_args(tp)[0], True
+    return tp, False
 
 
 def _parse_bool(s: str) -> bool:
@@ -93,7 +90,7 @@ def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParse
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
-        tp, optional, is_list = _base_type(hints[f.name])
+        tp, is_list = _base_type(hints[f.name])
         names = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else []) + [f"--{stage}.{f.name}"]
         # argparse %-formats help strings: a literal % in a docstring must be doubled
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": docs.get(f.name, "").replace("%", "%%")}

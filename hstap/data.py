@@ -34,7 +34,7 @@ rendered text (SpecForge: one registry entry per model family) and `{% generatio
 Output directory PREPARED (built in a hidden temp sibling, fsynced, renamed at the end; an existing one is refused):
   Arrow dataset (`datasets.save_to_disk`; `load_prepared`): id (str), input_ids (list[int32]), loss_mask (list[int8])
   token_freq.safetensors  token_freq int64 [V]: counts of loss-masked tokens (V = len(tokenizer))
-  vocab_map.safetensors   d2t int64 [N] (hot id - draft index), t2d bool [V] (`load_vocab_map`, `check_vocab_map`)
+  vocab_map.safetensors   d2t int64 [N] (hot id - draft index), t2d bool [V] (the draft vocabulary map: hstap/vocab.py)
   meta.json               tokenizer/chat-template sha256, vocab_size, max_len, counts, draft vocab size and coverage
   config.json             the resolved PrepareConfig (replay: `hstap prepare --config PREPARED/config.json --out NEW`)
 
@@ -62,6 +62,7 @@ import numpy as np
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, one_line, write_run_config
 from hstap.conversations import BadRecord, count_skip, expand_paths, iter_records
 from hstap.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
+from hstap.vocab import build_vocab_map, check_vocab_map
 
 CHUNK = 64  # records per worker task: large enough to amortise IPC, small enough to keep workers busy
 
@@ -181,65 +182,6 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
 
-# ------------------------------------------------------------------------------------------------- draft vocab map
-
-
-def build_vocab_map(freq: np.ndarray, draft_vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """(d2t int64 [N], t2d bool [V]): the N = min(draft_vocab, V) most frequent ids; ties and the fill (ids never
-    seen, when fewer than N were) go to the lower id."""
-    V = len(freq)
-    n = min(draft_vocab, V)
-    order = np.argsort(-freq, kind="stable")  # (V,) by count, then id: zero counts come last, lowest id first
-    hot = np.sort(order[:n])  # (N,)
-    t2d = np.zeros(V, dtype=bool)  # (V,)
-    t2d[hot] = True
-    return (hot - np.arange(n)).astype(np.int64), t2d
-
-
-def _numpy(x) -> np.ndarray:
-    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
-
-
-def check_vocab_map(d2t, t2d, vocab_size: int) -> None:
-    """HstapError unless hot ids = arange(N) + d2t are strictly increasing inside [0, vocab_size) and t2d (length
-    vocab_size) is true exactly there. Takes torch tensors or numpy arrays."""
-    d, t = _numpy(d2t), _numpy(t2d)
-    if d.ndim != 1 or len(d) == 0 or d.dtype.kind not in "iu":
-        raise HstapError(f"vocab map: d2t must be a non-empty 1-D integer array, got {d.dtype} {d.shape}")
-    if t.ndim != 1 or t.dtype != np.bool_ or len(t) != vocab_size:
-        raise HstapError(f"vocab map: t2d must be a bool array of length {vocab_size}, got {t.dtype} {t.shape}")
-    hot = np.arange(len(d)) + d.astype(np.int64)
-    if len(d) > vocab_size or hot[0] < 0 or hot[-1] >= vocab_size:
-        raise HstapError(f"vocab map: hot ids (arange + d2t) leave the vocabulary [0, {vocab_size})")
-    if len(hot) > 1 and not np.all(np.diff(hot) > 0):
-        raise HstapError("vocab map: hot ids (arange + d2t) are not strictly increasing")
-    if int(t.sum()) != len(hot) or not t[hot].all():
-        raise HstapError("vocab map: t2d is not true exactly at the hot ids (arange + d2t)")
-
-
-def load_vocab_map(path: str | os.PathLike):
-    """(d2t LongTensor [N], t2d BoolTensor [V]) from PREPARED/ or a vocab_map.safetensors file, checked."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    if p.is_dir():
-        p = p / "vocab_map.safetensors"
-    if not p.is_file():
-        raise HstapError(f"{p}: vocab map not found")
-    try:
-        t = load_file(str(p))
-    except (SafetensorError, OSError) as e:
-        raise HstapError(f"{p}: cannot read: {one_line(e)}") from None
-    if set(t) != {"d2t", "t2d"}:
-        raise HstapError(f"{p}: expected tensors d2t and t2d, found {sorted(t)}")
-    try:
-        check_vocab_map(t["d2t"], t["t2d"], t["t2d"].shape[0] if t["t2d"].dim() == 1 else -1)
-    except HstapError as e:
-        raise HstapError(f"{p}: {e}") from None
-    return t["d2t"], t["t2d"]
-
-
 # ------------------------------------------------------------------------------------------------ prepared output
 
 
@@ -268,6 +210,25 @@ def load_prepared(path: str | os.PathLike):
     if not (p / "state.json").is_file():
         raise HstapError(f"{p}: no Arrow dataset here (state.json missing)")
     return datasets.load_from_disk(str(p))
+
+
+def prepared_columns(ds, n: int) -> tuple[list[str], list[int]]:
+    """(ids, lengths) of the first n rows of a prepared set, read column-wise from Arrow (no Python lists of tokens)."""
+    import pyarrow.compute as pc
+
+    if getattr(ds, "_indices", None) is not None:
+        ds = ds.flatten_indices()
+    ids = [str(x) for x in ds.data.column("id").slice(0, n).to_pylist()]
+    lens = pc.list_value_length(ds.data.column("input_ids").slice(0, n)).to_pylist()
+    return ids, [int(x or 0) for x in lens]
+
+
+def max_token_id(ds, n: int):
+    """The largest token id in the first n rows of a prepared set (None when they hold no token)."""
+    import pyarrow.compute as pc
+
+    col = ds.data.column("input_ids").slice(0, n)
+    return pc.max(pc.list_flatten(col)).as_py()
 
 
 _WORKER: dict = {}
@@ -335,7 +296,8 @@ def _ordered_map(fn, chunks: Iterator[list], pool, depth: int) -> Iterator[list]
         yield pending.popleft().get()
 
 
-def _record_batch(rids: list[str], ids: list[np.ndarray], masks: list[np.ndarray]):
+def record_batch(rids: list[str], ids: list[np.ndarray], masks: list[np.ndarray]):
+    """One Arrow RecordBatch of prepared rows: id (string), input_ids (list of int32), loss_mask (list of int8)."""
     import pyarrow as pa
 
     offsets = np.zeros(len(ids) + 1, dtype=np.int32)  # (B+1,) one chunk: far below 2**31 tokens
@@ -437,7 +399,7 @@ def _prepare_into(cfg: PrepareConfig, files: list[Path], tok, template: str, tmp
                 else:
                     count_skip(skipped, r[1], r[2], warn=r[0] == "error")
             if rids:
-                batches.append(_record_batch(rids, ids, masks))
+                batches.append(record_batch(rids, ids, masks))
                 flat_ids, flat_mask = np.concatenate(ids), np.concatenate(masks)  # (sum T,)
                 freq += np.bincount(flat_ids[flat_mask.astype(bool)], minlength=V)
                 counts["written"] += len(rids)

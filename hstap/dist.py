@@ -1,4 +1,9 @@
-"""Process-group plumbing for training: torchrun env init, rank-0 printing, reductions, DDP / FSDP2 wrapping.
+"""Process-group plumbing: torchrun's environment, this process's device, rank-0 printing, reductions, DDP / FSDP2
+wrapping.
+
+The one place that reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK: `torchrun_env`) and picks a process's
+device (`local_device`). Training joins an NCCL (CUDA) or gloo (CPU) group with `init_dist`; capture (engines/hf.py)
+joins a gloo group used only for barriers and the final counts with `init_barrier`.
 
 Model code (`drafter.py`) never sees ranks; `train.py` calls these from outside, torchtitan-style. Everything degrades
 to a no-op in a plain single process (no RANK/WORLD_SIZE in the environment), so the same code path trains on a laptop.
@@ -24,30 +29,54 @@ import torch.distributed as dist
 from torch import nn
 
 from hstap.common import HstapError
+from hstap.model_dir import resolve_device
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) without it."""
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        raise HstapError("RANK / WORLD_SIZE / LOCAL_RANK must be integers") from None
+    if not 0 <= rank < world:
+        raise HstapError(f"RANK={rank} is out of range for WORLD_SIZE={world}")
+    return rank, world, local
+
+
+def local_device(device: str, world_size: int, local_rank: int) -> torch.device:
+    """`hstap.model_dir.resolve_device(device)`, except that under torchrun (world_size > 1) "auto" and "cuda" mean GPU
+    `local_rank`; a CUDA device becomes the current one (streams, events and pinned copies then default to it)."""
+    if world_size > 1 and str(device) in ("auto", "cuda") and torch.cuda.is_available():
+        device = f"cuda:{local_rank}"
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
 
 
 def init_dist(device: str = "auto") -> tuple[int, int, int, torch.device]:
     """Read torchrun's env (RANK, WORLD_SIZE, LOCAL_RANK), join the process group -> (rank, world, local_rank, device).
 
     device: "auto" (cuda if available), "cpu" or "cuda". With CUDA each process takes GPU `local_rank`."""
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise HstapError(f"--device: {device} requested but CUDA is not available (torch {torch.__version__})")
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-    elif device == "cpu":
-        dev = torch.device("cpu")
-    else:
-        raise HstapError(f"--device: expected auto, cpu or cuda, got {device!r}")
+    rank, world, local = torchrun_env()
+    dev = local_device(device, world, local)
     if world > 1 and not is_dist():
         kw = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(minutes=30), **kw)
     return rank, world, local, dev
+
+
+def init_barrier(world_size: int):
+    """A gloo process group for barriers and counts (no tensors of the model go through it) -> torch.distributed, or
+    None for one process."""
+    if world_size <= 1:
+        return None
+    if not dist.is_initialized():
+        # hours, not the default 30 min: a rank that finished waits at the final barrier for the slowest one
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
+    return dist
 
 
 def is_dist() -> bool:
@@ -81,14 +110,6 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place (returns t). A no-op in one process."""
     if is_dist():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    """Mean over ranks, in place (returns t)."""
-    if is_dist():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        t /= dist.get_world_size()
     return t
 
 

@@ -17,7 +17,7 @@ SGLang's accept length counts it); per-position acceptance = fraction of rounds 
 tokens/s = generated tokens / wall time including the prefill, summed over prompts; speedup = tokens/s over the
 target's. With --drafter RUN and --mode chain, the training run's simulated tau for a chain of --k drafts is reported
 next to the measured one: `sim_chain_tau[k-1]` of the checkpoint's eval line in RUN/metrics.jsonl (chain decoding
-replayed round by round on the teacher-forced eval split, `hstap.drafter.replay_chain`; older runs: 1 + sum_{j<k}
+replayed round by round on the teacher-forced eval split, `hstap.ttt.replay_chain`; older runs: 1 + sum_{j<k}
 prod_{i<=j} acc_cond_i). It predicts the measured tau when the eval split holds the target's own outputs
 (`hstap generate`) and --k <= the run's --ttt.
 
@@ -43,6 +43,7 @@ import torch
 
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, write_run_config
 from hstap.speculate import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
+
 
 @dataclass
 class EvalConfig:
@@ -150,7 +151,7 @@ def load_prompts(data: str, tokenizer, num_prompts: int | None = None) -> list[t
 
 def eos_ids(tokenizer, target) -> list[int]:
     """End ids: the model's and tokenizer's eos and the template's end-of-turn token (what `hstap generate` stops at)."""
-    from hstap.generate import stop_token_ids
+    from hstap.decode import stop_token_ids
 
     return stop_token_ids(target.model, tokenizer)
 
@@ -168,7 +169,7 @@ def load_any_drafter(path: str, target):
 
 def sim_chain_tau(rec: dict | None, k: int) -> float | None:
     """Simulated tau of greedy chain decoding with k drafts from a training eval record: its replayed `sim_chain_tau`
-    (hstap.drafter.replay_chain), else 1 + sum_{j<k} prod_{i<=j} acc_cond[i] (runs from before the replay); None when
+    (hstap.ttt.replay_chain), else 1 + sum_{j<k} prod_{i<=j} acc_cond[i] (runs from before the replay); None when
     the run simulated fewer than k steps (its --ttt) or logged neither."""
     rec = rec or {}
     chain = rec.get("sim_chain_tau")
@@ -429,12 +430,3 @@ def _markdown(cfg: EvalConfig, r: dict) -> str:
         lines += ["", "(no acceptance plot: matplotlib is not installed)"]
     return "\n".join(lines) + "\n"
 
-
-if __name__ == "__main__":  # `python -m hstap.evaluate ...` until `hstap eval` is registered in hstap/cli.py
-    from hstap.cli import make_config
-
-    try:
-        evaluate(make_config("eval", EvalConfig, sys.argv[1:], "speculative decoding vs target-only decoding"))
-    except HstapError as e:
-        print(f"hstap: error: {e}", file=sys.stderr)
-        sys.exit(2)

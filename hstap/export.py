@@ -40,9 +40,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hstap.common import HstapError, atomic_write_json, fsync_dir, run_meta
-from hstap.data import check_vocab_map
-from hstap.drafter import DrafterConfig, Eagle3Drafter
-from hstap.layers import from_sglang, to_sglang, to_vllm
+from hstap.drafter import DrafterConfig, Eagle3Drafter, parse_rope
+from hstap.layers import from_sglang, from_vllm, to_sglang, to_vllm
+from hstap.vocab import check_vocab_map
 
 DRAFTER_FORMAT = "hstap-drafter"
 DRAFTER_VERSION = 1
@@ -135,7 +135,7 @@ def expected_state(cfg: DrafterConfig) -> dict[str, tuple[tuple[int, ...], torch
     nq, nkv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
     return {
         "embed_tokens.weight": ((V, H), None),
-        "fc.weight": ((H, max(cfg.num_aux, 1) * cfg.target_hidden_size), None),
+        "fc.weight": ((H, cfg.num_aux * cfg.target_hidden_size), None),  # num_aux: fc's slot count
         "midlayer.input_layernorm.weight": ((H,), None), "midlayer.hidden_norm.weight": ((H,), None),
         "midlayer.self_attn.q_proj.weight": ((nq, 2 * H), None), "midlayer.self_attn.k_proj.weight": ((nkv, 2 * H), None),
         "midlayer.self_attn.v_proj.weight": ((nkv, 2 * H), None), "midlayer.self_attn.o_proj.weight": ((H, nq), None),
@@ -211,7 +211,7 @@ def validate_checkpoint(d: Path, meta: dict, state: dict[str, torch.Tensor], sto
     if prov is not None and prov != layers:
         raise HstapError(f"{jpath}: config.aux_layers {layers} != store.layers {prov} of the store it was trained on")
     if store is not None:
-        from hstap.store import open_store
+        from hstap.store.reader import open_store
         m = open_store(store).manifest
         stored = [int(i) for i in m["layers"]]
         # train may fuse a subset of the store's layers: it records them as store.layers, the store's as captured_layers
@@ -432,7 +432,7 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
     """Load an exported directory (sglang, vllm or hf) as an Eagle3Drafter; returns (drafter in eval mode, config.json).
 
     SGLang/vLLM files hold no embedding: pass the target's `embed_weight` (V, H). Aux layers come from
-    hstap_export.json when present, else from the config's ids (SGLang: `from_sglang`; vLLM: id - 1).
+    hstap_export.json when present, else from the config's ids (SGLang: `from_sglang`; vLLM: `from_vllm`).
     """
     p = Path(path)
     if (p / "drafter.safetensors").is_file():
@@ -448,7 +448,7 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
         layer.update(draft_vocab_size=conf["draft_vocab_size"], target_hidden_size=conf.get("target_hidden_size"))
         ids = conf.get("eagle_aux_hidden_state_layer_ids") or []
         mtype = info.get("target_model_type", "llama")
-        aux = info.get("aux_layers", [int(j) - 1 for j in ids])
+        aux = info["aux_layers"] if "aux_layers" in info else from_vllm(ids)
     elif "LlamaForCausalLMEagle3" in (conf.get("architectures") or []):
         layer = conf
         mtype = info.get("target_model_type", "llama")
@@ -465,10 +465,7 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
         raise HstapError(f"{wpath}: no fc.weight")
     ht = layer.get("target_hidden_size") or layer["hidden_size"]
     num_aux = state["fc.weight"].shape[1] // ht  # (H, K*Ht): the file decides K
-    rope = dict(layer.get("rope_parameters") or layer.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or layer.get("rope_theta") or 10000.0
-    if rope.get("rope_type", rope.get("type", "default")) == "default":
-        rope = {}
+    theta, scaling = parse_rope(layer)
     dcfg = DrafterConfig(
         hidden_size=layer["hidden_size"], num_attention_heads=layer["num_attention_heads"],
         num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
@@ -476,7 +473,7 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
         intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
         draft_vocab_size=layer.get("draft_vocab_size") or layer["vocab_size"],
         target_hidden_size=ht, num_aux=num_aux,
-        rms_norm_eps=layer.get("rms_norm_eps", 1e-5), rope_theta=float(theta), rope_scaling=rope or None,
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=layer.get("max_position_embeddings", 2048), hidden_act=layer.get("hidden_act", "silu"),
         target_model_type=mtype, aux_layers=list(aux))
     if "embed_tokens.weight" not in state:

@@ -10,12 +10,14 @@ target would have seen in a real multi-turn chat. No turn is added: a conversati
 trailing user turn unanswered, and a conversation without assistant turns is written back unchanged (both are counted).
 
 Engines:
-- embedded (`--target DIR`): the HF model in this process, batched across conversations (`batch_size` at a time;
-  left-padded prompts, one KV cache, finished rows dropped from the batch), CPU or GPU, greedy (`temperature 0`) or
-  sampled (temperature + top_p). A turn stops at an end-of-turn/eos token (not kept in the text) or `max_new_tokens`.
-- server (`--server URL`): any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM, `python -m hstap.serve`);
-  `concurrency` conversations in flight (threads, stdlib urllib), retries with exponential backoff on connection errors,
-  HTTP 5xx and 429 (honouring Retry-After), `retries` times at most, then the run stops (finished records are kept).
+- embedded (`--target DIR`, hstap/decode.py): the HF model in this process, batched across conversations
+  (`batch_size` at a time; left-padded prompts, one KV cache, finished rows dropped from the batch), CPU or GPU, greedy
+  (`temperature 0`) or sampled (temperature + top_p). A turn stops at an end-of-turn/eos token (not kept in the text)
+  or `max_new_tokens`.
+- server (`--server URL`, hstap/openai_client.py): any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM,
+  `python -m hstap.serve`); `concurrency` conversations in flight (threads, stdlib urllib), retries with exponential
+  backoff on connection errors, HTTP 5xx and 429 (honouring Retry-After), `retries` times at most, then the run stops
+  (finished records are kept).
 
 Sampling is reproducible per turn: the seed of each turn is derived from (`seed`, conversation id, turn index), so a
 conversation's output doesn't depend on which batch or thread it landed in, nor on a resume.
@@ -34,28 +36,22 @@ re-tokenizing (as `prepare` does) gives the target's tokens except where the tok
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_json, run_meta
+from hstap.decode import EmbeddedEngine
+from hstap.openai_client import ChatClient, RequestRejected
 
 STAGE = "generate"
 # Settings that change what is generated: a resume with any of them changed would mix two distributions in one file.
 _RESUME_KEYS = ("target", "server", "model", "max_new_tokens", "temperature", "top_p", "seed")
-# End-of-turn markers of common chat templates, used as stops when the tokenizer has them as a single token; the
-# tokenizer's eos and generation_config.eos_token_id are always stops.
-_END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-                "<\uff5cend\u2581of\u2581sentence\uff5c>")
 
 
 @dataclass
@@ -132,213 +128,6 @@ class GenerateConfig:
 def turn_seed(seed: int, sample_id: str, turn: int) -> int:
     """Seed of one assistant turn: independent of batching, threads and resumes (31 bits: every server accepts it)."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{sample_id}:{turn}".encode()).digest()[:4], "little") >> 1
-
-
-# ---------------------------------------------------------------------------------------------------------- embedded
-
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """Ids that end an assistant turn: generation_config/config eos ids, the tokenizer's eos, end-of-turn markers."""
-    ids: set[int] = set()
-    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-    if tokenizer is not None:
-        if tokenizer.eos_token_id is not None:
-            ids.add(tokenizer.eos_token_id)
-        vocab = tokenizer.get_vocab()
-        ids.update(vocab[t] for t in _END_OF_TURN if t in vocab)
-    return sorted(ids)
-
-
-def _pick(logits, temps: list[float], top_ps: list[float], gens: list):
-    """Next token per row of logits (b, V) float32: argmax where temp == 0, else temperature + top-p sampling with the
-    row's own generator (inverse CDF on one uniform draw, so a row's choice never depends on the other rows)."""
-    import torch
-
-    greedy = logits.argmax(-1)  # (b,)
-    if not any(t > 0 for t in temps):
-        return greedy
-    dev = logits.device
-    t = torch.tensor([max(x, 1e-6) for x in temps], device=dev, dtype=torch.float32)[:, None]  # (b, 1)
-    probs = torch.softmax(logits / t, dim=-1)  # (b, V)
-    sp, si = probs.sort(dim=-1, descending=True)  # (b, V)
-    top = torch.tensor(top_ps, device=dev, dtype=torch.float32)[:, None]  # (b, 1)
-    sp = sp.masked_fill(sp.cumsum(-1) - sp >= top, 0.0)  # drop tokens past the nucleus; the top-1 always stays
-    cum = sp.cumsum(-1)  # (b, V)
-    u = torch.tensor([float(torch.rand((), generator=g)) if g is not None else 0.0 for g in gens],
-                     dtype=torch.float32).to(dev)[:, None] * cum[:, -1:]  # (b, 1)
-    k = torch.searchsorted(cum, u, right=True).clamp(max=logits.shape[-1] - 1)  # (b, 1)
-    sampled = si.gather(-1, k)[:, 0]  # (b,)
-    return torch.where(torch.tensor([x > 0 for x in temps], device=dev), sampled, greedy)
-
-
-def generate_batch(target, prompts: list[list[int]], max_new_tokens: int | list[int], stop_ids, temperature: float |
-                   list[float] = 0.0, top_p: float | list[float] = 1.0, seeds: list[int] | None = None,
-                   pad_id: int = 0) -> list[tuple[list[int], str]]:
-    """Continue each prompt (token ids) with the target; returns per prompt (new token ids, "stop" | "length").
-
-    Prompts are left-padded into one batch with explicit positions, so each row computes what it would alone; one KV
-    cache serves the batch and rows that finish are dropped from it. The stop token itself is not returned.
-    Sampling parameters may be given per row (the server batches requests with different settings).
-    """
-    import torch
-
-    b = len(prompts)
-    if b == 0:
-        return []
-    per_row = lambda v: list(v) if isinstance(v, (list, tuple)) else [v] * b  # noqa: E731
-    maxn, temps, tops = per_row(max_new_tokens), per_row(temperature), per_row(top_p)
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("generate_batch: empty prompt")
-    gens = [None] * b
-    if any(t > 0 for t in temps):
-        seeds = seeds if seeds is not None else [0] * b
-        gens = [torch.Generator().manual_seed(int(s)) if t > 0 else None for s, t in zip(seeds, temps)]
-    stops = set(int(s) for s in stop_ids)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)  # (b, T)
-    mask = torch.zeros((b, width), dtype=torch.long)  # (b, T)
-    for i, pr in enumerate(prompts):
-        ids[i, width - len(pr):] = torch.tensor(pr, dtype=torch.long)
-        mask[i, width - len(pr):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (b, T): real tokens at 0..len-1 whatever the padding
-    dev = target.device
-    x, m, p = ids.to(dev), mask.to(dev), pos.to(dev)
-    out: list[list[int]] = [[] for _ in range(b)]
-    finish = ["length"] * b
-    alive = [i for i in range(b) if maxn[i] > 0]  # prompt index of each row still in the batch
-    cache = None
-    with torch.no_grad():
-        while alive:
-            _, final, cache = target.capture(x, [], attention_mask=m, position_ids=p, past_key_values=cache,
-                                             use_cache=True)  # final (rows, t, H)
-            logits = target.logits(final[:, -1]).float()  # (rows, V): only the last position needs the vocabulary
-            nxt = _pick(logits, [temps[i] for i in alive], [tops[i] for i in alive], [gens[i] for i in alive]).tolist()
-            keep = []
-            for j, i in enumerate(alive):
-                if nxt[j] in stops:
-                    finish[i] = "stop"
-                    continue
-                out[i].append(nxt[j])
-                if len(out[i]) < maxn[i]:
-                    keep.append(j)
-            if not keep:
-                break
-            if len(keep) < len(alive):  # shrink the batch: finished rows cost nothing from here on
-                sel = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(sel)
-                m, p = m[sel], p[sel]
-            alive = [alive[j] for j in keep]
-            x = torch.tensor([[nxt[j]] for j in keep], dtype=torch.long, device=dev)  # (rows, 1)
-            m = torch.cat([m, m.new_ones(len(keep), 1)], dim=1)  # (rows, T+1)
-            p = p[:, -1:] + 1  # (rows, 1)
-    return [(out[i], finish[i]) for i in range(b)]
-
-
-class EmbeddedEngine:
-    """The target loaded in this process; `complete(batch)` answers a list of chat requests together."""
-
-    def __init__(self, path: str, device: str = "cpu", dtype: str = "auto"):
-        from hstap.data import render_prompt
-        from hstap.model_dir import load_target
-
-        self.target, self.tokenizer = load_target(path, device=device, dtype=dtype)
-        if self.tokenizer is None:
-            raise HstapError(f"{path}: no tokenizer next to the model (the chat template is needed)")
-        self._render = render_prompt
-        self.stop_ids = stop_token_ids(self.target.model, self.tokenizer)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.max_len = getattr(self.target.config, "max_position_embeddings", None)
-
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return list(self._render(self.tokenizer, messages))
-
-    def complete(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: list[float],
-                 top_p: list[float], seeds: list[int]) -> list[tuple[str, list[int], str]]:
-        """Prompt token ids -> (text, new token ids, finish_reason) per request; max_new_tokens is capped at the
-        model's context length (finish_reason "length")."""
-        if self.max_len:
-            max_new_tokens = [max(0, min(n, self.max_len - len(p))) for n, p in zip(max_new_tokens, prompts)]
-        res = generate_batch(self.target, prompts, max_new_tokens, self.stop_ids, temperature, top_p, seeds,
-                             self.pad_id)
-        return [(self.tokenizer.decode(toks, skip_special_tokens=True), toks, fin) for toks, fin in res]
-
-
-# ------------------------------------------------------------------------------------------------------------ server
-
-
-class RequestRejected(Exception):
-    """The server refused one request for good (HTTP 4xx other than 429): a property of that conversation."""
-
-
-class ChatClient:
-    """A minimal OpenAI-compatible client (stdlib urllib): bounded retries with exponential backoff on connection
-    errors, HTTP 5xx and 429; thread-safe (one urllib request per call)."""
-
-    def __init__(self, base_url: str, retries: int = 5, backoff: float = 1.0, timeout: float = 600.0):
-        self.base = base_url.rstrip("/")
-        if self.base.endswith("/v1"):
-            self.base = self.base[:-3]
-        self.retries, self.backoff, self.timeout = retries, backoff, timeout
-        self.retried = 0  # retries done so far (all threads)
-        self._lock = threading.Lock()
-
-    def _call(self, path: str, body: dict | None = None) -> dict:
-        url = self.base + path
-        data = None if body is None else json.dumps(body).encode()
-        for attempt in range(self.retries + 1):
-            req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
-            wait_s = min(self.backoff * 2 ** attempt, 60.0)
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    raw = resp.read()
-                try:
-                    return json.loads(raw)
-                except ValueError:
-                    raise HstapError(f"{url}: the server answered with something that is not JSON: {raw[:200]!r}")
-            except urllib.error.HTTPError as e:
-                detail = e.read()[:300].decode(errors="replace")
-                if e.code != 429 and e.code < 500:
-                    raise RequestRejected(f"{url}: HTTP {e.code}: {detail}") from None
-                why = f"HTTP {e.code}: {detail}"
-                ra = e.headers.get("Retry-After") if e.headers else None
-                if ra and ra.strip().isdigit():
-                    wait_s = min(max(wait_s, float(ra)), 60.0)
-            except (urllib.error.URLError, http.client.HTTPException, OSError) as e:  # refused, reset, timeout, ...
-                why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-            if attempt == self.retries:
-                raise HstapError(f"{url}: giving up after {self.retries + 1} attempts; last: {why}")
-            with self._lock:
-                self.retried += 1
-            print(f"hstap generate: {url}: {why}; retry {attempt + 1}/{self.retries} in {wait_s:.1f}s", file=sys.stderr)
-            time.sleep(wait_s)
-        raise AssertionError("unreachable")
-
-    def first_model(self) -> str:
-        try:
-            models = self._call("/v1/models").get("data") or []
-        except RequestRejected as e:
-            raise HstapError(f"{e}; pass --model") from None
-        if not models or "id" not in models[0]:
-            raise HstapError(f"{self.base}/v1/models lists no model; pass --model")
-        return models[0]["id"]
-
-    def chat(self, model: str, messages: list[dict], max_tokens: int, temperature: float, top_p: float,
-             seed: int | None) -> tuple[str, str, int]:
-        """-> (assistant text, finish_reason, completion tokens or 0 when the server reports no usage)."""
-        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-                "top_p": top_p, "n": 1, "stream": False}
-        if temperature > 0 and seed is not None:
-            body["seed"] = seed
-        r = self._call("/v1/chat/completions", body)
-        try:
-            choice = r["choices"][0]
-            text = choice["message"].get("content") or ""
-        except (KeyError, IndexError, TypeError, AttributeError):
-            raise HstapError(f"{self.base}/v1/chat/completions: unexpected response: {json.dumps(r)[:300]}") from None
-        usage = r.get("usage") or {}
-        return text, choice.get("finish_reason") or "stop", int(usage.get("completion_tokens") or 0)
 
 
 # ------------------------------------------------------------------------------------------------------------ output

@@ -71,6 +71,11 @@ def check_layers(ids: Sequence[int], num_layers: int) -> None:
         raise HstapError(f"--layers: ids must be strictly increasing, got {list(ids)}")
 
 
+def last_layer(num_layers: int) -> int:
+    """Canonical id of the last decoder layer: its output is the pre-norm state the final norm turns into `final`."""
+    return num_layers - 1
+
+
 def to_hf_index(i: int, num_layers: int) -> int:
     """Canonical id -> index into HF `output_hidden_states` (only for i < N-1: HF's index N is post-norm)."""
     if not 0 <= i < num_layers - 1:
@@ -152,7 +157,7 @@ def parse_vllm_layers(spec: str | Sequence[int] | None, num_layers: int) -> tupl
                          f"from which `final` is computed) and at least one aux id must precede it")
     canonical = from_vllm(ids[:-1], num_layers)
     check_layers(canonical, num_layers)
-    if num_layers - 1 in canonical:
+    if last_layer(num_layers) in canonical:
         raise HstapError(f"--vllm-layers {spec}: id {num_layers} appears twice")
     return ids, canonical
 

@@ -8,7 +8,8 @@ Endpoints: `GET /health` (200 once the model is loaded, with request counters), 
 Request fields used: messages, max_tokens (or max_completion_tokens), temperature (default 1, 0 = greedy), top_p, seed.
 
 Handler threads only parse and queue; one worker thread owns the model and answers whatever requests are waiting
-together in one batch (`generate_batch` takes per-row sampling settings), so concurrent clients share forward passes.
+together in one batch (`hstap.decode.generate_batch` takes per-row sampling settings), so concurrent clients share
+forward passes.
 
 Fault injection for tests: `HSTAP_SERVE_FAIL_FIRST=N` in the environment makes the first N chat requests answer 503
 (with `Retry-After: 0`), to exercise client retries.
@@ -75,7 +76,7 @@ class Server:
     """Model + batching worker + HTTP front end. `start()` returns once it listens; `port` is the bound port."""
 
     def __init__(self, cfg: ServeConfig):
-        from hstap.generate import EmbeddedEngine
+        from hstap.decode import EmbeddedEngine
 
         self.cfg = cfg
         self.engine = EmbeddedEngine(cfg.target, cfg.device, cfg.dtype)

@@ -12,38 +12,19 @@ verify and has not been through the target yet):
 One round (`spec_step`):
  1. extend the drafter with the pairs of the tokens accepted last round (their aux states come from the verify
     forward); its output at position L-2, h_last, has the logits that propose x[L];
- 2. draft a tree rooted at x[L-1]: level-1 children come from h_last; a level-d node (sequence index L-1+d) is fed to
-    the drafter at position L-2+d with its parent's h_out as hidden, attending to the drafter cache plus its ancestors.
-    The drafter's rotary position grows with depth, as in SGLang/EAGLE decoding. A chain of k tokens is the tree with
-    topk=1, depth=k, tokens=k+1 (its masks are plain causal ones, so none is built);
+ 2. draft a tree rooted at x[L-1] (`hstap.draft_tree.draft_tree`: level-1 children come from h_last, a level-d node
+    is fed to the drafter at position L-2+d). A chain of k tokens is the tree with topk=1, depth=k, tokens=k+1;
  3. verify: ONE target forward over [root, nodes...] at positions L-1+depth with a 4-D additive float mask over
-    [cache + tree] (transformers passes a 4-D mask to the attention kernel as is; a float mask is right for both the
-    sdpa and eager kernels, a bool one would be added as 0/1 by eager);
- 4. accept: a path of verified nodes plus one more token y (the target's bonus, or a residual sample);
+    [cache + tree] (`hstap.draft_tree.tree_mask`; transformers passes a 4-D mask to the attention kernel as is; a float
+    mask is right for both the sdpa and eager kernels, a bool one would be added as 0/1 by eager); a chain needs none;
+ 4. accept: a path of verified nodes plus one more token y (the target's bonus, or a residual sample), by the lossless
+    rule of `hstap.acceptance` (greedy at T = 0, rejection sampling over the tree at T > 0);
  5. roll back: the accepted path's KV entries are gathered into place (slots L-1.. <- L-1+path) and the cache cut to
     L+a. The path's slots increase, so this is one index_select per layer, no recomputation and exact. The drafter cache
     was cut back to L-1 right after drafting (its draft-step entries were made from its own h_out, not the target's).
 
-Acceptance. Temperature 0: walk from the root while the target's argmax is a verified child; y = the argmax where the
-walk stops. Lossless for any tree.
-
-Temperature T > 0 (p = softmax(target / T); q = softmax(drafter / T) spread over target ids through d2t, zero outside
-the hot ids). At each node its drafted children are tried in the order they were drawn: child c is accepted with
-probability min(1, p(c)/q(c)); on rejection p <- norm(max(0, p - q)) and q <- q without c, renormalised; if every child
-is rejected, y ~ p. This is exact when the children were drawn from q WITHOUT replacement: child i is then distributed
-as the current (renormalised) q given everything before it, each trial is standard speculative sampling of the current
-p, and by induction over the siblings the emitted token is distributed as p. Draws use Gumbel-top-k (the top-k of
-log q + Gumbel noise, in order, is exactly sequential sampling without replacement). Pruning the tree to the `tokens`
-budget must not bias the draws we rely on, hence two rules:
-  (a) every drawn child is tried, verified or not; an accepted child that is not in the verified tree is emitted as
-      the round's last token (a valid sample of p) instead of a bonus token;
-  (b) at T > 0 a node is expanded (fed to the drafter, children drawn) only if it will be verified, decided before
-      its children are drawn: per level the best min(topk, budget left) nodes by cumulative log q; the budget left at
-      the end goes to the best unexpanded nodes, which have no children.
-So the set of children of any node we continue from, and which of them are verified, never depends on those children
-themselves. tests/test_speculate.py checks the output law with a chi-square test (chain, tree, n-gram).
-At T = 0 the tree is EAGLE-2's: expand the top-k nodes of each level by cumulative log-prob, then keep the best
-`tokens`-1 nodes overall (ancestor-closed: a child never scores above its parent, ties go to the parent).
+The n-gram baseline verifies a chain of prompt-lookup tokens with the same forward, acceptance rule and rollback.
+tests/test_speculate.py checks the output law at T > 0 with a chi-square test (chain, tree, n-gram).
 """
 
 from __future__ import annotations
@@ -54,8 +35,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hstap.acceptance import accept
 from hstap.common import HstapError
+from hstap.draft_tree import Tree, draft_tree, tree_mask
 from hstap.drafter import DrafterCache
+from hstap.layers import fc_slots
 
 
 # --- small pieces ---------------------------------------------------------------------------------------------------
@@ -112,44 +96,6 @@ def target_forward(target, ids: torch.Tensor, layers: list[int], cache, position
     return target.logits(final[0]).float(), aux[0]  # (T, V), (T, K, H)
 
 
-def tree_mask(parents: list[int], past: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive mask (1, 1, N, past+N): every node sees the whole cache, itself and its ancestors; parents[i] < i."""
-    N = len(parents)
-    anc = torch.eye(N, dtype=torch.bool)  # (N, N)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            anc[i] |= anc[p]
-    allowed = torch.cat([torch.ones(N, past, dtype=torch.bool, device=device), anc.to(device)], 1)  # (N, past+N)
-    mask = torch.zeros(N, past + N, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
-@dataclass
-class Tree:
-    """Draft tree in topological order; node 0 is the root (the newest committed token)."""
-
-    tokens: list[int]
-    """Target ids of the nodes."""
-    parents: list[int]
-    """Parent index per node (-1 for the root); parents[i] < i."""
-    depths: list[int]
-    """Depth per node (root 0)."""
-    children: list[list[tuple[int, int]]]
-    """Per node, every drafted child in draw order as (target id, node index or -1 when not verified)."""
-    q: list[torch.Tensor | None]
-    """Per node, the draft-vocab distribution its children were drawn from (T > 0); None = deterministic drafts."""
-    hot: torch.Tensor | None = None
-    """Draft id -> target id (Vd,), to spread `q` over the target vocabulary."""
-
-    @classmethod
-    def chain(cls, root: int, draft: list[int]) -> "Tree":
-        """A chain of deterministic draft tokens (n-gram lookup): q is a point mass."""
-        n = len(draft) + 1
-        toks = [root] + list(draft)
-        kids = [[(toks[i + 1], i + 1)] for i in range(n - 1)] + [[]]
-        return cls(toks, list(range(-1, n - 1)), list(range(n)), kids, [None] * n)
-
-
 # --- drafting -------------------------------------------------------------------------------------------------------
 def drafter_extend(drafter, dcache: DrafterCache, ids: list[int], aux: torch.Tensor, start: int) -> torch.Tensor:
     """Append pairs (embed(ids[j]), fc(aux[j])) at drafter positions start..start+T-1; returns the last h_out (1, 1, H).
@@ -160,143 +106,6 @@ def drafter_extend(drafter, dcache: DrafterCache, ids: list[int], aux: torch.Ten
     pos = torch.arange(start, start + len(ids), device=dev)[None]  # (1, T)
     h = drafter(torch.tensor([ids], device=dev), hidden, pos, dcache)  # (1, T, H)
     return h[:, -1:]
-
-
-@torch.no_grad()
-def draft_tree(drafter, dcache: DrafterCache, h_last: torch.Tensor, root: int, root_pos: int, topk: int, depth: int,
-               tokens: int, temperature: float = 0.0, gen=None) -> Tree:
-    """Grow a draft tree of at most `depth` levels and `tokens` nodes (root included) from h_last (1, 1, H).
-
-    `root_pos` is the root's sequence index (L-1). The drafter cache is returned to its length on entry."""
-    dev = h_last.device
-    committed = len(dcache)
-    hot = torch.arange(drafter.d2t.shape[0], device=dev) + drafter.d2t  # (Vd,) draft id -> target id
-    tok, par, dep, score = [], [], [], []  # candidates; parent -1 = the root
-    drawn: dict[int, list[int]] = {-1: []}
-    qd: dict[int, torch.Tensor] = {}
-    rows: dict[int, torch.Tensor] = {-1: h_last[0, 0]}  # fed node -> its h_out (H,)
-    fed: list[int] = []  # fed nodes in drafter-cache slot order
-    sampling = temperature > 0
-
-    def expand(parents: list[int], h: torch.Tensor) -> None:  # h (f, H): draw topk children of each parent
-        logits = drafter.compute_logits(h).float()  # (f, Vd)
-        if sampling:
-            q = torch.softmax(logits / temperature, -1)  # (f, Vd)
-            logq = q.log()
-            u = torch.rand(q.shape, generator=gen, device=dev).clamp_min_(1e-20)
-            vals, idx = (logq - (-u.log()).log()).topk(min(topk, q.shape[-1]), -1)  # Gumbel-top-k: (f, k)
-            lq = logq.gather(-1, idx)
-            ok = torch.isfinite(vals)  # q == 0: the draw without replacement has run out of support
-        else:
-            lq, idx = torch.log_softmax(logits, -1).topk(min(topk, logits.shape[-1]), -1)  # (f, k)
-            ok = torch.ones_like(lq, dtype=torch.bool)
-        for r, (p, ids, lps, oks) in enumerate(zip(parents, hot[idx].tolist(), lq.tolist(), ok.tolist())):
-            if sampling:
-                qd[p] = q[r]
-            base = score[p] if p >= 0 else 0.0
-            for t, lp, good in zip(ids, lps, oks):
-                if good:
-                    drawn[p].append(len(tok))
-                    drawn[len(tok)] = []
-                    dep.append(dep[p] + 1 if p >= 0 else 1)
-                    tok.append(t)
-                    par.append(p)
-                    score.append(base + lp)
-
-    def ancestors(c: int) -> set[int]:
-        out = set()
-        while c >= 0:
-            out.add(c)
-            c = par[c]
-        return out
-
-    expand([-1], h_last[0])
-    level, slots = list(drawn[-1]), tokens - 1  # slots: budget left for expanded nodes (T > 0 rule)
-    expanded: list[int] = []
-    for d in range(1, depth):
-        order = sorted(level, key=lambda c: (-score[c], c))
-        f = min(topk, len(order), slots) if sampling else min(topk, len(order))
-        if f == 0:
-            break
-        slots -= f if sampling else 0
-        front = order[:f]
-        ids = torch.tensor([[tok[c] for c in front]], device=dev)  # (1, f)
-        hid = torch.stack([rows[par[c]] for c in front])[None]  # (1, f, H)
-        pos = torch.full((1, f), root_pos - 1 + d, device=dev)
-        mask = None  # a chain (topk=1) is causal over cache + fed nodes
-        if topk > 1:
-            mask = torch.zeros(f, committed + len(fed) + f, dtype=torch.bool)  # (f, S) True = may attend
-            mask[:, :committed] = True
-            for i, c in enumerate(front):
-                anc = ancestors(c)
-                mask[i, committed:committed + len(fed)] = torch.tensor([s in anc for s in fed], dtype=torch.bool)
-                mask[i, committed + len(fed) + i] = True
-            mask = mask.to(dev)
-        h = drafter(ids, hid, pos, dcache, mask)  # (1, f, H)
-        for i, c in enumerate(front):
-            rows[c] = h[0, i]
-        fed += front
-        expanded += front
-        expand(front, h[0])
-        level = [ch for c in front for ch in drawn[c]]
-    dcache.crop(committed)
-
-    by_score = sorted(range(len(tok)), key=lambda c: (-score[c], c))  # parents first on ties: ancestor-closed
-    if sampling:
-        ex = set(expanded)
-        keep = sorted(ex | set([c for c in by_score if c not in ex][:slots]))
-    else:
-        keep = sorted(by_score[:tokens - 1])
-    index = {-1: 0, **{c: i + 1 for i, c in enumerate(keep)}}
-    nodes = [-1] + keep
-    return Tree(tokens=[root] + [tok[c] for c in keep], parents=[-1] + [index[par[c]] for c in keep],
-                depths=[0] + [dep[c] for c in keep],
-                children=[[(tok[ch], index.get(ch, -1)) for ch in drawn[c]] for c in nodes],
-                q=[qd.get(c) for c in nodes], hot=hot)
-
-
-# --- acceptance -----------------------------------------------------------------------------------------------------
-def accept(tree: Tree, logits: torch.Tensor, temperature: float = 0.0, gen=None) -> tuple[list[int], int, int]:
-    """logits (N, V) of the tree nodes -> (accepted path of node indices from the root, final token y, accepted drafts).
-
-    The accepted draft count includes an accepted child outside the verified tree (then y is that child)."""
-    if temperature == 0:
-        am = logits.argmax(-1).tolist()
-        path = [0]
-        while True:
-            node = path[-1]
-            nxt = next((i for t, i in tree.children[node] if t == am[node] and i >= 0), None)
-            if nxt is None:
-                return path, am[node], len(path) - 1
-            path.append(nxt)
-    dev, path = logits.device, [0]
-    while True:
-        node = path[-1]
-        p = torch.softmax(logits[node] / temperature, -1)  # (V,)
-        q = None
-        if tree.q[node] is not None:  # spread the draft distribution over the target vocabulary
-            q = torch.zeros_like(p).index_copy_(0, tree.hot, tree.q[node].to(p.dtype))  # (V,)
-        for t, i in tree.children[node]:
-            qc = 1.0 if q is None else float(q[t])
-            if qc <= 0:
-                continue  # cannot happen for a real draw; skip rather than divide by zero
-            if float(torch.rand((), generator=gen, device=dev)) * qc < float(p[t]):  # accept w.p. min(1, p/q)
-                if i < 0:
-                    return path, t, len(path)  # a valid sample of p that the verify forward did not cover
-                path.append(i)
-                break
-            if q is None:  # point mass: max(0, p - q) is p without t
-                r = p.clone()
-                r[t] = 0
-            else:
-                r = (p - q).clamp_min_(0)
-                q = q.clone()
-                q[t] = 0
-                q /= q.sum().clamp_min(1e-30)
-            s = r.sum()
-            p = r / s if s > 0 else p  # s == 0 only through rounding (p == q would have accepted)
-        else:
-            return path, int(torch.multinomial(p, 1, generator=gen)), len(path) - 1
 
 
 # --- speculative decoding -------------------------------------------------------------------------------------------
@@ -329,9 +138,9 @@ def _check(target, drafter, mode: str, k: int, topk: int, depth: int, tokens: in
     if c.vocab_size != target.vocab_size:
         raise HstapError(f"{where}: drafter vocab_size {c.vocab_size} != target vocab_size {target.vocab_size}")
     fc = getattr(drafter, "fc", None)
-    if fc is not None and fc.in_features != max(1, len(c.aux_layers)) * target.hidden_size:
+    if fc is not None and fc.in_features != fc_slots(c.aux_layers) * target.hidden_size:
         raise HstapError(f"{where}: drafter fc takes {fc.in_features} inputs, but aux_layers {list(c.aux_layers)} of a "
-                         f"{target.hidden_size}-wide target give {max(1, len(c.aux_layers)) * target.hidden_size}")
+                         f"{target.hidden_size}-wide target give {fc_slots(c.aux_layers) * target.hidden_size}")
     if c.aux_layers and max(c.aux_layers) >= target.num_layers:
         raise HstapError(f"{where}: drafter aux_layers {list(c.aux_layers)} out of range for a "
                          f"{target.num_layers}-layer target")

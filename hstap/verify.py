@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hstap.common import HstapError, atomic_write_json
+from hstap.layers import EMBEDDINGS, last_layer, reference_ids, reference_index
 
 # (store dtype class, compute class) -> limits; None = not checked. See the table in the module docstring.
 TOLERANCES: dict[tuple[str, str], dict[str, float | None]] = {
@@ -198,7 +199,7 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 def check_integrity(path: str) -> dict:
-    from hstap.store import open_store
+    from hstap.store.reader import open_store
 
     s = open_store(path)
     problems = s.verify()
@@ -208,21 +209,18 @@ def check_integrity(path: str) -> dict:
 
 
 def _label(j: int, n: int) -> str:
-    if j == -1:
+    if j == EMBEDDINGS:
         return "the embeddings (input of layer 0)"
     if j == n:
         return "the final-norm output"
     return f"output of layer {j}"
 
 
-@torch.no_grad()
-def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = "cpu", compute_dtype: str = "auto",
-              max_tokens: int = 1024, target=None) -> dict:
-    """Recompute `samples` samples of the store with the target; per-layer metrics, offsets and problems (see above).
-
-    `target`: an already loaded hstap Target (its device/dtype are used) to skip loading."""
+def _open_checked(store_path: str, target_dir: str, device: str, compute_dtype: str, target) -> tuple:
+    """(store, target, the store's engine block, notes): the target loaded unless given, and checked to be the one the
+    store can come from (hidden size, layer range); a differing or missing fingerprint is only noted."""
     from hstap.model_dir import load_target, target_fingerprint
-    from hstap.store import open_store
+    from hstap.store.reader import open_store
 
     s = open_store(store_path)
     if target is None:
@@ -235,8 +233,6 @@ def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = 
     if any(not 0 <= L < N for L in s.layers):
         raise HstapError(f"{where}: layers {s.layers} do not exist in the {N}-layer target {target_dir}: another target")
     engine = s.manifest.get("engine") or {}
-    compute = _compute_class(engine.get("compute_dtype"), str(target.dtype))
-    tol_name, tol = tolerance([s.dtype], compute)
     notes: list[str] = []
     try:
         fp = target_fingerprint(target_dir)
@@ -246,18 +242,34 @@ def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = 
             notes.append(f"target fingerprint differs from the store's ({', '.join(differs)})")
     except HstapError as e:
         notes.append(f"no fingerprint: {e}")
+    return s, target, engine, notes
 
-    K = len(s.layers)
-    cand = list(range(-1, N + 1))  # -1 embeddings, 0..N-1 layer outputs (pre-norm), N final-norm output
-    claimed = list(s.layers) + [N]  # stored aux slots, then `final`
-    acc: list[dict | None] = [None] * (K + 1)
-    err = torch.zeros(K + 1, len(cand), dtype=torch.float64)  # summed squared error per (stored slot, candidate)
-    ref2 = torch.zeros(K + 1, len(cand), dtype=torch.float64)
-    cosmin = torch.ones(K + 1, len(cand), dtype=torch.float64)
-    problems: list[str] = []
-    votes: list[list[int]] = []  # per compared sample: best candidate index of each stored slot
-    picked = _pick(len(s), samples)
-    tokens = 0
+
+@dataclass
+class _Sums:
+    """A recomputation's running sums over the compared samples, per stored slot (K aux + final) and reference state
+    (C = len(reference_ids(N)))."""
+
+    acc: list[dict | None]
+    """Per stored slot: merged `layer_stats` against the state it claims to be."""
+    err: torch.Tensor
+    """(K+1, C) summed squared error per (stored slot, reference state)."""
+    ref2: torch.Tensor
+    """(K+1, C) summed squared norm of the reference state."""
+    cosmin: torch.Tensor
+    """(K+1, C) smallest per-token cosine."""
+    votes: list[list[int]] = field(default_factory=list)
+    """Per compared sample: best reference index of each stored slot."""
+    tokens: int = 0
+    """Tokens compared."""
+
+
+def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: int, problems: list[str]) -> _Sums:
+    """One forward per picked sample keeping every reference state; each stored slot compared with all of them."""
+    N, C = target.num_layers, len(reference_ids(target.num_layers))
+    slots = len(claimed)
+    sums = _Sums(acc=[None] * slots, err=torch.zeros(slots, C, dtype=torch.float64),
+                 ref2=torch.zeros(slots, C, dtype=torch.float64), cosmin=torch.ones(slots, C, dtype=torch.float64))
     for i in picked:
         smp = s[i]
         T = min(int(smp["input_ids"].shape[0]), max_tokens)
@@ -268,49 +280,53 @@ def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = 
             continue
         aux_all, final, _ = target.capture(ids, list(range(N)))  # (1, T, N, H), (1, T, H)
         emb = target.embed_tokens(ids)  # (1, T, H)
-        refs = torch.cat([emb[0, :, None], aux_all[0], final[0, :, None]], dim=1).float()  # (T, N+2, H) by cand order
+        # (T, C, H) in reference_ids order: embeddings, every layer's output, the final-norm output
+        refs = torch.cat([emb[0, :, None], aux_all[0], final[0, :, None]], dim=1).float()
         if not _finite(refs):
             problems.append(f"sample {smp['id']!r}: the recomputation itself produced NaN/Inf "
                             f"(compute dtype {target.dtype})")
             continue
-        tokens += T
+        sums.tokens += T
         rr = refs.pow(2).sum(-1)  # (T, C) squared norms of every candidate
         dots = torch.einsum("tkh,tch->tkc", stored, refs)  # (T, K+1, C): one batched matmul for all pairs
         xx = stored.pow(2).sum(-1)  # (T, K+1)
         # |x - r|^2 = |x|^2 - 2 x.r + |r|^2: cancels to ~1e-7 |x|^2 for an exact match, far below any mismatch (>1e-2)
         e = (xx[:, :, None] - 2 * dots + rr[:, None]).clamp_min(0).sum(0).double().cpu()  # (K+1, C)
-        err += e
-        ref2 += rr.sum(0).double().cpu()[None]
-        votes.append((e / rr.sum(0).double().cpu()[None].clamp_min(1e-300)).argmin(1).tolist())  # this sample's best
+        sums.err += e
+        sums.ref2 += rr.sum(0).double().cpu()[None]
+        rel = e / rr.sum(0).double().cpu()[None].clamp_min(1e-300)  # (K+1, C)
+        sums.votes.append(rel.argmin(1).tolist())  # this sample's best
         cos = dots / (xx.sqrt()[:, :, None] * rr.sqrt()[:, None]).clamp_min(1e-30)  # (T, K+1, C)
-        cosmin = torch.minimum(cosmin, cos.amin(0).double().cpu())
-        for k in range(K + 1):
-            acc[k] = _merge(acc[k], layer_stats(stored[:, k], refs[:, claimed[k] + 1], ulps=s.dtype != "fp8"))
-    base = {"mode": "recompute", "store": str(store_path), "target": str(target_dir), "dtype": s.dtype,
-            "layers_claimed": s.layers, "samples": [s.ids[i] for i in picked], "tokens": tokens,
-            "compute": {"store": engine.get("compute_dtype"), "recompute": str(target.dtype).replace("torch.", ""),
-                        "device": str(target.device)}, "tolerance_class": tol_name, "tolerance": tol, "notes": notes}
-    if tokens == 0:
-        return {**base, "metrics": [], "problems": problems or ["no sample could be compared"], "ok": False}
-    rel_l2 = (err / ref2.clamp_min(1e-300)).sqrt()  # (K+1, C)
+        sums.cosmin = torch.minimum(sums.cosmin, cos.amin(0).double().cpu())
+        for k in range(slots):
+            sums.acc[k] = _merge(sums.acc[k], layer_stats(stored[:, k], refs[:, reference_index(claimed[k])],
+                                                          ulps=s.dtype != "fp8"))
+    return sums
+
+
+def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list[str]) -> list[dict]:
+    """Per stored slot: its metrics, the reference state it matches best, and what is wrong (appended to problems)."""
+    cand = reference_ids(N)
+    K = len(claimed) - 1
+    rel_l2 = (sums.err / sums.ref2.clamp_min(1e-300)).sqrt()  # (K+1, C)
     layers = []
     for k in range(K + 1):
-        m = _finish(acc[k])
+        m = _finish(sums.acc[k])
         name = "final" if k == K else f"layer {claimed[k]}"
         best = int(rel_l2[k].argmin())
         bj = cand[best]
         row = {"name": name, "layer": None if k == K else claimed[k], **m, "best_match": _label(bj, N),
-               "best_rel_l2": float(rel_l2[k, best]), "best_cos_min": float(cosmin[k, best]),
-               "best_per_sample": [_label(cand[v[k]], N) for v in votes]}
+               "best_rel_l2": float(rel_l2[k, best]), "best_cos_min": float(sums.cosmin[k, best]),
+               "best_per_sample": [_label(cand[v[k]], N) for v in sums.votes]}
         bad = _violations(m, tol)
         if bj != claimed[k] and float(rel_l2[k, best]) < 0.5 * m["rel_l2"]:
             bad.append(f"{_label(bj, N)} matches better (relative L2 error {float(rel_l2[k, best]):.3g} "
                        f"vs {m['rel_l2']:.3g})")
         row["ok"] = not bad
         if bad:
-            best_ok = bj != claimed[k] and float(cosmin[k, best]) >= tol["cos_min"]
+            best_ok = bj != claimed[k] and float(sums.cosmin[k, best]) >= tol["cos_min"]
             if k == K:
-                if best_ok and bj == N - 1:
+                if best_ok and bj == last_layer(N):
                     msg = "final matches pre-norm output of the last layer: missing final norm"
                 elif best_ok:
                     msg = f"final matches {_label(bj, N)}, not the final-norm output"
@@ -326,12 +342,36 @@ def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = 
             row["problem"] = msg
             problems.append(msg)
         layers.append(row)
+    return layers
+
+
+@torch.no_grad()
+def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = "cpu", compute_dtype: str = "auto",
+              max_tokens: int = 1024, target=None) -> dict:
+    """Recompute `samples` samples of the store with the target; per-layer metrics, offsets and problems (see above).
+
+    `target`: an already loaded hstap Target (its device/dtype are used) to skip loading."""
+    s, target, engine, notes = _open_checked(store_path, target_dir, device, compute_dtype, target)
+    N = target.num_layers
+    compute = _compute_class(engine.get("compute_dtype"), str(target.dtype))
+    tol_name, tol = tolerance([s.dtype], compute)
+    claimed = list(s.layers) + [N]  # stored aux slots, then `final` (the final-norm output, id N in reference_ids)
+    problems: list[str] = []
+    picked = _pick(len(s), samples)
+    sums = _accumulate(s, target, picked, claimed, max_tokens, problems)
+    base = {"mode": "recompute", "store": str(store_path), "target": str(target_dir), "dtype": s.dtype,
+            "layers_claimed": s.layers, "samples": [s.ids[i] for i in picked], "tokens": sums.tokens,
+            "compute": {"store": engine.get("compute_dtype"), "recompute": str(target.dtype).replace("torch.", ""),
+                        "device": str(target.device)}, "tolerance_class": tol_name, "tolerance": tol, "notes": notes}
+    if sums.tokens == 0:
+        return {**base, "metrics": [], "problems": problems or ["no sample could be compared"], "ok": False}
+    layers = _verdicts(sums, claimed, N, tol, problems)
     return {**base, "metrics": layers, "problems": problems, "ok": not problems}
 
 
 def compare_stores(a: str, b: str, samples: int | None = None) -> dict:
     """Compare two captures of the same samples, layer by layer (b is the reference); matches samples by id."""
-    from hstap.store import open_store
+    from hstap.store.reader import open_store
 
     sa, sb = open_store(a), open_store(b)
     if sa.hidden_size != sb.hidden_size:

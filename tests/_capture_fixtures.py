@@ -11,13 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from _procs import Child, free_port, redirect_output, start_forkserver  # noqa: F401 (re-exported)
-
-# `hstap capture` as cli.py registers it (added here when the lead has not registered it yet; no-op afterwards)
-CAPTURE_ENTRY = ("hstap.capture", "CaptureConfig", "capture",
-                 "run the target over a prepared set and store its hidden states")
-BOOT = ("import sys; from hstap import cli; cli.COMMANDS.setdefault('capture', " + repr(CAPTURE_ENTRY) + "); "
-        "sys.exit(cli.main(sys.argv[1:]))")
+from _procs import Child, redirect_output
 
 
 def write_corpus(path: Path, n: int, seed: int = 0, min_chars: int = 10, max_chars: int = 260) -> Path:
@@ -50,7 +44,7 @@ def make_prepared(tokenizer_dir: Path, out: Path, n: int, seed: int = 0, **kw) -
 
 def store_samples(path) -> dict[str, dict]:
     """id -> sample of a store, plus checks that every id is there once and that verify() is clean."""
-    from hstap.store import open_store
+    from hstap.store.reader import open_store
 
     s = open_store(path)
     problems = s.verify()
@@ -88,7 +82,6 @@ def _child(argv: list[str], env: dict, log_path: str, fsize_limit: int | None) -
     torch.set_num_threads(1)  # tiny model, shared 2-core box
     from hstap import cli
 
-    cli.COMMANDS.setdefault("capture", CAPTURE_ENTRY)
     code = cli.main(list(argv))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -20,8 +20,8 @@ PRELOAD = ["torch", "numpy", "datasets", "pyarrow", "safetensors", "tqdm", "tran
            "torch.distributed.fsdp", "torch.nn.parallel", "transformers.models.llama.modeling_llama",
            "transformers.models.llama.configuration_llama", "transformers.models.auto.modeling_auto",
            "transformers.models.auto.tokenization_auto", "hstap.cli", "hstap.capture", "hstap.engines.hf",
-           "hstap.store", "hstap.data", "hstap.target", "hstap.layers", "hstap.train", "hstap.drafter", "hstap.export",
-           "hstap.dist", "_capture_fixtures", "_train_fixtures"]
+           "hstap.store.reader", "hstap.store.writer", "hstap.data", "hstap.target", "hstap.layers", "hstap.train",
+           "hstap.drafter", "hstap.export", "hstap.dist", "_capture_fixtures", "_train_fixtures"]
 
 _CTX = None
 

@@ -90,7 +90,7 @@ def create_store(target: Path, data: Path, out: Path, layers: list[int], dtype: 
     from hstap.capture import store_header
     from hstap.data import read_meta
     from hstap.model_dir import target_fingerprint
-    from hstap.store import StoreWriter
+    from hstap.store.writer import StoreWriter
 
     tb = target_fingerprint(target)
     header = store_header(tb, {"name": "sglang", "version": "test", "device": "cpu", "compute_dtype": "fp32"}, dtype,

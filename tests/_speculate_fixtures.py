@@ -15,6 +15,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from hstap.drafter import DrafterConfig, Eagle3Drafter
+from hstap.layers import fc_slots
 
 
 def load_tiny_target(path):
@@ -31,12 +32,18 @@ def load_tiny_target(path):
     return load_target(str(path), device="cpu", dtype="fp32")
 
 
+def random_prompts(V: int, n: int, length: int, seed: int) -> list[list[int]]:
+    """n random prompts of `length` ids in [6, V) (above the special tokens), reproducible from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, V, (length,), generator=g).tolist() for _ in range(n)]
+
+
 def random_drafter(target, aux_layers=(1, 2, 3), draft_vocab: int | None = None, seed: int = 0) -> Eagle3Drafter:
     """A random-init EAGLE-3 drafter for `target`, with a draft vocabulary that is a random subset of the target's."""
     g = torch.Generator().manual_seed(seed)
     V = target.vocab_size
     Vd = draft_vocab or V
-    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=Vd, num_aux=max(1, len(aux_layers)),
+    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=Vd, num_aux=fc_slots(aux_layers),
                                            aux_layers=list(aux_layers))
     torch.manual_seed(seed)
     d = Eagle3Drafter(cfg)
@@ -123,7 +130,7 @@ class StubDrafter(nn.Module):
         super().__init__()
         self.fn = fn
         self.config = SimpleNamespace(aux_layers=list(aux_layers), vocab_size=vocab_size, draft_vocab_size=vocab_size,
-                                      num_aux=max(1, len(aux_layers)))
+                                      num_aux=fc_slots(aux_layers))
         self.register_buffer("d2t", torch.zeros(vocab_size, dtype=torch.long))
 
     def project(self, aux):

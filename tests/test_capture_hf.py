@@ -1,23 +1,25 @@
-"""Embedded-engine capture in process: batching, padding, equality with HF output_hidden_states, dtypes, resume,
-refusals."""
+"""Embedded-engine capture in process (hstap.engines.hf, hstap.capture): batching, padding, equality with HF
+output_hidden_states, dtypes, resume, refusals. The staging buffers are tests/test_staging.py's, the model directory
+tests/test_model_dir.py's."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import random
-import shutil
 
 import pytest
 import torch
 from _capture_fixtures import assert_same_store, make_prepared, store_samples
 
+from hstap.batching import pack_by_tokens
 from hstap.capture import CaptureConfig, capture, check_tokenizer
 from hstap.common import HstapError
-from hstap.engines.hf import CaptureRunner, batches_by_tokens, capture_batch, forward_packed
-from hstap.model_dir import load_target, target_fingerprint, weights_fingerprint
-from hstap.store import StoreWriter, open_store, store_bytes_per_token
+from hstap.engines.hf import CaptureRunner, capture_batch, forward_packed
+from hstap.model_dir import load_target, target_fingerprint
+from hstap.store.format import store_bytes_per_token
+from hstap.store.reader import open_store
+from hstap.store.writer import StoreWriter
 
 LAYERS = "0,2,4"  # HF hidden_states[1], [3], [5] of a 6-layer model; final = hidden_states[6]
 
@@ -33,10 +35,10 @@ def _capture(target, data, out, **kw):
         return capture(cfg)
 
 
-def test_batches_by_tokens_packs_longest_first():
+def test_pack_by_tokens_packs_longest_first():
     rng = random.Random(0)
     lengths = [rng.randint(1, 300) for _ in range(200)] + [1000, 700]
-    batches = batches_by_tokens(lengths, 512)
+    batches = pack_by_tokens(lengths, 512)
     flat = [i for b in batches for i in b]
     assert sorted(flat) == list(range(len(lengths)))  # every sample exactly once
     assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)  # descending length
@@ -45,10 +47,10 @@ def test_batches_by_tokens_packs_longest_first():
         assert len(b) * longest <= 512 or len(b) == 1
     assert [1000] in [[lengths[i] for i in b] for b in batches]  # longer than the budget: alone
     assert max(len(b) for b in batches) > 4  # short samples do share batches
-    assert batches_by_tokens(lengths, 512) == batches  # deterministic
-    assert batches_by_tokens([], 10) == []
+    assert pack_by_tokens(lengths, 512) == batches  # deterministic
+    assert pack_by_tokens([], 10) == []
     with pytest.raises(HstapError, match="batch-tokens"):
-        batches_by_tokens([3], 0)
+        pack_by_tokens([3], 0)
 
 
 @pytest.mark.parametrize("which", ["tiny_llama", "tiny_deepseek"])
@@ -90,7 +92,7 @@ def test_store_equals_hf_output_hidden_states(which, request, prepared, tmp_path
     assert store.layers == [0, 2, 4]
     assert store.manifest["target"]["model_type"] == {"tiny_llama": "llama", "tiny_deepseek": "deepseek_v3"}[which]
     assert len(store.manifest["shards"]) > 2  # several shards committed
-    assert max(len(b) for b in batches_by_tokens(store.lengths, 400)) >= 3  # samples really shared batches
+    assert max(len(b) for b in pack_by_tokens(store.lengths, 400)) >= 3  # samples really shared batches
     assert len(set(store.lengths)) > 10  # mixed lengths
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa").eval()
     N = model.config.num_hidden_layers
@@ -181,53 +183,6 @@ def test_capture_runner_handles_writer_errors(tiny_llama, tmp_path):
             run.submit([{"id": "big", "input_ids": [1, target.vocab_size], "loss_mask": [1, 1]}])
 
 
-def test_host_buffer_layout_roundtrip():
-    """The byte packing of the CUDA path (pinned buffer <- device tensors, views back), run here on CPU tensors."""
-    from hstap.engines.hf import staging_layout, staging_pack, staging_views, to_store_dtype
-
-    aux, final = torch.randn(37, 3, 64) * 5, torch.randn(37, 64)  # (S, K, H), (S, H)
-    for dtype in ("bf16", "fp8", "fp32"):
-        payload = to_store_dtype(aux, final, dtype)
-        layout, nbytes = staging_layout(payload)
-        buf = torch.full((nbytes + 1000,), 255, dtype=torch.uint8)  # a pool buffer is larger than needed
-        staging_pack(buf, payload, layout)
-        back = staging_views(buf[:nbytes].clone(), layout)
-        names = {"aux", "final", "aux_scale", "final_scale"} if dtype == "fp8" else {"aux", "final"}
-        assert set(back) == set(payload) == names
-        for name, t in payload.items():
-            assert back[name].dtype == t.dtype and back[name].shape == t.shape and back[name].is_contiguous()
-            assert torch.equal(back[name].view(torch.uint8), t.view(torch.uint8)), (dtype, name)
-
-
-def test_fingerprint_and_load_errors(tiny_llama, tiny_deepseek, tmp_path):
-    fp = target_fingerprint(tiny_llama)
-    assert fp["config_sha256"] == hashlib.sha256((tiny_llama / "config.json").read_bytes()).hexdigest()
-    assert fp["num_layers"] == 6 and fp["hidden_size"] == 64 and fp["model_type"] == "llama"
-    assert fp["tokenizer_sha256"] and fp["chat_template_sha256"]
-    assert fp == target_fingerprint(tiny_llama)
-    assert fp["weights_fingerprint"] != target_fingerprint(tiny_deepseek)["weights_fingerprint"]
-    copy = tmp_path / "copy"
-    shutil.copytree(tiny_llama, copy)
-    assert weights_fingerprint(copy) == fp["weights_fingerprint"]
-    w = copy / "model.safetensors"
-    data = bytearray(w.read_bytes())
-    data[-1] ^= 1  # one bit in the last tensor
-    w.write_bytes(bytes(data))
-    assert weights_fingerprint(copy) != fp["weights_fingerprint"]
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        (copy / f).unlink(missing_ok=True)
-    nt = target_fingerprint(copy)
-    assert nt["tokenizer_sha256"] is None and nt["chat_template_sha256"] is None
-    assert load_target(copy)[1] is None
-
-    with pytest.raises(HstapError, match="does not exist"):
-        load_target(tmp_path / "nope")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(HstapError, match="no config.json"):
-        load_target(tmp_path / "empty")
-    (tmp_path / "empty" / "config.json").write_text("{not json")
-    with pytest.raises(HstapError, match="cannot load the target model"):
-        load_target(tmp_path / "empty")
 
 
 def test_tokenizer_check_without_a_target_tokenizer(tiny_llama):
@@ -250,19 +205,3 @@ def test_config_validation():
         with pytest.raises(HstapError, match=match):
             CaptureConfig(**ok, **bad)
     assert CaptureConfig(**ok, device="cuda:1").device == "cuda:1"
-
-
-def test_pinned_pool_reuses_the_smallest_fit_and_drops_outgrown_buffers():
-    from hstap.engines.hf import PinnedPool
-
-    pool = PinnedPool(pin=False)
-    a, b = pool.acquire(3 << 20), pool.acquire(5 << 20)  # (3 MiB, 5 MiB) rounded to 1 MiB steps
-    assert (a.numel(), b.numel()) == (3 << 20, 5 << 20) and pool.allocated == 2
-    pool.release(b)
-    pool.release(a)
-    assert pool.acquire(2 << 20) is a and pool.allocated == 2  # smallest free buffer that fits
-    pool.release(a)
-    for mib in range(6, 40):  # requests growing past every free buffer: the outgrown ones are let go
-        pool.release(pool.acquire(mib << 20))
-    assert len(pool._free) == 1 and pool._free[0].numel() >= 39 << 20
-    assert PinnedPool.capacity((512 << 20) + 1) == 576 << 20  # steps of 1/16 of the next power of two (1 GiB)

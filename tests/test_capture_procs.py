@@ -13,11 +13,11 @@ import sys
 import time
 
 import pytest
-from _capture_fixtures import (BOOT, Run, assert_same_store, free_port, make_prepared, run_cli, start_forkserver,
-                               store_samples)
+from _capture_fixtures import Run, assert_same_store, make_prepared, run_cli, store_samples
+from _procs import free_port, start_forkserver
 
 from hstap.capture import CaptureConfig, capture
-from hstap.store import open_store
+from hstap.store.reader import open_store
 
 N = 40  # samples
 LAYERS = "1,3,4"
@@ -125,10 +125,7 @@ def test_bad_input_is_one_error_line_and_status_2(tiny_llama, data, tmp_path):
     runs = {k: Run(argv, tmp_path / f"{k}.log") for k, (argv, _) in cases.items()}
     # one through a fresh interpreter: the real entry point, `python -m hstap.cli capture` (cheap: the config is refused
     # before torch is imported)
-    from hstap.cli import COMMANDS
-
-    entry = ["-m", "hstap.cli"] if "capture" in COMMANDS else ["-c", BOOT]
-    p = subprocess.run([sys.executable, *entry, *_argv(tiny_llama, data, tmp_path / "s3"), "--dtype", "fp16"],
+    p = subprocess.run([sys.executable, "-m", "hstap.cli", *_argv(tiny_llama, data, tmp_path / "s3"), "--dtype", "fp16"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == "", p
     assert p.stderr.strip().splitlines() == ["hstap: error: --dtype: expected one of bf16, fp8, fp32, got 'fp16'"]

@@ -27,7 +27,7 @@ def _capture(target, prepared, out, device, compute, dtype, **kw):
 def test_gpu_capture_matches_cpu_fp32(tiny_llama, tmp_path, dtype):
     from _capture_fixtures import make_prepared
 
-    from hstap.store import open_store
+    from hstap.store.reader import open_store
     from hstap.verify import compare_stores
 
     prepared = make_prepared(tiny_llama, tmp_path / "prep", 40)
@@ -48,16 +48,16 @@ def test_gpu_capture_matches_cpu_fp32(tiny_llama, tmp_path, dtype):
 
 
 def test_flex_ttt_matches_sdpa_with_grads(monkeypatch):
-    import test_drafter as td
+    import _drafter_fixtures as td
 
-    from hstap.drafter import TTTModel, step_rows
+    from hstap.ttt import TTTModel, step_rows, target_distribution
 
     # flex_attention's CUDA kernels need head_dim >= 16: a wider copy of the CPU test's fixture
     monkeypatch.setattr(td, "DrafterConfig", _wide)
-    d, W, hot, t2d, ids, lm, L, aux, final = td._setup(seed=3, B=2, T=40, lengths=(40, 29))
+    d, W, hot, t2d, ids, lm, L, aux, final = td.tiny_setup(seed=3, B=2, T=40, lengths=(40, 29))
     d = d.cuda()
     W, hot, t2d, ids, lm, L, aux, final = (x.cuda() for x in (W, hot, t2d, ids, lm, L, aux, final))
-    tb = td._model_inputs(d, W, hot, t2d, lm, L, final)
+    tb = target_distribution(final, lm, L, W, hot, t2d, chunk=5)
     K, T = 4, ids.shape[1]
     denom = torch.tensor([float(step_rows(tb, T, k)[0].numel()) for k in range(K)], device="cuda")
     res = {}
@@ -110,9 +110,11 @@ def test_gpu_training_bf16_runs(tiny_llama, tmp_path):
 def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_llama, tmp_path, monkeypatch):
     """The writer hands the store views of pinned buffers and takes them back after the shard commit: a buffer
     reused too early would corrupt committed samples. Compare bitwise with the copying path; count pinned buffers."""
+    from hstap.batching import pack_by_tokens
     from hstap.engines import hf
     from hstap.model_dir import load_target
-    from hstap.store import StoreWriter, open_store
+    from hstap.store.reader import open_store
+    from hstap.store.writer import StoreWriter
 
     target, _ = load_target(tiny_llama, device="cuda", dtype="bf16")
     g = torch.Generator().manual_seed(0)
@@ -120,7 +122,7 @@ def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_ll
                                                               generator=g), "loss_mask": None} for i in range(80)]
     for s in samples:
         s["loss_mask"] = torch.ones_like(s["input_ids"], dtype=torch.uint8)
-    batches = [[samples[i] for i in b] for b in hf.batches_by_tokens([len(s["input_ids"]) for s in samples], 256)]
+    batches = [[samples[i] for i in b] for b in pack_by_tokens([len(s["input_ids"]) for s in samples], 256)]
     hdr = {"target": {}, "engine": {}, "dtype": "bf16", "layers": [1, 2, 4], "hidden_size": target.hidden_size}
     stats = {}
     for mode, limit in (("zero_copy", 1 << 40), ("copy", 0)):

@@ -1,12 +1,10 @@
-"""hstap.data (`hstap prepare`): readers, loss masks under several chat templates, outputs, vocab map, CLI."""
+"""hstap.data (`hstap prepare`): loss masks under several chat templates, outputs, CLI. The readers are
+tests/test_conversations.py's, the vocab map rules tests/test_vocab.py's, the tokenizer hash tests/test_model_dir.py's."""
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 from collections import Counter
@@ -14,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _tokenizer_fixtures import CHATML, variant_tokenizer
 
 from hstap import cli
 from hstap.common import HstapError
 from hstap.conversations import conversation_id, read_conversations
-from hstap.data import (PrepareConfig, assistant_spans, build_vocab_map, check_vocab_map, load_prepared, load_vocab_map,
-                        prepare, read_meta, render_prompt, tokenize_conversation)
+from hstap.data import (PrepareConfig, assistant_spans, load_prepared, prepare, read_meta, render_prompt,
+                        tokenize_conversation)
 from hstap.model_dir import chat_template_sha256, load_tokenizer, tokenizer_sha256
+from hstap.vocab import load_vocab_map
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,12 +29,6 @@ LLAMA3 = (
     " + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
     "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
-CHATML = (  # Qwen2.5: a default system prompt when the conversation has none
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 PLAIN = (  # no special tokens and nothing after the content: header space and content merge into one BPE token
     "{% for m in messages %}{% if m['role'] == 'user' %}User: {{ m['content'] }}\n{% else %}"
@@ -53,17 +47,6 @@ CONV = [
     {"role": "assistant", "content": "A mutable one, written [1, 2]."},
 ]
 
-
-def _variant(tiny_tokenizer, tmp_path_factory, name, template, specials=(), bos=None):
-    """A copy of the toy tokenizer with extra special tokens and another chat template, saved and reloaded."""
-    tok = load_tokenizer(tiny_tokenizer[1])
-    tok.add_tokens(list(specials), special_tokens=True)
-    if bos:
-        tok.bos_token = bos
-    tok.chat_template = template
-    d = tmp_path_factory.mktemp(name)
-    tok.save_pretrained(str(d))
-    return load_tokenizer(d), d
 
 
 def _expected(tok, pieces):
@@ -102,7 +85,7 @@ def test_mask_reference_template(ref_target):
 
 def test_mask_llama3_template_with_trim(tiny_tokenizer, tmp_path_factory):
     specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    tok, _ = _variant(tiny_tokenizer, tmp_path_factory, "llama3", LLAMA3, specials, "<|begin_of_text|>")
+    tok, _ = variant_tokenizer(tiny_tokenizer, tmp_path_factory, "llama3", LLAMA3, specials, "<|begin_of_text|>")
     conv = [{"role": "user", "content": "  Name a number. "},
             {"role": "assistant", "content": "\n Seven is one.  \n"},  # trimmed by the template
             {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Eight."}]
@@ -117,7 +100,7 @@ def test_mask_llama3_template_with_trim(tiny_tokenizer, tmp_path_factory):
 
 
 def test_mask_chatml_template_with_default_system(tiny_tokenizer, tmp_path_factory):
-    tok, _ = _variant(tiny_tokenizer, tmp_path_factory, "chatml", CHATML, ["<|im_start|>", "<|im_end|>"])
+    tok, _ = variant_tokenizer(tiny_tokenizer, tmp_path_factory, "chatml", CHATML, ["<|im_start|>", "<|im_end|>"])
     conv = CONV[1:]  # no system message: the template injects one
     pieces = [("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n", 0)]
     for m in conv:
@@ -129,7 +112,7 @@ def test_mask_chatml_template_with_default_system(tiny_tokenizer, tmp_path_facto
 def test_mask_end_of_conversation_marker(tiny_tokenizer, tmp_path_factory):
     # The end of turn is what the template prints before the next message starts (or before the end of the whole
     # rendering): the conversation-final <|pad|> belongs to the last turn only.
-    tok, _ = _variant(tiny_tokenizer, tmp_path_factory, "tail", TAIL)
+    tok, _ = variant_tokenizer(tiny_tokenizer, tmp_path_factory, "tail", TAIL)
     pieces = [("<|bos|>", 0)]
     for i, m in enumerate(CONV):
         a = int(m["role"] == "assistant")
@@ -140,7 +123,7 @@ def test_mask_end_of_conversation_marker(tiny_tokenizer, tmp_path_factory):
 
 
 def test_mask_straddling_token(tiny_tokenizer, tmp_path_factory):
-    tok, _ = _variant(tiny_tokenizer, tmp_path_factory, "plain", PLAIN)
+    tok, _ = variant_tokenizer(tiny_tokenizer, tmp_path_factory, "plain", PLAIN)
     conv = [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": "answering now"}]
     text = tok.apply_chat_template(conv, tokenize=False)
     assert text == "User: Say it.\nAssistant: answering now\n"
@@ -166,72 +149,6 @@ def test_template_that_hides_content_is_refused(tiny_tokenizer, tmp_path):
                               chat_template=str(bad)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "t.jinja"]
 
-
-def _write_inputs(d: Path) -> list[tuple[str | None, list[dict]]]:
-    """The same kinds of conversation in every supported format; returns the expected (id, messages)."""
-    sg = {"id": "sg", "conversations": [{"from": "system", "value": "S."}, {"from": "human", "value": "Q1"},
-                                        {"from": "gpt", "value": "A1"}, {"from": "human", "value": "Q2"},
-                                        {"from": "gpt", "value": "A2"}]}
-    oa = {"messages": [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]}
-    rc = {"id": 7, "conversations": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
-    (d / "a.jsonl").write_text(json.dumps(sg) + "\n\n")
-    with gzip.open(d / "b.jsonl.gz", "wt") as f:
-        f.write(json.dumps(oa) + "\n")
-    (d / "c.json").write_text("[\n" + json.dumps(rc) + "\n]\n")
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    pm = [{"role": "user", "content": "p?"}, {"role": "assistant", "content": "p!"}]
-    pq.write_table(pa.Table.from_pylist([{"id": "pq", "messages": pm}]), d / "d.parquet")
-    sg_msgs = [{"role": r, "content": c} for r, c in
-               [("system", "S."), ("user", "Q1"), ("assistant", "A1"), ("user", "Q2"), ("assistant", "A2")]]
-    return [("sg", sg_msgs), (None, oa["messages"]), ("7", rc["conversations"]), ("pq", pm)]
-
-
-def test_read_formats_and_ids(tmp_path):
-    expected = _write_inputs(tmp_path)
-    got = list(read_conversations([str(tmp_path)]))  # a directory: files in sorted order
-    canonical = json.dumps(expected[1][1], ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-    made = hashlib.sha256(canonical.encode()).hexdigest()[:16]
-    assert got == [(rid or made, msgs) for rid, msgs in expected]
-    assert conversation_id(expected[1][1]) == made
-
-
-BAD = [  # (file content, line, message pattern)
-    ('{"messages": [{"role": "user", "content": "a"}]}\n{"messages": [}\n', 2, r"invalid JSON: .*\(column 15\)"),
-    ('{"text": "hello"}\n', 1, r"record: unknown format"),
-    ('\n{"messages": [{"content": "a"}]}\n', 2, r"messages\[0\]\.role: missing"),
-    ('{"conversations": [{"from": "human", "value": "a"}, {"from": "gpt"}]}\n', 1,
-     r"conversations\[1\]\.value: missing"),
-    ('{"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}\n', 1,
-     r"messages\[1\]\.role: unknown role 'tool'"),
-    ('{"messages": [{"role": "user", "content": ["a"]}]}\n', 1, r"messages\[0\]\.content: expected a string"),
-    ('{"conversations": []}\n', 1, r"conversations: empty conversation"),
-    (b'{"messages": [{"role": "user", "content": "a"}]}\n{"messages": "\xff\xfe"}\n', 2, r"not valid UTF-8"),
-]
-
-
-@pytest.mark.parametrize("content,line,pattern", BAD)
-def test_bad_records_name_file_and_line(tmp_path, content, line, pattern):
-    f = tmp_path / "bad.jsonl"
-    f.write_bytes(content if isinstance(content, bytes) else content.encode())
-    with pytest.raises(HstapError) as e:
-        list(read_conversations(str(f)))
-    msg = str(e.value)
-    assert msg.startswith(f"{f}:{line}: ") and "\n" not in msg
-    assert re.search(pattern, msg), msg
-    good = sum(1 for ln in f.read_bytes().splitlines() if ln.strip()) - 1  # every case has one bad record
-    assert len(list(read_conversations(str(f), on_error="skip"))) == good
-
-
-def test_json_list_error_line(tmp_path):
-    f = tmp_path / "l.json"
-    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
-    f.write_text("[\n  " + json.dumps(good) + ",\n\n  " + json.dumps({"messages": [{"role": "user"}]}) + "\n]")
-    with pytest.raises(HstapError, match=rf"^{f}:4: messages\[0\]\.content: missing$"):
-        list(read_conversations(str(f)))
-    f.write_text("[\n" + json.dumps(good) + ",\n" + json.dumps(good)[:-1] + "\n]")
-    with pytest.raises(HstapError, match=rf"^{f}:4: invalid JSON"):
-        list(read_conversations(str(f)))
 
 
 DATA = [
@@ -322,36 +239,6 @@ def test_num_proc_gives_identical_output(tiny_tokenizer, tmp_path):
     for name in ("token_freq.safetensors", "vocab_map.safetensors"):
         assert (tmp_path / "p1" / name).read_bytes() == (tmp_path / "p2" / name).read_bytes()
 
-
-def test_vocab_map_rules():
-    freq = np.array([0, 5, 3, 5, 0, 1, 0, 0], dtype=np.int64)
-    d2t, t2d = build_vocab_map(freq, 3)  # counts 5, 5, 3: ids 1, 3, 2
-    assert (d2t + np.arange(3)).tolist() == [1, 2, 3] and t2d.nonzero()[0].tolist() == [1, 2, 3]
-    d2t, t2d = build_vocab_map(freq, 2)  # the two 5s
-    assert (d2t + np.arange(2)).tolist() == [1, 3]
-    d2t, _ = build_vocab_map(np.array([0, 1, 1, 0, 2]), 2)  # tie between ids 1 and 2: the lower id wins
-    assert (d2t + np.arange(2)).tolist() == [1, 4]
-    d2t, t2d = build_vocab_map(freq, 6)  # 4 seen tokens, filled with the lowest unused ids 0 and 4
-    assert (d2t + np.arange(6)).tolist() == [0, 1, 2, 3, 4, 5]
-    d2t, t2d = build_vocab_map(freq, 100)  # clamped to V: identity
-    assert d2t.tolist() == [0] * 8 and t2d.all()
-    check_vocab_map(d2t, t2d, 8)
-    import torch
-    check_vocab_map(torch.tensor([1, 2]), torch.tensor([0, 1, 0, 1, 0], dtype=torch.bool), 5)
-    for d, t, v, what in [([1, 0], [0, 1, 1, 0], 4, "strictly increasing"), ([3, 4], [0, 0, 0, 1, 1], 5, "leave"),
-                          ([0, 1], [1, 0, 1, 1], 4, "exactly"), ([0], [1, 0], 3, "length 3"), ([-1], [1], 1, "leave")]:
-        with pytest.raises(HstapError, match=what):
-            check_vocab_map(np.array(d), np.array(t, dtype=bool), v)
-
-
-def test_tokenizer_hash(ref_target, tiny_tokenizer, tmp_path_factory):
-    a = tokenizer_sha256(ref_target)
-    assert a == tokenizer_sha256(load_tokenizer(ref_target)) and len(a) == 64
-    assert tokenizer_sha256(tiny_tokenizer[1]) != a
-    # The chat template has its own hash; added tokens change the tokenizer's.
-    chatml, _ = _variant(tiny_tokenizer, tmp_path_factory, "chatml2", CHATML, ["<|im_start|>", "<|im_end|>"])
-    other, _ = _variant(tiny_tokenizer, tmp_path_factory, "tmpl", CHATML)
-    assert tokenizer_sha256(other) == tokenizer_sha256(tiny_tokenizer[1]) != tokenizer_sha256(chatml)
 
 
 def test_reference_example_and_no_template(ref_target, tiny_tokenizer, tmp_path):

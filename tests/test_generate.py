@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from hstap.common import HstapError
-from hstap.generate import (ChatClient, EmbeddedEngine, GenerateConfig, generate, generate_batch, recover_output,
-                            stop_token_ids)
+from hstap.decode import EmbeddedEngine, generate_batch, stop_token_ids
+from hstap.generate import GenerateConfig, generate, recover_output
+from hstap.openai_client import ChatClient
 
 REPO = Path(__file__).resolve().parent.parent
 NEW = 12  # max_new_tokens of the end-to-end runs: the tiny random model rarely stops by itself, so turns run to it
@@ -266,12 +267,7 @@ def test_resume_after_sigkill(server, tiny_llama, tmp_path):
     src = _write_jsonl(tmp_path / "in.jsonl", recs)
     out = tmp_path / "out.jsonl"
     args = ["--data", str(src), "--out", str(out), "--server", server, "--max-new-tokens", "16", "--concurrency", "2"]
-    from hstap.cli import COMMANDS
-    if "generate" in COMMANDS:
-        cmd = [sys.executable, "-m", "hstap.cli", "generate", *args]
-    else:  # until the lead registers the command
-        cmd = [sys.executable, "-c", "import sys; from hstap.cli import make_config; from hstap.generate import "
-               "GenerateConfig, generate; generate(make_config('generate', GenerateConfig, sys.argv[1:]))", *args]
+    cmd = [sys.executable, "-m", "hstap.cli", "generate", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_bytes().count(b"\n") >= 3):

@@ -29,8 +29,9 @@ from _sglang_fixtures import import_sglang, make_prepared, records  # noqa: E402
 
 from hstap.capture import CaptureConfig  # noqa: E402
 from hstap.common import HstapError  # noqa: E402
-from hstap.engines.sglang import hook_spec, run_sglang_capture, server_problems  # noqa: E402
-from hstap.store import open_store  # noqa: E402
+from hstap.engines.sglang_driver import run_sglang_capture, server_problems  # noqa: E402
+from hstap.engines.sglang_protocol import hook_spec  # noqa: E402
+from hstap.store.reader import open_store  # noqa: E402
 
 LAYERS = [0, 2, 4]
 HERE = Path(__file__).resolve().parent

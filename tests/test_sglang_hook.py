@@ -21,9 +21,11 @@ from _sglang_fixtures import (create_store, forward_batch, import_sglang, logits
                               publish_server_args, records)
 
 from hstap.common import HstapError  # noqa: E402
-from hstap.engines.sglang import (ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, CaptureHook, decode_rid,  # noqa: E402
-                                  encode_rid, hook_spec, set_capture_layers)
-from hstap.store import open_store  # noqa: E402
+from hstap.engines.sglang import CaptureHook  # noqa: E402
+from hstap.engines.sglang_plugin import set_capture_layers  # noqa: E402
+from hstap.engines.sglang_protocol import (ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, decode_rid, encode_rid,  # noqa: E402
+                                           hook_spec)
+from hstap.store.reader import open_store  # noqa: E402
 
 LAYERS = [0, 2, 4]  # canonical ids of the 6-layer tiny target; K = 3
 H = 64
@@ -226,12 +228,12 @@ def test_restart_and_new_session_reopen(sg, tiny_llama, prepared, tmp_path):
 
 
 def test_fp8_store_is_quantized_before_the_copy(sg, tiny_llama, prepared, tmp_path):
-    from hstap.store import dequantize_fp8, quantize_fp8
+    from hstap.store.format import dequantize_fp8, quantize_fp8
 
     rig = Rig(tmp_path, tiny_llama, prepared, dtype="fp8")
     rig.step("EXTEND", [(rig.rid(r), r, 0, rig.T(r)) for r in (0, 1)])
     store, _ = rig.finish()
-    assert rig.hook._store_dtype == "fp8" and sorted(store.ids) == sorted(rig.ds[r]["id"] for r in (0, 1))
+    assert rig.hook.store_dtype == "fp8" and sorted(store.ids) == sorted(rig.ds[r]["id"] for r in (0, 1))
     for r in (0, 1):
         s, e = store[store.index_of(rig.ds[r]["id"])], rig.expected(r)
         assert torch.equal(s["aux"], dequantize_fp8(*quantize_fp8(e["aux"])))

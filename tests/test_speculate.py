@@ -1,5 +1,6 @@
-"""Speculative decoding: exact tree attention, KV rollback, greedy losslessness (real tiny models), pinned accept
-patterns (stub models with fixed logits) and the output distribution at temperature > 0 (chi-square, fixed seeds)."""
+"""Speculative decoding: KV rollback, greedy losslessness (real tiny models), pinned accept patterns (stub models with
+fixed logits) and the output distribution at temperature > 0 (chi-square, fixed seeds). Exact tree attention and the
+tree's nodes: tests/test_draft_tree.py; the acceptance rule on hand-built trees: tests/test_acceptance.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 from hstap.common import HstapError
 from hstap.drafter import DrafterCache
 from hstap.speculate import (drafter_extend, new_cache, ngram_generate, ngram_propose, prefill, spec_step,
-                             speculative_generate, target_forward, target_generate, tree_mask)
-from tests._speculate_fixtures import (StubDrafter, StubTarget, load_tiny_target, oracle_drafter, random_drafter)
+                             speculative_generate, target_forward, target_generate)
+from tests._speculate_fixtures import (StubDrafter, StubTarget, load_tiny_target, oracle_drafter, random_drafter,
+                                       random_prompts)
 
 
 @pytest.fixture(scope="module")
@@ -21,40 +23,7 @@ def tiny(tiny_llama):
     return load_tiny_target(tiny_llama)[0]
 
 
-def _prompts(V: int, n: int, length: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(6, V, (length,), generator=g).tolist() for _ in range(n)]
-
-
 # --- exactness of the pieces ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_tree_forward_equals_per_path_forwards(tiny, impl):
-    tiny.model.set_attn_implementation(impl)
-    assert tiny.config._attn_implementation == impl  # the kernel that receives our 4-D float mask
-    try:
-        prompt = _prompts(tiny.vocab_size, 1, 9, seed=1)[0]
-        parents = [-1, 0, 0, 1, 1, 2, 4, 3]  # branching at several depths; node 0 is the last committed token
-        depths = [0, 1, 1, 2, 2, 2, 3, 3]
-        toks = torch.randint(6, tiny.vocab_size, (len(parents),), generator=torch.Generator().manual_seed(2)).tolist()
-        cache = new_cache()
-        target_forward(tiny, torch.tensor([prompt]), [], cache)
-        P = len(prompt)
-        pos = torch.tensor([[P + d for d in depths]])
-        logits, aux = target_forward(tiny, torch.tensor([toks]), [1, 3], cache, pos,
-                                     tree_mask(parents, P, tiny.dtype, tiny.device))
-        assert cache.get_seq_length() == P + len(toks)
-        for i in range(len(toks)):
-            path, j = [], i
-            while j >= 0:
-                path.insert(0, toks[j])
-                j = parents[j]
-            ref_logits, ref_aux = target_forward(tiny, torch.tensor([prompt + path]), [1, 3], new_cache())
-            torch.testing.assert_close(logits[i], ref_logits[-1], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(aux[i], ref_aux[-1], atol=1e-4, rtol=1e-4)
-    finally:
-        tiny.model.set_attn_implementation("sdpa")
-
-
 def _assert_cache_equal(cache, ref):
     assert cache.get_seq_length() == ref.get_seq_length()
     for a, b in zip(cache.layers, ref.layers):
@@ -63,7 +32,7 @@ def _assert_cache_equal(cache, ref):
 
 
 def test_kv_rollback_equals_fresh_prefill(tiny):
-    prompt = _prompts(tiny.vocab_size, 1, 12, seed=3)[0]
+    prompt = random_prompts(tiny.vocab_size, 1, 12, seed=3)[0]
     ref, _ = target_generate(tiny, prompt, 30)
     seq = prompt + ref
     # Decoys at several indices: the right token is the second child there, so accepted paths skip tree slots.
@@ -94,7 +63,7 @@ def test_greedy_equals_target_random_drafter(tiny, aux_layers):
     drafter = random_drafter(tiny, aux_layers, draft_vocab=300)
     configs = [dict(mode="chain", k=1), dict(mode="chain", k=3), dict(mode="tree", topk=2, depth=3, tokens=6),
                dict(mode="tree", topk=3, depth=4, tokens=10)]
-    for prompt in _prompts(tiny.vocab_size, 2 if aux_layers else 1, 10, seed=4):
+    for prompt in random_prompts(tiny.vocab_size, 2 if aux_layers else 1, 10, seed=4):
         ref, _ = target_generate(tiny, prompt, 16)
         for kw in configs if aux_layers else configs[1::2]:
             out, stats = speculative_generate(tiny, drafter, prompt, 16, **kw)
@@ -103,7 +72,7 @@ def test_greedy_equals_target_random_drafter(tiny, aux_layers):
 
 
 def test_oracle_drafter_chain_accepts_everything(tiny):
-    prompt = _prompts(tiny.vocab_size, 1, 8, seed=5)[0]
+    prompt = random_prompts(tiny.vocab_size, 1, 8, seed=5)[0]
     ref, _ = target_generate(tiny, prompt, 40)
     out, stats = speculative_generate(tiny, oracle_drafter(tiny, prompt + ref), prompt, 32, mode="chain", k=4)
     assert out == ref[:32]
@@ -113,7 +82,7 @@ def test_oracle_drafter_chain_accepts_everything(tiny):
 
 
 def test_oracle_drafter_tree_second_children(tiny):
-    prompt = _prompts(tiny.vocab_size, 1, 8, seed=6)[0]
+    prompt = random_prompts(tiny.vocab_size, 1, 8, seed=6)[0]
     ref, _ = target_generate(tiny, prompt, 40)
     drafter = oracle_drafter(tiny, prompt + ref, second=range(len(prompt) + 1, len(prompt) + 40, 2))
     out, stats = speculative_generate(tiny, drafter, prompt, 32, mode="tree", topk=2, depth=4, tokens=12)
@@ -126,7 +95,7 @@ def test_oracle_drafter_tree_second_children(tiny):
 def test_deepseek_mla_target(tiny_deepseek):
     # The DeepSeek-V3 layout (MLA attention, MoE): the 4-D tree mask and the KV gather work on its cache too.
     target = load_tiny_target(tiny_deepseek)[0]
-    prompt = _prompts(target.vocab_size, 1, 10, seed=8)[0]
+    prompt = random_prompts(target.vocab_size, 1, 10, seed=8)[0]
     ref, _ = target_generate(target, prompt, 20)
     drafter = oracle_drafter(target, prompt + ref, second=range(len(prompt) + 2, len(prompt) + 30, 2))
     out, stats = speculative_generate(target, drafter, prompt, 20, mode="tree", topk=2, depth=4, tokens=10)
@@ -135,7 +104,7 @@ def test_deepseek_mla_target(tiny_deepseek):
 
 
 def test_eos_stops_generation(tiny):
-    prompt = _prompts(tiny.vocab_size, 1, 8, seed=7)[0]
+    prompt = random_prompts(tiny.vocab_size, 1, 8, seed=7)[0]
     ref, _ = target_generate(tiny, prompt, 24)
     eos = ref[9]
     stop = ref.index(eos) + 1
@@ -328,10 +297,10 @@ def test_replayed_training_eval_predicts_chain_decoding(tiny):
     """The simulation `hstap train` logs (sim_chain_tau: TTT eval runs replayed by `replay_chain`) is chain decoding
     itself when the eval answers are the target's own greedy outputs: train a real drafter a little on such answers,
     then compare the replay with `speculative_generate` on the same prompts, round count for round count."""
-    from hstap.drafter import TTTModel, replay_chain, target_distribution
+    from hstap.ttt import TTTModel, replay_chain, target_distribution
 
     K, k, n_new = 4, 3, 40
-    prompts = _prompts(tiny.vocab_size, 8, 12, seed=11)
+    prompts = random_prompts(tiny.vocab_size, 8, 12, seed=11)
     outs = [target_generate(tiny, p, n_new)[0] for p in prompts]
     seqs = [p + o for p, o in zip(prompts, outs)]
     T = max(map(len, seqs))

@@ -1,8 +1,10 @@
 """Training end to end on a real store captured from a tiny random target: learning, kill -9 + resume (bitwise), 2-rank
-DDP and FSDP2 over gloo against one process, and online (live target) against offline (store) training."""
+DDP and FSDP2 over gloo against one process, online (live target) against offline (store) training, and a resume with
+more steps extending the LR schedule."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -12,6 +14,7 @@ from safetensors.torch import load_file
 from _train_fixtures import Child, build_assets, metrics, ranks, start_forkserver
 from hstap.common import HstapError
 from hstap.train import TrainConfig, train
+from hstap.trainer import Schedule
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def test_offline_training_learns_and_checkpoints(assets, tmp_path):
     assert float(opt["state.0.step"]) == 24.0
 
     # The checkpoint is an hstap drafter; the vocab map derived from the store's counts is the prepared set's.
-    from hstap.data import load_vocab_map
+    from hstap.vocab import load_vocab_map
     from hstap.export import load_drafter
     best, meta = load_drafter(run)
     assert meta["store"]["layers"] == [1, 3, 4] and best.config.aux_layers == [1, 3, 4]
@@ -150,3 +153,16 @@ def test_online_first_step_equals_offline(assets, tmp_path, extra):
 def test_bad_layer_selection_is_one_clear_error(assets, tmp_path):
     with pytest.raises(HstapError, match=r"--aux-layers: \[2\] not captured"):
         train(_cfg(assets, tmp_path / "x", steps=1, aux_layers="1,2"))
+
+
+def test_resume_with_more_steps_extends_the_schedule(assets, tmp_path):
+    """--resume with a larger --steps lays the cosine over the new total from the checkpoint's step on."""
+    common = dict(save_every=4, eval_frac=0.0, lr=2e-3, warmup_ratio=0.2, min_lr_ratio=0.1)
+    train(_cfg(assets, tmp_path / "run", steps=4, **common))
+    train(_cfg(assets, tmp_path / "run", steps=8, resume=True, **common))
+    rows, _ = metrics(tmp_path / "run")
+    short, long = (Schedule(2e-3, 0.2, 0.1, n) for n in (4, 8))
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["lr"] for r in rows] == [short.lr_at(i) for i in range(4)] + [long.lr_at(i) for i in range(4, 8)]
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
+    assert state["total_steps"] == 8 and state["scheduler"] == long.state(8)

@@ -60,7 +60,8 @@ def target(tiny_llama):
 
 def _rewrite(src: Path, dst: Path, layers=None, edit=None, keep=None, extra=()) -> Path:
     """Copy a real store sample by sample with StoreWriter, optionally claiming other layers or editing samples."""
-    from hstap.store import StoreWriter, open_store
+    from hstap.store.reader import open_store
+    from hstap.store.writer import StoreWriter
 
     s = open_store(src)
     header = {k: v for k, v in s.header.items() if k not in ("format", "version", "created", "created_unix")}
@@ -230,7 +231,7 @@ def test_compare_bf16_fp32_and_fp8_bf16(stores):
 
 
 def test_compare_reports_missing_ids_and_shifted_layers(stores, tmp_path):
-    from hstap.store import open_store
+    from hstap.store.reader import open_store
 
     ids = open_store(stores["f32"]).ids
     extra = {"sample_id": "only-in-a", "input_ids": torch.arange(4), "loss_mask": torch.ones(4, dtype=torch.long),

@@ -16,8 +16,9 @@ from safetensors.torch import save_file
 
 from hstap.capture import CaptureConfig
 from hstap.common import HstapError
-from hstap.engines.vllm import import_vllm, parse_vllm_layers
-from hstap.store import open_store
+from hstap.engines.vllm import import_vllm
+from hstap.layers import parse_vllm_layers
+from hstap.store.reader import open_store
 
 VLLM_IDS = [2, 4, 5, 6]  # N = 6: aux = inputs of layers 2, 4, 5 = canonical [1, 3, 4]; 6 = pre-norm final
 

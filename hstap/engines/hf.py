@@ -1,5 +1,9 @@
 """The embedded engine: run a HF causal LM in this process and stream its hidden states into a store.
 
+`capture_hf(cfg)` is `hstap capture --engine hf` (the default): under torchrun each rank takes the rows
+rank::world_size of the prepared set that the store does not hold yet, runs its own copy of the model (hstap/dist.py
+reads torchrun's environment and picks cuda:LOCAL_RANK) and writes its own shards; rank 0 prints the totals.
+
 Capture is plain batched prefill. Samples are sorted by length and packed so that B * max_len <= batch_tokens,
 right-padded, and run with causal attention and no mask: causality already keeps every real token from seeing the
 padding after it, so the real rows equal those of the sample run alone (tests/test_capture_hf.py checks it against
@@ -19,9 +23,10 @@ The compute stream never waits for the copy (the side stream does). The store ke
 their shard is written, so handing it views of the pinned buffer saves a host copy of every byte; the pool then holds
 about queue_size + 2 + shard_bytes / batch_bytes buffers, allocated in the first batches and reused (pinning is slow).
 With shards larger than `ZERO_COPY_MAX_SHARD` bytes the writer copies each batch out of its pinned buffer instead, so
-pinned memory stays bounded. On the CPU the same pipeline runs with
-plain tensors: the writer thread still overlaps disk writes with compute. An error in the writer thread (e.g. ENOSPC)
-stops it and is raised in the main thread at its next call.
+pinned memory stays bounded. The pool, the byte layout of a buffer and the store-dtype conversion are
+engines/staging.py's (the SGLang hook stages its copies the same way). On the CPU the same pipeline runs with plain
+tensors: the writer thread still overlaps disk writes with compute. An error in the writer thread (e.g. ENOSPC) stops
+it and is raised in the main thread at its next call.
 
     from hstap.engines.hf import capture_batch
     from hstap.model_dir import load_target
@@ -38,35 +43,22 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from hstap.common import HstapError
+from hstap import dist as D
+from hstap.batching import pack_by_tokens
+from hstap.capture import check_tokenizer, progress_bar, store_header, store_totals
+from hstap.common import HstapError, write_run_config
+from hstap.data import load_prepared, max_token_id, prepared_columns, read_meta
+from hstap.engines.staging import PinnedPool, staging_layout, staging_nbytes, staging_pack, staging_views, to_store_dtype
+from hstap.layers import parse_layers
+from hstap.model_dir import load_target, resolve_dtype, target_fingerprint
+from hstap.store.writer import StoreWriter
 from hstap.target import Target
 
-_ALIGN = 512  # byte alignment of each tensor inside a pinned buffer (any dtype view stays aligned)
 ZERO_COPY_MAX_SHARD = 4 << 30  # larger shards: copy batches out of pinned memory rather than pin a whole shard
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Batching and demultiplexing
-
-
-def batches_by_tokens(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Indices sorted by length (descending, ties by index) and packed so that len(batch) * max_len <= batch_tokens.
-
-    A sample longer than batch_tokens runs alone. Longest first: an out-of-memory shows up in the first batch."""
-    if batch_tokens < 1:
-        raise HstapError(f"--batch-tokens: must be >= 1, got {batch_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        # descending order: the first sample of `cur` is its longest
-        if cur and (len(cur) + 1) * int(lengths[cur[0]]) > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 def _pad(seqs: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +94,7 @@ def capture_batch(target: Target, samples: Sequence[torch.Tensor | Sequence[int]
     """Synchronous capture for online training: per sample (aux (T, K, H), final (T, H)) on the target's device and
     dtype, in input order. With batch_tokens, the samples are split into length-sorted batches like offline capture."""
     seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in samples]
-    groups = batches_by_tokens([s.shape[0] for s in seqs], batch_tokens) if batch_tokens else [list(range(len(seqs)))]
+    groups = pack_by_tokens([s.shape[0] for s in seqs], batch_tokens) if batch_tokens else [list(range(len(seqs)))]
     out: list = [None] * len(seqs)
     for g in groups:
         if not g:
@@ -113,82 +105,8 @@ def capture_batch(target: Target, samples: Sequence[torch.Tensor | Sequence[int]
     return out
 
 
-def to_store_dtype(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """Packed (S, K, H), (S, H) -> the store's tensors, converted where they are (on the GPU, fp8 halves the D2H)."""
-    if dtype == "fp8":
-        from hstap.store import quantize_fp8
-
-        aux_q, aux_scale = quantize_fp8(aux)  # (S, K, H) float8, (S, K) float32
-        final_q, final_scale = quantize_fp8(final)  # (S, H) float8, (S,) float32
-        return {"aux": aux_q, "final": final_q, "aux_scale": aux_scale.contiguous(),
-                "final_scale": final_scale.contiguous()}
-    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype)
-    if dt is None:
-        raise HstapError(f"--dtype: expected bf16, fp8 or fp32, got {dtype!r}")
-    return {"aux": aux.to(dt).contiguous(), "final": final.to(dt).contiguous()}
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The pipeline
-
-
-class PinnedPool:
-    """Pinned host buffers (uint8), reused: `acquire` hands out the smallest free buffer that is large enough, else
-    allocates one rounded up to 1/16 of its power of two (pinning is slow: a long capture allocates its few buffers in
-    the first batches and then only reuses them). Released buffers are kept until a request larger than all of them
-    comes (then the free ones are dropped), so growing requests do not pile up pinned memory. Thread-safe."""
-
-    def __init__(self, pin: bool = True):
-        self.pin = pin  # False: plain host memory (the same reuse policy, testable without a GPU)
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-        self.allocated = 0  # pinned allocations made (a reuse costs nothing)
-
-    @staticmethod
-    def capacity(nbytes: int) -> int:
-        step = max(1 << 20, 1 << max(0, max(1, nbytes).bit_length() - 4))
-        return -(-max(1, nbytes) // step) * step
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-            # requests grew past every free buffer: let the smaller ones go (unpinned) rather than keep them forever
-            self._free.clear()
-            self.allocated += 1
-        return torch.empty(self.capacity(nbytes), dtype=torch.uint8, pin_memory=self.pin)
-
-    def release(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-
-    def reserve(self, nbytes: int, count: int) -> None:
-        """Make sure `count` free buffers of >= nbytes exist (allocate them ahead of a timed or latency-bound run)."""
-        bufs = [self.acquire(nbytes) for _ in range(count)]
-        for b in bufs:
-            self.release(b)
-
-
-def staging_layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, tuple[int, int, torch.dtype, tuple]], int]:
-    """Byte offsets of each tensor in one buffer (aligned), and the total size."""
-    out, off = {}, 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        out[name] = (off, n, t.dtype, tuple(t.shape))
-        off += -(-n // _ALIGN) * _ALIGN
-    return out, off
-
-
-def staging_pack(buf: torch.Tensor, tensors: dict[str, torch.Tensor], layout: dict, non_blocking: bool = False) -> None:
-    """Copy each tensor's raw bytes (any dtype, fp8 included) to its place in the uint8 buffer `buf`."""
-    for name, t in tensors.items():
-        o, n, _, _ = layout[name]
-        buf[o: o + n].copy_(t.view(torch.uint8).reshape(-1), non_blocking=non_blocking)
-
-
-def staging_views(buf: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
-    return {name: buf[o: o + n].view(dt).view(shape) for name, (o, n, dt, shape) in layout.items()}
 
 
 class CaptureRunner:
@@ -341,7 +259,7 @@ class CaptureRunner:
                         self._write(tensors, metas)
                         self.writer.when_written(lambda b=owned: self.pool.release(b))
                     else:
-                        nbytes = max(o + n for o, n, _, _ in tensors.values())
+                        nbytes = staging_nbytes(tensors)
                         tensors = staging_views(buf[:nbytes].clone(), tensors)  # (nbytes,) pageable copy
                         self.pool.release(buf)
                         buf = None
@@ -394,3 +312,122 @@ def run_capture(target: Target, layers: list[int], writer, batches: Iterable[lis
     return {"samples": run.samples, "tokens": run.tokens, "bytes": run.bytes, "seconds": dt,
             "writer_wait_s": run.writer_wait_s, "pinned_allocations": run.pool.allocated if run.pool else 0,
             "zero_copy": run.zero_copy}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `hstap capture --engine hf`
+
+
+def capture_hf(cfg) -> dict:
+    """The embedded engine's capture (cfg: a CaptureConfig): this rank's share of the prepared set through the HF model
+    in this process into cfg.out. Prints and returns the summary (rank 0's has the totals of all ranks)."""
+    t_start = time.perf_counter()
+    rank, world, local_rank = D.torchrun_env()
+    meta = read_meta(cfg.data)
+    ds = load_prepared(cfg.data)
+    n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
+
+    target_block = target_fingerprint(cfg.target)
+    check_tokenizer(cfg.data, meta, target_block, max_token_id=lambda: max_token_id(ds, n))
+    layers = parse_layers(cfg.layers, target_block["num_layers"])
+    dev = D.local_device(cfg.device, world, local_rank)
+    engine = _engine_block(dev, resolve_dtype(cfg.compute_dtype, dev))
+    header = store_header(target_block, engine, cfg.dtype, layers, cfg, meta)
+
+    dist = D.init_barrier(world)
+    try:
+        with StoreWriter(cfg.out, header, rank=rank, world_size=world, shard_tokens=cfg.shard_tokens, new=cfg.new,
+                         shard_bytes=cfg.shard_mb << 20,
+                         barrier=dist.barrier if dist else None) as writer:
+            share = _capture_share(cfg, ds, n, rank, world, writer, layers, dev, engine["compute_dtype"])
+        # leaving the block closed the writer: last shard committed, barrier, rank 0 merged the manifest
+        counts = _total_counts(dist, share)
+    finally:
+        if dist is not None:
+            D.destroy()
+
+    summary = {"samples": counts["samples"], "tokens": counts["tokens"], "skipped_committed": counts["skipped"],
+               "skipped_empty": counts["empty"], "seconds": round(counts["seconds"], 3),
+               "load_s": round(share["load_s"], 3),
+               "tokens_per_s": round(counts["tokens"] / counts["seconds"], 1) if counts["seconds"] > 0 else 0.0,
+               "gb_written": round(counts["bytes"] / 1e9, 4), "world_size": world, "layers": layers,
+               "dtype": cfg.dtype, "writer_wait_s": round(share["writer_wait_s"], 3), "out": cfg.out}
+    if rank == 0:
+        summary.update(store_totals(cfg.out, len(layers), target_block["hidden_size"], cfg.dtype))
+        write_run_config(cfg.out, "capture", cfg)
+        _print_summary(summary, engine, world, share["load_s"], time.perf_counter() - t_start)
+    return summary
+
+
+def _engine_block(dev: torch.device, compute_dtype: torch.dtype) -> dict:
+    """The `engine` block of the store header."""
+    import transformers
+
+    return {"name": "hf", "version": f"transformers {transformers.__version__}", "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "compute_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}[compute_dtype]}
+
+
+def _capture_share(cfg, ds, n: int, rank: int, world: int, writer, layers: list[int], dev: torch.device,
+                   compute_dtype: str) -> dict:
+    """Capture rows rank::world of the first n that the store lacks (and that have tokens) into `writer`; returns this
+    rank's counts and timings."""
+    committed = writer.committed_ids()
+    ids, lens = prepared_columns(ds, n)
+    mine = [i for i in range(rank, n, world) if ids[i] not in committed and lens[i] > 0]
+    empty = sum(1 for i in range(rank, n, world) if lens[i] == 0)
+    skipped = sum(1 for i in range(rank, n, world) if ids[i] in committed)
+    todo_tokens = sum(lens[i] for i in mine)
+    writer.expect(todo_tokens)  # shards shrink toward the end: little is left to write after the last forward
+
+    batches = [[mine[j] for j in b] for b in pack_by_tokens([lens[i] for i in mine], cfg.batch_tokens)]
+    t_load = time.perf_counter()
+    # nothing left (a finished resume, or a rank with no share): no need to load the weights
+    target = load_target(cfg.target, dev, compute_dtype)[0] if batches else None
+    load_s = time.perf_counter() - t_load
+
+    def fetch():
+        for b in batches:
+            rows = ds[b]  # column dict for these rows
+            yield [{"id": str(i), "input_ids": x, "loss_mask": m}
+                   for i, x, m in zip(rows["id"], rows["input_ids"], rows["loss_mask"])]
+
+    bar = progress_bar(rank, todo_tokens)
+
+    def progress(run, batch):
+        if bar is not None:
+            bar.update(sum(len(s["input_ids"]) for s in batch))
+            bar.set_postfix_str(f"{run.samples}/{len(mine)} samples, {run.bytes / 1e9:.2f} GB out", refresh=False)
+
+    stats = {"samples": 0, "tokens": 0, "bytes": 0, "seconds": 0.0, "writer_wait_s": 0.0}
+    if batches:
+        stats = run_capture(target, layers, writer, fetch(), dtype=cfg.dtype, queue_size=cfg.queue_size,
+                            progress=progress)
+    if bar is not None:
+        bar.close()
+    return {**stats, "skipped": skipped, "empty": empty, "load_s": load_s}
+
+
+def _total_counts(dist, share: dict) -> dict:
+    """This rank's counts summed over all ranks (seconds: the slowest rank's); this rank's alone without a group."""
+    names = ("samples", "tokens", "bytes", "skipped", "empty")
+    counts = {k: share[k] for k in names}
+    seconds = share["seconds"]
+    if dist is not None:
+        t = torch.tensor([counts[k] for k in names], dtype=torch.float64)  # (5,)
+        dist.all_reduce(t)
+        sec = torch.tensor([seconds], dtype=torch.float64)  # (1,)
+        dist.all_reduce(sec, op=dist.ReduceOp.MAX)
+        counts, seconds = {k: int(x) for k, x in zip(names, t.tolist())}, float(sec.item())
+    return {**counts, "seconds": seconds}
+
+
+def _print_summary(summary: dict, engine: dict, world: int, load_s: float, total_s: float) -> None:
+    s = summary
+    print(f"capture: {s['samples']} samples, {s['tokens']} tokens in {s['seconds']:.1f} s on {world} process(es) "
+          f"({engine['device']}, {engine['compute_dtype']}): {s['tokens_per_s']:,.0f} tok/s; "
+          f"{s['skipped_committed']} already in the store")
+    print(f"capture: store {s['store_samples']} samples, {s['store_tokens']} tokens, "
+          f"{s['store_bytes'] / 1e9:.3f} GB, {s['bytes_per_token']:.1f} bytes/token "
+          f"(formula {s['bytes_per_token_formula']}); layers {s['layers']}, {s['dtype']}")
+    print(f"capture: wrote {s['out']} (model load {load_s:.1f} s, total {total_s:.1f} s)")

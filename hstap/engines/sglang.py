@@ -2,17 +2,20 @@
 
 docs/engines.md has the launch command, what each flag is for, and what was and was not run. Three pieces:
 
-1. `make_hook(config)`: the `--forward-hooks` factory, attached to `logits_processor`, which SGLang calls positionally
-   as `(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)`. `hidden_states` is the final-norm
-   output (Llama: `residual_batch.final_norm(...)` right before the call); `aux_hidden_states` are the EAGLE-3 taps,
-   packed (T, K*H) or a list of K (T, H). The hook demultiplexes the batch per request, starts an async copy of the
-   rows it keeps and hands them to a writer thread feeding the same `StoreWriter` as the embedded engine.
-2. `plugin()` (engines/sglang_plugin.py, re-exported here): the `sglang.srt.plugins` entry point. Only when
-   `HSTAP_CAPTURE_LAYERS` (canonical ids) is set, it makes the target capture those layers
-   (`set_eagle3_layers_to_capture`) before CUDA-graph capture, with no draft model.
-3. `run_sglang_capture(cfg)` (engines/sglang_driver.py, re-exported here): the `hstap capture --engine sglang
-   --server URL` driver: checks the server's settings, sends prefill-only `/generate` requests and waits until the hook
-   committed each sample (the store is shared).
+1. `make_hook(config)` (this module): the `--forward-hooks` factory, attached to `logits_processor`, which SGLang calls
+   positionally as `(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)`. `hidden_states` is the
+   final-norm output (Llama: `residual_batch.final_norm(...)` right before the call); `aux_hidden_states` are the
+   EAGLE-3 taps, packed (T, K*H) or a list of K (T, H). The hook demultiplexes the batch per request, starts an async
+   copy of the rows it keeps (staged as in engines/staging.py) and hands them to a writer thread
+   (engines/sglang_writer.py) feeding the same `StoreWriter` as the embedded engine.
+2. `plugin()` (engines/sglang_plugin.py): the `sglang.srt.plugins` entry point. Only when `HSTAP_CAPTURE_LAYERS`
+   (canonical ids) is set, it makes the target capture those layers (`set_eagle3_layers_to_capture`) before
+   CUDA-graph capture, with no draft model.
+3. `run_sglang_capture(cfg)` (engines/sglang_driver.py): the `hstap capture --engine sglang --server URL` driver:
+   checks the server's settings, sends prefill-only `/generate` requests and waits until the hook committed each sample
+   (the store is shared).
+What the three agree on (request ids, the hook spec, the events directory, the plugin's variable) is
+engines/sglang_protocol.py; none of them imports another.
 
 Demultiplexing uses only host-side lists (never a GPU sync):
  - EXTEND and MIXED batches only; DECODE / IDLE / TARGET_VERIFY, DP-attention fake extends (`_original_forward_mode`
@@ -33,10 +36,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -45,49 +46,13 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError
-# The plugin (engines/sglang_plugin.py), re-exported: it is the `sglang.srt.plugins` entry point and owns ENV_LAYERS.
-from hstap.engines.sglang_plugin import ENV_LAYERS, capture_layers_from_env, plugin, set_capture_layers  # noqa: F401
+from hstap.engines.sglang_protocol import ENV_LAYERS, RID_PREFIX, decode_rid, sample_digest
+from hstap.engines.sglang_writer import HookWriter
+from hstap.engines.staging import PinnedPool, staging_layout, staging_pack
 
 log = logging.getLogger("hstap.sglang")
 
-HOOK_FACTORY = "hstap.engines.sglang:make_hook"
-RID_PREFIX = "hstap:"
-EVENTS_DIR = "sglang-events"  # inside the store; hstap/store.py ignores other files
-_MANIFEST_ONLY = ("format", "version", "created", "created_unix", "shards")  # manifest keys that are not header keys
 _FINISHED_KEEP = 1 << 16  # finished rids remembered (to ignore their decode rows / late echoes)
-
-
-def short_id(sample_id: str, n: int = 60) -> str:
-    """A sample id for a message: repr, cut to n characters (ids can be anything, e.g. 5000 characters)."""
-    r = repr(sample_id)
-    return r if len(r) <= n else r[:n] + f"...({len(sample_id)} chars)"
-
-
-def sample_digest(sample_id: str) -> str:
-    return hashlib.sha256(str(sample_id).encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
-
-def encode_rid(session: str, row: int, sample_id: str, attempt: int = 0) -> str:
-    return f"{RID_PREFIX}{session}:{int(row)}:{sample_digest(sample_id)}:{int(attempt)}"
-
-
-def decode_rid(rid) -> tuple[str, int, str] | None:
-    """(session, row, digest) of an hstap rid, None for anything else (other clients, hostile strings)."""
-    if not isinstance(rid, str) or not rid.startswith(RID_PREFIX) or len(rid) > 128 or not rid.isascii():
-        return None  # isascii: str.isdigit/isalnum also accept non-ASCII digits and letters
-    parts = rid[len(RID_PREFIX):].split(":")
-    if len(parts) != 4 or not parts[0].isalnum() or not parts[1].isdigit() or not parts[3].isdigit():
-        return None
-    if len(parts[2]) != 16 or any(c not in "0123456789abcdef" for c in parts[2]):
-        return None
-    return parts[0], int(parts[1]), parts[2]
-
-
-def hook_spec(store: str, data: str, layers: list[int], name: str = "hstap", **extra) -> dict:
-    """One `--forward-hooks` entry: `--forward-hooks '[<this as JSON>]'`."""
-    return {"name": name, "target_modules": ["logits_processor"], "hook_factory": HOOK_FACTORY,
-            "config": {"store": os.path.abspath(store), "data": os.path.abspath(data),
-                       "layers": [int(i) for i in layers], **extra}}
 
 
 @dataclasses.dataclass
@@ -190,7 +155,8 @@ class _Active:
 
 
 class CaptureHook:
-    """The forward hook (module docstring). `stats` counts what it saw; `close()` flushes and stops the thread."""
+    """The forward hook (module docstring). `stats` counts what it saw; `close()` flushes and stops the thread. Its
+    writer thread (a `HookWriter`) reads `data` (the prepared set), `session` and `pool` and sets `store_dtype`."""
 
     def __init__(self, config: dict | HookConfig):
         self.cfg = config if isinstance(config, HookConfig) else HookConfig.from_dict(config)
@@ -200,16 +166,16 @@ class CaptureHook:
         self.K = len(self.cfg.layers)
         self.stats: collections.Counter = collections.Counter()
         self._ranks: tuple[int, int, int] | None = None
-        self._data: _Prepared | None = None
+        self.data: _Prepared | None = None
         self._active: dict[str, _Active] = {}
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._session: str | None = None
-        self._store_dtype: str | None = None
+        self.session: str | None = None
+        self.store_dtype: str | None = None
         self._last_gc = time.monotonic()
         self._q: queue.Queue = queue.Queue(maxsize=max(1, int(self.cfg.queue_size)))
         self._thread: threading.Thread | None = None
         self._side = None
-        self._pool = None
+        self.pool = None
         self._disabled: str | None = None
         self._warned: set[tuple] = set()
         self._hint: str | None = None  # session of the latest hstap request seen (keys the one-time notes)
@@ -340,15 +306,15 @@ class CaptureHook:
 
     def _start(self, rid: str, actions: list, now: float) -> _Active | None:
         dec = decode_rid(rid)
-        if self._data is None:
-            self._data = _Prepared(self.cfg.data)
-        if dec is not None and dec[1] < len(self._data) and sample_digest(self._data.sample_id(dec[1])) == dec[2]:
+        if self.data is None:
+            self.data = _Prepared(self.cfg.data)
+        if dec is not None and dec[1] < len(self.data) and sample_digest(self.data.sample_id(dec[1])) == dec[2]:
             session, row, _ = dec
-            if session != self._session:  # a new driver run: the writer thread re-opens the store
-                self._session = session
-                self._store_dtype = _store_dtype(self.cfg.store)  # fp8 is quantized on the device, before the copy
+            if session != self.session:  # a new driver run: the writer thread re-opens the store
+                self.session = session
+                self.store_dtype = _store_dtype(self.cfg.store)  # fp8 is quantized on the device, before the copy
                 actions.append(("session", session))
-            st = self._active[rid] = _Active(row, self._data.sample_id(row), self._data.lengths[row], 0, now)
+            st = self._active[rid] = _Active(row, self.data.sample_id(row), self.data.lengths[row], 0, now)
             return st
         self.stats["bad_rid"] += 1
         self._finish(rid)
@@ -358,7 +324,7 @@ class CaptureHook:
 
     def _drop(self, rid: str, st: _Active, actions: list, reason: str, detail: str) -> None:
         self.stats[f"dropped_{reason}"] += 1
-        actions.append(("drop", rid, st.row, st.sid, reason, detail, self._session))
+        actions.append(("drop", rid, st.row, st.sid, reason, detail, self.session))
         self._finish(rid)
 
     def _finish(self, rid: str) -> None:
@@ -378,21 +344,19 @@ class CaptureHook:
         else:
             a = rows(aux).reshape(R, self.K, H)  # (R, K*H) -> (R, K, H)
         t = {"input_ids": rows(input_ids).to(torch.int32), "aux": a, "final": rows(hidden)}  # (R,), (R,K,H), (R,H)
-        if self._store_dtype == "fp8":  # quantize where the data is: halves the D2H bytes
-            from hstap.store import quantize_fp8
+        if self.store_dtype == "fp8":  # quantize where the data is: halves the D2H bytes
+            from hstap.store.format import quantize_fp8
 
             t["aux"], t["aux_scale"] = quantize_fp8(t["aux"])  # (R, K, H) fp8, (R, K)
             t["final"], t["final_scale"] = quantize_fp8(t["final"])  # (R, H) fp8, (R,)
         dev = hidden.device
         if dev.type != "cuda":
             return {"tensors": {k: v.clone() if len(ranges) == 1 else v for k, v in t.items()}}
-        from hstap.engines.hf import PinnedPool, staging_layout, staging_pack
-
         t = {k: v.contiguous() for k, v in t.items()}
         if self._side is None:
-            self._side, self._pool = torch.cuda.Stream(device=dev), PinnedPool()
+            self._side, self.pool = torch.cuda.Stream(device=dev), PinnedPool()
         layout, nbytes = staging_layout(t)
-        buf = self._pool.acquire(nbytes)  # (cap,) uint8, pinned
+        buf = self.pool.acquire(nbytes)  # (cap,) uint8, pinned
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(dev))  # rows are complete on the compute stream once this fires
         with torch.cuda.stream(self._side):
@@ -428,7 +392,7 @@ class CaptureHook:
     # -- writer thread -------------------------------------------------------------------------------------------------
 
     def _writer_loop(self) -> None:
-        w = _Writer(self)
+        w = HookWriter(self)
         while True:
             try:
                 item = self._q.get(timeout=self.cfg.flush_s)
@@ -448,111 +412,6 @@ class CaptureHook:
                     return
 
 
-class _Writer:
-    """Writer-thread state: pieces of requests in progress, the StoreWriter, the event file."""
-
-    def __init__(self, hook: CaptureHook):
-        self.hook = hook
-        self.pieces: dict[str, list] = {}
-        self.writer = None
-        self.added: set[str] = set()
-        self.dirty = False
-        self.events_path: Path | None = None
-
-    def event(self, obj: dict) -> None:
-        rank = self.hook.ranks()[1]
-        d = Path(self.hook.cfg.store) / EVENTS_DIR
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            with open(d / f"r{rank:03d}-{os.getpid()}.jsonl", "a") as f:
-                f.write(json.dumps({"t": round(time.time(), 3), "session": self.hook._session, **obj}) + "\n")
-                f.flush()
-        except OSError:
-            log.exception("hstap: cannot write an event to %s", d)
-
-    def open(self) -> None:
-        from hstap.store import StoreWriter, open_store
-
-        _, dp, dps = self.hook.ranks()
-        s = open_store(self.hook.cfg.store)  # created by the driver; HstapError if it is not there
-        header = {k: v for k, v in s.header.items() if k not in _MANIFEST_ONLY}
-        if list(header.get("layers", [])) != list(self.hook.cfg.layers):
-            raise HstapError(f"{self.hook.cfg.store}: store layers {header.get('layers')} != hook config.layers "
-                             f"{self.hook.cfg.layers}")
-        self.writer = StoreWriter(self.hook.cfg.store, header, rank=dp, world_size=max(dps, dp + 1),
-                                  shard_tokens=self.hook.cfg.shard_tokens, wait_s=30.0)
-        self.added = set(self.writer.committed_ids())
-        self.hook._store_dtype = header["dtype"]
-
-    def flush(self) -> None:
-        if self.writer is not None and self.dirty:
-            self.writer.flush()
-            self.dirty = False
-
-    def handle(self, item: dict) -> None:
-        tensors = item.get("tensors")
-        if "done" in item:
-            from hstap.engines.hf import staging_views
-
-            item["done"].synchronize()  # the D2H copy landed
-            buf, layout = item["buf"], item["layout"]
-            nbytes = max(o + n for o, n, _, _ in layout.values())
-            tensors = staging_views(buf[:nbytes].clone(), layout)  # own it: the pinned buffer goes back to the pool
-            self.hook._pool.release(buf)
-        off = 0
-        for act in item["actions"]:
-            kind = act[0]
-            if kind == "piece":
-                _, rid, pos, n = act
-                self.pieces.setdefault(rid, []).append((pos, {k: v[off:off + n] for k, v in tensors.items()}))
-                off += n
-            elif kind == "done":
-                self.finish(act[1], act[2], act[3])
-            elif kind == "drop":
-                _, rid, row, sid, reason, detail, session = act
-                self.pieces.pop(rid, None)
-                self.event({"event": "dropped", "id": sid, "row": row, "reason": reason, "detail": detail,
-                            "session": session})
-            elif kind == "reset":
-                self.pieces.pop(act[1], None)
-            elif kind == "session":
-                self.flush()
-                self.writer, self.pieces = None, {}  # drop, never close: --new may have wiped the old store
-            elif kind == "event":
-                self.event(act[1])
-
-    def finish(self, rid: str, row: int, sid: str) -> None:
-        pieces = sorted(self.pieces.pop(rid, []), key=lambda p: p[0])
-        if self.writer is None:
-            self.open()
-        if sid in self.added:
-            self.hook.stats["duplicates"] += 1
-            return
-        ids_ref, mask = self.hook._data.sample(row)
-        T = len(ids_ref)
-        pos = [p for p, _ in pieces]
-        lens = [int(t["input_ids"].shape[0]) for _, t in pieces]
-        gaps = any(pos[i] + lens[i] != pos[i + 1] for i in range(len(pos) - 1))
-        if not pieces or pos[0] != 0 or gaps or sum(lens) != T:
-            self.event({"event": "dropped", "id": sid, "row": row, "reason": "incomplete",
-                        "detail": f"chunks at {pos} of lengths {lens} do not cover 0..{T}"})
-            return
-        t = {k: (pieces[0][1][k] if len(pieces) == 1 else torch.cat([p[1][k] for p in pieces])) for k in pieces[0][1]}
-        ids = t["input_ids"].long()  # (T,)
-        if not torch.equal(ids, torch.as_tensor(ids_ref, dtype=torch.long)):
-            bad = int((ids != torch.as_tensor(ids_ref, dtype=torch.long)).nonzero()[0, 0])
-            self.hook.stats["dropped_token_mismatch"] += 1
-            self.event({"event": "dropped", "id": sid, "row": row, "reason": "token_mismatch",
-                        "detail": f"position {bad}: the server computed token {int(ids[bad])}, the prepared set has "
-                                  f"{ids_ref[bad]}"})
-            return
-        self.writer.add(sid, ids, torch.as_tensor(mask, dtype=torch.uint8), t["aux"], t["final"],  # (T,K,H), (T,H)
-                        aux_scale=t.get("aux_scale"), final_scale=t.get("final_scale"))
-        self.added.add(sid)
-        self.dirty = True
-        self.hook.stats["samples"] += 1
-
-
 def _store_dtype(store: str) -> str | None:
     try:
         return json.loads((Path(store) / "manifest.json").read_bytes()).get("dtype")
@@ -567,17 +426,3 @@ def make_hook(config: dict):
     hook = CaptureHook(config)
     atexit.register(hook.close, 10.0)
     return hook
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Driver (engines/sglang_driver.py), re-exported lazily: the server process that imports this module for the hook never
-# loads the driver, and the driver can import this module without a cycle.
-
-_DRIVER = ("run_sglang_capture", "server_info", "server_problems")
-
-
-def __getattr__(name: str):
-    if name in _DRIVER:
-        from hstap.engines import sglang_driver
-        return getattr(sglang_driver, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,9 @@
 """The `sglang` engine's driver: `hstap capture --engine sglang --server URL` (runs in the hstap process).
 
 `run_sglang_capture(cfg)` checks the server's settings (`server_info`, `server_problems`), sends prefill-only
-`/generate` requests and waits until the server-side hook (engines/sglang.py, which re-exports these names) committed
-each sample (the store is shared). Request ids and the hook spec come from engines/sglang.py; neither module imports
-the `sglang` package at import time, and the server process never loads this one.
+`/generate` requests and waits until the server-side hook (engines/sglang.py) committed each sample (the store is
+shared). Request ids, the hook spec and the events directory come from engines/sglang_protocol.py; this module never
+imports the hook's, nor the `sglang` package, and the server process never loads this one.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import fcntl
 import fnmatch
 import json
 import os
+import shutil
 import threading
 import time
 import urllib.error
@@ -21,8 +22,15 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hstap.common import HstapError
-from hstap.engines.sglang import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, encode_rid, hook_spec, short_id
+from hstap.capture import check_tokenizer, short_id, store_header
+from hstap.common import HstapError, write_run_config
+from hstap.data import load_prepared, prepared_columns, read_meta
+from hstap.engines.sglang_protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, encode_rid, hook_spec
+from hstap.layers import parse_layers, to_sglang
+from hstap.model_dir import target_fingerprint
+from hstap.store.format import merge_manifest
+from hstap.store.reader import open_store
+from hstap.store.writer import StoreWriter
 
 
 def _http(url: str, body: dict | None = None, timeout: float = 30.0) -> dict:
@@ -49,8 +57,6 @@ def server_info(server: str) -> dict:
 
 def server_problems(info: dict, store: str, data: str, layers: list[int], model_type: str = "llama") -> list[str]:
     """Settings of a running server that would make the capture wrong or hang, each with its fix."""
-    from hstap.layers import to_sglang
-
     p: list[str] = []
     spec = json.dumps(hook_spec(store, data, layers))
     hooks = [h for h in (info.get("forward_hooks") or [])
@@ -120,15 +126,6 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
                        request_timeout_s: float = 3600.0) -> dict:
     """`hstap capture --engine sglang --server URL`: cfg is a CaptureConfig (target, data, out, layers, dtype, new,
     max_samples, shard_tokens, server, concurrency). Returns the summary dict it prints."""
-    import shutil
-
-    from hstap.capture import check_tokenizer, store_header
-    from hstap.common import write_run_config
-    from hstap.data import load_prepared, read_meta
-    from hstap.model_dir import target_fingerprint
-    from hstap.layers import parse_layers
-    from hstap.store import StoreWriter, merge_manifest, open_store
-
     if not cfg.server:
         raise HstapError("--server: required with --engine sglang (e.g. http://127.0.0.1:30000)")
     t0 = time.perf_counter()
@@ -148,96 +145,22 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
               "compute_dtype": str(info.get("dtype")), "model_path": info.get("model_path")}
     header = store_header(target_block, engine, cfg.dtype, layers, cfg, meta)
     StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens).close()  # create / check; the hook writes
-    events_dir = Path(cfg.out) / EVENTS_DIR
-    if cfg.new and events_dir.exists():
-        shutil.rmtree(events_dir)
-    events_dir.mkdir(exist_ok=True)
-    lock = open(events_dir / "driver.lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        raise HstapError(f"{cfg.out}: another hstap capture is driving a server into this store") from None
+    lock = _lock_events(cfg.out, cfg.new)
     session = uuid.uuid4().hex[:12]
     t_wall0 = time.time() - 1.0  # events older than this run belong to earlier runs
 
     committed = set(open_store(cfg.out).ids)
-    table = ds.flatten_indices().data if getattr(ds, "_indices", None) is not None else ds.data
-    ids = [str(x) for x in table.column("id").slice(0, n).to_pylist()]
-    import pyarrow.compute as pc
-
-    lens = [int(x or 0) for x in pc.list_value_length(table.column("input_ids").slice(0, n)).to_pylist()]
+    ids, lens = prepared_columns(ds, n)
     too_long = [i for i in range(n) if ctx and lens[i] > ctx]
     todo = [i for i in range(n) if ids[i] not in committed and lens[i] > 0 and not (ctx and lens[i] > ctx)]
     skipped = sum(1 for i in range(n) if ids[i] in committed)
-    errors: list[str] = []
-    sem = threading.BoundedSemaphore(cfg.concurrency)
-
-    def send(row: int, input_ids: list[int]) -> None:
-        try:
-            for attempt in range(3):
-                body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0},
-                        "rid": encode_rid(session, row, ids[row], attempt),
-                        # its own radix-cache namespace: no prefix hits, so the radix cache can stay on
-                        "extra_key": uuid.uuid4().hex}
-                try:
-                    r = _http(server + "/generate", body, timeout=request_timeout_s)
-                    got = (r.get("meta_info") or {}).get("prompt_tokens")
-                    if got is not None and int(got) != len(input_ids):
-                        errors.append(f"sample {short_id(ids[row])}: the server ran {got} of its "
-                                      f"{len(input_ids)} tokens")
-                    return
-                except urllib.error.HTTPError as e:
-                    errors.append(f"sample {short_id(ids[row])}: HTTP {e.code}: {e.read()[:300]!r}")
-                    return
-                except (urllib.error.URLError, OSError) as e:
-                    if attempt == 2:
-                        errors.append(f"sample {short_id(ids[row])}: {e}")
-                    time.sleep(1.0 + 2 * attempt)
-        finally:
-            sem.release()
-
-    pending = {ids[i] for i in todo}
-    dropped: dict[str, str] = {}
-    last_progress, seen = time.monotonic(), 0
-
-    def poll() -> None:
-        nonlocal last_progress, seen
-        for e in _read_events(cfg.out):
-            if e.get("session") not in (session, None) or float(e.get("t", 0)) < t_wall0:
-                continue
-            if e.get("event") == "dropped" and e.get("id") in pending:
-                dropped[e["id"]] = f"{e.get('reason')}: {e.get('detail')}"
-                pending.discard(e["id"])
-            elif e.get("event") == "error":
-                msg = f"server hook: {e.get('kind')}: {e.get('message')}"
-                if msg not in errors:
-                    errors.append(msg)
-        done = pending & set(open_store(cfg.out).ids)
-        if done:
-            pending.difference_update(done)
-            seen += len(done)
-            last_progress = time.monotonic()
-
-    with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-        next_poll = time.monotonic() + poll_s
-        for i in todo:
-            while not sem.acquire(timeout=poll_s):
-                poll()
-            if errors:
-                sem.release()
-                break
-            pool.submit(send, i, list(ds[i]["input_ids"]))
-            if time.monotonic() > next_poll:
-                poll()
-                next_poll = time.monotonic() + poll_s
-    last_progress = time.monotonic()
-    while pending and not errors and time.monotonic() - last_progress < commit_timeout_s:
-        poll()
-        if pending:
-            time.sleep(poll_s)
+    run = _Requests(server, cfg.out, session, ids, t_wall0, cfg.concurrency, poll_s, request_timeout_s)
+    run.send_all(todo, lambda i: list(ds[i]["input_ids"]))
+    run.wait_for_commits(commit_timeout_s)
     fcntl.flock(lock, fcntl.LOCK_UN)
     lock.close()
     summary_store = merge_manifest(cfg.out)
+    errors, pending, dropped = run.errors, run.pending, run.dropped
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise HstapError(f"--server {server}: {errors[0]}{more}")
@@ -257,3 +180,99 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     for sid, why in list(dropped.items())[:5]:
         print(f"capture: dropped {short_id(sid)}: {why}")
     return summary
+
+
+def _lock_events(out: str, new: bool):
+    """Create STORE/sglang-events (emptied with --new) and take its driver lock: one driver per store at a time."""
+    events_dir = Path(out) / EVENTS_DIR
+    if new and events_dir.exists():
+        shutil.rmtree(events_dir)
+    events_dir.mkdir(exist_ok=True)
+    lock = open(events_dir / "driver.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise HstapError(f"{out}: another hstap capture is driving a server into this store") from None
+    return lock
+
+
+class _Requests:
+    """The prefill-only requests of one session, `concurrency` in flight, and what the hook reports back: `pending`
+    (sample ids sent or to send and not committed yet), `dropped` (id -> reason) and `errors` (the run stops at the
+    first)."""
+
+    def __init__(self, server: str, store: str, session: str, ids: list[str], t_wall0: float, concurrency: int,
+                 poll_s: float, request_timeout_s: float):
+        self.server, self.store, self.session, self.ids, self.t_wall0 = server, store, session, ids, t_wall0
+        self.concurrency, self.poll_s, self.request_timeout_s = concurrency, poll_s, request_timeout_s
+        self.errors: list[str] = []
+        self.pending: set[str] = set()
+        self.dropped: dict[str, str] = {}
+        self.last_progress = time.monotonic()
+        self.sem = threading.BoundedSemaphore(concurrency)
+
+    def send_all(self, todo: list[int], input_ids) -> None:
+        """Send rows `todo` (`input_ids(row)` gives a row's tokens), polling the store while requests are in flight."""
+        self.pending = {self.ids[i] for i in todo}
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            next_poll = time.monotonic() + self.poll_s
+            for i in todo:
+                while not self.sem.acquire(timeout=self.poll_s):
+                    self.poll()
+                if self.errors:
+                    self.sem.release()
+                    break
+                pool.submit(self.send, i, input_ids(i))
+                if time.monotonic() > next_poll:
+                    self.poll()
+                    next_poll = time.monotonic() + self.poll_s
+
+    def wait_for_commits(self, commit_timeout_s: float) -> None:
+        """Poll until every pending sample is committed or dropped, an error came, or nothing moved for the timeout."""
+        self.last_progress = time.monotonic()
+        while self.pending and not self.errors and time.monotonic() - self.last_progress < commit_timeout_s:
+            self.poll()
+            if self.pending:
+                time.sleep(self.poll_s)
+
+    def send(self, row: int, input_ids: list[int]) -> None:
+        sid = self.ids[row]
+        try:
+            for attempt in range(3):
+                body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0},
+                        "rid": encode_rid(self.session, row, sid, attempt),
+                        # its own radix-cache namespace: no prefix hits, so the radix cache can stay on
+                        "extra_key": uuid.uuid4().hex}
+                try:
+                    r = _http(self.server + "/generate", body, timeout=self.request_timeout_s)
+                    got = (r.get("meta_info") or {}).get("prompt_tokens")
+                    if got is not None and int(got) != len(input_ids):
+                        self.errors.append(f"sample {short_id(sid)}: the server ran {got} of its "
+                                           f"{len(input_ids)} tokens")
+                    return
+                except urllib.error.HTTPError as e:
+                    self.errors.append(f"sample {short_id(sid)}: HTTP {e.code}: {e.read()[:300]!r}")
+                    return
+                except (urllib.error.URLError, OSError) as e:
+                    if attempt == 2:
+                        self.errors.append(f"sample {short_id(sid)}: {e}")
+                    time.sleep(1.0 + 2 * attempt)
+        finally:
+            self.sem.release()
+
+    def poll(self) -> None:
+        """Read this session's events (drops, hook errors) and the samples committed so far."""
+        for e in _read_events(self.store):
+            if e.get("session") not in (self.session, None) or float(e.get("t", 0)) < self.t_wall0:
+                continue
+            if e.get("event") == "dropped" and e.get("id") in self.pending:
+                self.dropped[e["id"]] = f"{e.get('reason')}: {e.get('detail')}"
+                self.pending.discard(e["id"])
+            elif e.get("event") == "error":
+                msg = f"server hook: {e.get('kind')}: {e.get('message')}"
+                if msg not in self.errors:
+                    self.errors.append(msg)
+        done = self.pending & set(open_store(self.store).ids)
+        if done:
+            self.pending.difference_update(done)
+            self.last_progress = time.monotonic()

@@ -4,7 +4,8 @@
 process. It is a no-op unless `HSTAP_CAPTURE_LAYERS` (canonical layer ids, comma-separated) is set; then it hooks the
 step that configures aux capture (before CUDA-graph capture; SGLang >= 0.5.11), or `ModelRunner.load_model` on
 versions without that step, and calls the model's `set_eagle3_layers_to_capture` with the SGLang ids of those layers
-(`hstap.layers.to_sglang`: the +1 rule). The capture hook itself is in engines/sglang.py.
+(`hstap.layers.to_sglang`: the +1 rule). The variable's name is engines/sglang_protocol.py's; the capture hook itself
+is in engines/sglang.py.
 """
 
 from __future__ import annotations
@@ -13,20 +14,18 @@ import logging
 import os
 
 from hstap.common import HstapError
+from hstap.engines.sglang_protocol import ENV_LAYERS
+from hstap.layers import parse_ids, to_sglang
 
 log = logging.getLogger("hstap.sglang")
 
-ENV_LAYERS = "HSTAP_CAPTURE_LAYERS"
-
 
 def capture_layers_from_env() -> list[int] | None:
+    """The canonical layer ids in HSTAP_CAPTURE_LAYERS, None when it is unset or empty."""
     spec = os.environ.get(ENV_LAYERS, "").strip()
     if not spec:
         return None
-    try:
-        ids = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise HstapError(f"{ENV_LAYERS}={spec!r}: expected comma-separated canonical layer ids") from None
+    ids = parse_ids(spec, ENV_LAYERS)
     if not ids or ids != sorted(set(ids)) or ids[0] < 0:
         raise HstapError(f"{ENV_LAYERS}={spec!r}: expected strictly increasing non-negative layer ids")
     return ids
@@ -34,8 +33,6 @@ def capture_layers_from_env() -> list[int] | None:
 
 def set_capture_layers(model, layers: list[int]) -> list[int] | None:
     """`model.set_eagle3_layers_to_capture(SGLang ids of canonical layers)`; returns the ids (None: no-op)."""
-    from hstap.layers import to_sglang
-
     setter = getattr(model, "set_eagle3_layers_to_capture", None)
     if setter is None:
         return None  # a draft model or a model without EAGLE-3 support: nothing to do here

@@ -6,7 +6,8 @@ What vLLM writes (vLLM >= 0.18, `--speculative-config '{"method": "extract_hidde
 `ExampleHiddenStatesConnector`; speculators' `file` backend is the same connector): one safetensors file per
 request, `hidden_states` [T, L, H] (the server's dtype) and `token_ids` [T]. Slot l holds vLLM id `ids[l]` = the
 residual stream entering layer `ids[l]`; id N (= num_hidden_layers) is the last layer's output *before* the final
-norm. The ids are not in the file: `--vllm-layers` repeats the server's `eagle_aux_hidden_state_layer_ids`.
+norm. The ids are not in the file: `--vllm-layers` repeats the server's `eagle_aux_hidden_state_layer_ids`
+(parsed by `hstap.layers.parse_vllm_layers`: the last id must be N).
 
 How they become a store sample:
  - aux = the slots before the last, canonical ids `hstap.layers.from_vllm(ids[:-1])` (id j -> output of layer j-1);
@@ -30,34 +31,17 @@ from pathlib import Path
 
 import torch
 
-from hstap.common import HstapError
+from hstap.capture import check_tokenizer, short_id, store_header
+from hstap.common import HstapError, write_run_config
+from hstap.data import load_prepared, read_meta
+from hstap.layers import parse_layers, parse_vllm_layers
+from hstap.model_dir import target_fingerprint
+from hstap.store.writer import StoreWriter
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 _HS_NAME = re.compile(r"^hs_(\d+)\.safetensors$")
 NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight", "norm.weight")
 OFFSET_NORM_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")  # RMSNorm with (1 + weight): not this formula
-
-
-def parse_vllm_layers(spec: str | list[int] | None, num_layers: int) -> tuple[list[int], list[int]]:
-    """`--vllm-layers 2,4,5,8` -> (vLLM ids, canonical aux ids). The last id must be N (the pre-norm final slot)."""
-    from hstap.layers import check_layers, from_vllm
-
-    if spec is None or spec == "" or spec == []:
-        raise HstapError("--vllm-layers: required with --engine vllm-import: the eagle_aux_hidden_state_layer_ids "
-                         f"the vLLM server was launched with, ending with {num_layers} "
-                         f"(e.g. 2,{num_layers // 2},{num_layers - 3},{num_layers})")
-    try:
-        ids = [int(x) for x in spec.split(",") if x.strip()] if isinstance(spec, str) else [int(x) for x in spec]
-    except ValueError:
-        raise HstapError(f"--vllm-layers: expected comma-separated integers, got {spec!r}") from None
-    if len(ids) < 2 or ids[-1] != num_layers:
-        raise HstapError(f"--vllm-layers {spec}: the last id must be {num_layers} (the last layer's pre-norm output, "
-                         f"from which `final` is computed) and at least one aux id must precede it")
-    canonical = from_vllm(ids[:-1], num_layers)
-    check_layers(canonical, num_layers)
-    if num_layers - 1 in canonical:
-        raise HstapError(f"--vllm-layers {spec}: id {num_layers} appears twice")
-    return ids, canonical
 
 
 def refuse_pickles(src: Path) -> None:
@@ -115,24 +99,8 @@ def import_vllm(cfg) -> dict:
     max_samples, shard_tokens). Returns the summary it prints."""
     from safetensors import safe_open
 
-    from hstap.capture import check_tokenizer, store_header
-    from hstap.common import write_run_config
-    from hstap.data import load_prepared, read_meta
-    from hstap.model_dir import target_fingerprint
-    from hstap.engines.sglang import short_id
-    from hstap.layers import parse_layers
-    from hstap.store import StoreWriter
-
     t0 = time.perf_counter()
-    if not cfg.src:
-        raise HstapError("--src: required with --engine vllm-import (the directory vLLM wrote its hidden states to)")
-    src = Path(cfg.src)
-    if not src.is_dir():
-        raise HstapError(f"--src {src}: not a directory")
-    refuse_pickles(src)
-    files = sorted(p for p in src.rglob("*.safetensors") if p.is_file() and not p.name.startswith("."))
-    if not files:
-        raise HstapError(f"--src {src}: no .safetensors files")
+    src, files = _source_files(cfg.src)
     meta = read_meta(cfg.data)
     ds = load_prepared(cfg.data)
     n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
@@ -147,17 +115,11 @@ def import_vllm(cfg) -> dict:
     if tuple(weight.shape) != (H,):
         raise HstapError(f"{cfg.target}: {norm_key} has shape {tuple(weight.shape)}, expected ({H},)")
 
-    ids = [str(x) for x in ds.select_columns(["id"])[:n]["id"]]
-    by_tokens: dict[tuple, list[int]] = {}  # built on the first file not named hs_{row} (needs every row's tokens)
-
-    def tokens_of(row: int) -> list[int]:
-        return ds[row]["input_ids"]
-
+    rows = _Rows(ds, n, cfg.data)
     engine = {"name": "vllm-import", "version": "vllm extract_hidden_states", "device": "import", "compute_dtype": None,
               "vllm_layers": vids, "final": f"rms_norm({norm_key}, eps={eps}) of vLLM id {N}",
               "src": str(src.resolve())}
     header = store_header(tb, engine, cfg.dtype, layers, cfg, meta)
-    used: dict[int, Path] = {}
     samples = tokens = skipped = 0
     with StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens) as w:
         committed = w.committed_ids()
@@ -168,48 +130,20 @@ def import_vllm(cfg) -> dict:
                     raise HstapError(f"{f}: expected tensors hidden_states and token_ids (vLLM extract_hidden_states), "
                                      f"found {sorted(keys)}")
                 tok = h.get_tensor("token_ids").reshape(-1)  # (T,)
-                m = _HS_NAME.match(f.name)
-                if m:
-                    row = int(m.group(1))
-                    if row >= len(ds):
-                        raise HstapError(f"{f}: names row {row}, the prepared set has {len(ds)} rows")
-                    if row >= n:
-                        continue  # beyond --max-samples
-                    want = tokens_of(row)
-                    if _token_key(tok) != _token_key(want):
-                        raise HstapError(f"{f}: token_ids ({tok.numel()} tokens) differ from prepared row {row} "
-                                         f"(id {short_id(ids[row])}, {len(want)} tokens): another prepared set, or "
-                                         "include_output_tokens?")
-                else:
-                    if not by_tokens:
-                        for i, t in enumerate(ds.select_columns(["input_ids"])[:n]["input_ids"]):
-                            by_tokens.setdefault(_token_key(t), []).append(i)
-                    cands = [r for r in by_tokens.get(_token_key(tok), []) if r not in used]
-                    if not cands:
-                        raise HstapError(f"{f}: its token_ids ({tok.numel()} tokens) match no sample of {cfg.data} "
-                                         "(another prepared set, or include_output_tokens?)")
-                    row = cands[0]
-                if row in used:
-                    raise HstapError(f"{f}: row {row} was already imported from {used[row]}")
-                used[row] = f
-                sid = ids[row]
+                row = rows.row_of(f, tok)
+                if row is None:
+                    continue  # beyond --max-samples
+                sid = rows.ids[row]
                 if sid in committed:
                     skipped += 1
                     continue
                 hs = h.get_tensor("hidden_states")  # (T, L, H)
-            T = int(tok.numel())
-            if hs.dim() != 3 or tuple(hs.shape) != (T, len(vids), H):
-                raise HstapError(f"{f}: hidden_states has shape {tuple(hs.shape)}, expected ({T}, {len(vids)}, {H}) "
-                                 f"for --vllm-layers {','.join(map(str, vids))} and hidden size {H}")
-            if not torch.isfinite(hs).all():
-                raise HstapError(f"{f}: hidden_states contain NaN/Inf")
-            final = rms_norm(hs[:, -1], weight, eps)  # (T, H) float32
-            aux = hs[:, :-1]  # (T, K, H)
+            aux, final = _sample_states(f, hs, int(tok.numel()), vids, H, weight, eps)  # (T, K, H), (T, H)
             w.add(sid, tok.long(), torch.as_tensor(ds[row]["loss_mask"], dtype=torch.uint8), aux, final)
             samples += 1
-            tokens += T
+            tokens += int(tok.numel())
     write_run_config(cfg.out, "capture", cfg)
-    missing = n - len(used)
+    missing = n - len(rows.used)
     summary = {"samples": samples, "tokens": tokens, "skipped_committed": skipped, "files": len(files),
                "prepared_without_file": missing, "layers": layers, "vllm_layers": vids, "dtype": cfg.dtype,
                "seconds": round(time.perf_counter() - t0, 3), "out": cfg.out}
@@ -217,3 +151,69 @@ def import_vllm(cfg) -> dict:
           f"already in the store; {missing} prepared samples have no file; layers {layers} (vLLM ids {vids}), "
           f"final = final norm of vLLM id {N}")
     return summary
+
+
+def _source_files(src: str | None) -> tuple[Path, list[Path]]:
+    """--src and the safetensors files in it (sorted, hidden ones skipped), after refusing pickle-based files."""
+    if not src:
+        raise HstapError("--src: required with --engine vllm-import (the directory vLLM wrote its hidden states to)")
+    src = Path(src)
+    if not src.is_dir():
+        raise HstapError(f"--src {src}: not a directory")
+    refuse_pickles(src)
+    files = sorted(p for p in src.rglob("*.safetensors") if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise HstapError(f"--src {src}: no .safetensors files")
+    return src, files
+
+
+class _Rows:
+    """Which prepared row a vLLM file holds: `hs_{i}.safetensors` is row i (speculators' naming), any other name is
+    found by its token ids. Each row comes from one file at most (`used`: row -> file)."""
+
+    def __init__(self, ds, n: int, data: str):
+        self.ds, self.n, self.data = ds, n, data
+        self.ids = [str(x) for x in ds.select_columns(["id"])[:n]["id"]]
+        self.by_tokens: dict[tuple, list[int]] = {}  # built on the first file not named hs_{row} (needs every row's tokens)
+        self.used: dict[int, Path] = {}
+
+    def row_of(self, f: Path, tok: torch.Tensor) -> int | None:
+        """The row of file `f`, whose token_ids are `tok` (T,); None when its name is a row beyond --max-samples."""
+        m = _HS_NAME.match(f.name)
+        if m:
+            row = int(m.group(1))
+            if row >= len(self.ds):
+                raise HstapError(f"{f}: names row {row}, the prepared set has {len(self.ds)} rows")
+            if row >= self.n:
+                return None
+            want = self.ds[row]["input_ids"]
+            if _token_key(tok) != _token_key(want):
+                raise HstapError(f"{f}: token_ids ({tok.numel()} tokens) differ from prepared row {row} "
+                                 f"(id {short_id(self.ids[row])}, {len(want)} tokens): another prepared set, or "
+                                 "include_output_tokens?")
+        else:
+            if not self.by_tokens:
+                for i, t in enumerate(self.ds.select_columns(["input_ids"])[:self.n]["input_ids"]):
+                    self.by_tokens.setdefault(_token_key(t), []).append(i)
+            cands = [r for r in self.by_tokens.get(_token_key(tok), []) if r not in self.used]
+            if not cands:
+                raise HstapError(f"{f}: its token_ids ({tok.numel()} tokens) match no sample of {self.data} "
+                                 "(another prepared set, or include_output_tokens?)")
+            row = cands[0]
+        if row in self.used:
+            raise HstapError(f"{f}: row {row} was already imported from {self.used[row]}")
+        self.used[row] = f
+        return row
+
+
+def _sample_states(f: Path, hs: torch.Tensor, T: int, vids: list[int], H: int, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden_states (T, L, H) of file `f` (T tokens) -> (aux (T, K, H) as stored, final (T, H) = the final norm of the
+    last slot)."""
+    if hs.dim() != 3 or tuple(hs.shape) != (T, len(vids), H):
+        raise HstapError(f"{f}: hidden_states has shape {tuple(hs.shape)}, expected ({T}, {len(vids)}, {H}) "
+                         f"for --vllm-layers {','.join(map(str, vids))} and hidden size {H}")
+    if not torch.isfinite(hs).all():
+        raise HstapError(f"{f}: hidden_states contain NaN/Inf")
+    final = rms_norm(hs[:, -1], weight, eps)  # (T, H) float32
+    return hs[:, :-1], final  # (T, K, H), (T, H)

@@ -1,5 +1,7 @@
-"""The hidden-state store: on-disk format (this docstring is the spec), checksum, memory-mapped reader. The writer,
-`StoreWriter`, lives in `hstap.writer` (importable from here too).
+"""The hidden-state store's on-disk format (this docstring is the spec) and what its reader and writer share: the
+constants, bytes per token, fp8 quantization, header checks, manifest and part files, their union, `merge_manifest`
+and the file checksum. The reader (`Store`, `open_store`) is `hstap.store.reader`, the writer (`StoreWriter`) is
+`hstap.store.writer`.
 
 Format `hstap-store`, version 1
 ===============================
@@ -54,7 +56,7 @@ Nothing is ever padded.
 
 A shard entry (same in manifest and part files): `file` (path relative to STORE, "shards/r000-000007.safetensors"),
 `rank`, `seq`, `sha256` (the file's checksum: sha256 over the concatenated sha256 digests of its consecutive 16 MiB
-chunks, `store.file_checksum`; manifest key `checksum` names the scheme), `bytes` (file size), `tokens` (T), `ids`
+chunks, `file_checksum`; manifest key `checksum` names the scheme), `bytes` (file size), `tokens` (T), `ids`
 (sample ids, file order), `lengths` (tokens per sample, file order). A part file is {"format": "hstap-store-part",
 "version": 1, "rank": r, "closed": bool, "shards": [entries of rank r]}. Writers put one top-level key and one shard
 entry per line (readers must not rely on it).
@@ -70,7 +72,7 @@ Commit protocol (one writer per rank; ranks never touch each other's files):
 Creation: rank 0 creates STORE, `shards/`, `parts/` and writes manifest.json with the header and `shards: []`.
 Ranks > 0 never create or wipe anything; they wait for manifest.json (or a `barrier` callable given by the caller).
 
-Resume rules (a StoreWriter on an existing store):
+Resume rules (a `StoreWriter` on an existing store):
  - The header must match in target.{config_sha256, weights_fingerprint, tokenizer_sha256, chat_template_sha256},
    layers, dtype and hidden_size, else HstapError naming the field; `new=True` removes manifest.json, parts/ and
    shards/ first. Other keys (engine, capture_config, paths) may differ; the store keeps those it was created with.
@@ -91,20 +93,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors import safe_open
 
 from hstap.common import HstapError, atomic_write_bytes
-# Re-exported: the batch sampler and collate live in hstap.batching; callers import them from hstap.store too.
-from hstap.batching import BucketBatchSampler, collate  # noqa: F401
 
 FORMAT = "hstap-store"
 PART_FORMAT = "hstap-store-part"
@@ -112,16 +108,14 @@ VERSION = 1
 DTYPES = ("bf16", "fp8", "fp32")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
-_ST_NAMES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16",
-             torch.float8_e4m3fn: "F8_E4M3"}
+ST_NAMES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16",
+            torch.float8_e4m3fn: "F8_E4M3"}  # torch dtype -> safetensors dtype name
 # Header fields that decide whether stored hidden states are the ones this run would produce.
 CHECKED_FIELDS = ("target.config_sha256", "target.weights_fingerprint", "target.tokenizer_sha256",
                   "target.chat_template_sha256", "layers", "dtype", "hidden_size")
 _RESERVED = ("format", "version", "created", "created_unix", "shards")
-_SHARD_RE = re.compile(r"^r(\d{3,})-(\d{6,})\.safetensors$")
-_TEMP_RE = re.compile(r"^\.r(\d{3,})-(\d{6,})\.safetensors\.tmp$")
-_NEW_SLACK_S = 60.0  # see StoreWriter._wait_for_rank0
-_MAX_OPEN_SHARDS = 256
+SHARD_RE = re.compile(r"^r(\d{3,})-(\d{6,})\.safetensors$")
+TEMP_RE = re.compile(r"^\.r(\d{3,})-(\d{6,})\.safetensors\.tmp$")
 log = logging.getLogger("hstap.store")
 
 
@@ -147,7 +141,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
-def _header_diff(old: dict, new: dict) -> tuple[str, object, object] | None:
+def header_diff(old: dict, new: dict) -> tuple[str, object, object] | None:
     """The first of CHECKED_FIELDS that differs: (dotted name, old value, new value)."""
     for name in CHECKED_FIELDS:
         a, b = old, new
@@ -158,7 +152,7 @@ def _header_diff(old: dict, new: dict) -> tuple[str, object, object] | None:
     return None
 
 
-def _check_header(header: dict) -> dict:
+def check_header(header: dict) -> dict:
     if not isinstance(header, dict):
         raise HstapError(f"store header: expected a dict, got {type(header).__name__}")
     for k in _RESERVED:
@@ -177,7 +171,7 @@ def _check_header(header: dict) -> dict:
         raise HstapError(f"store header: not JSON-serialisable: {e}") from None
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
     """Atomically write a manifest/part file: one key per line, one shard entry per line.
 
     Not `atomic_write_json`: its indented output goes through json's pure-Python encoder, and a part file is
@@ -203,7 +197,7 @@ def _read_json(path: Path, what: str) -> dict:
     return obj
 
 
-def _load_manifest(path: Path) -> dict:
+def load_manifest(path: Path) -> dict:
     mpath = path / "manifest.json"
     if not mpath.is_file():
         raise HstapError(f"{path}: not an hstap store (no manifest.json)")
@@ -217,7 +211,7 @@ def _load_manifest(path: Path) -> dict:
     return m
 
 
-def _load_parts(path: Path) -> list[tuple[Path, dict]]:
+def load_parts(path: Path) -> list[tuple[Path, dict]]:
     out = []
     pdir = path / "parts"
     if pdir.is_dir():
@@ -229,7 +223,7 @@ def _load_parts(path: Path) -> list[tuple[Path, dict]]:
     return out
 
 
-def _union(manifest: dict, parts: list[tuple[Path, dict]]) -> tuple[list[dict], list[str], set[str]]:
+def union_entries(manifest: dict, parts: list[tuple[Path, dict]]) -> tuple[list[dict], list[str], set[str]]:
     """Committed entries = manifest ∪ part files, keyed by file, ordered by (rank, seq), duplicate sample ids dropped.
 
     Returns (entries, problems, files named by any entry, dropped ones included)."""
@@ -263,11 +257,11 @@ def _union(manifest: dict, parts: list[tuple[Path, dict]]) -> tuple[list[dict], 
 def merge_manifest(path: str | os.PathLike) -> dict:
     """Fold every part file into manifest.json (atomic, idempotent). Returns {shards, samples, tokens, problems}."""
     path = Path(path)
-    m = _load_manifest(path)
-    entries, problems, _ = _union(m, _load_parts(path))
+    m = load_manifest(path)
+    entries, problems, _ = union_entries(m, load_parts(path))
     merged = {k: v for k, v in m.items() if k != "shards"} | {"shards": entries}
     if merged != m:
-        _write_json(path / "manifest.json", merged)
+        write_json(path / "manifest.json", merged)
     for p in problems:
         log.warning("%s: %s", path, p)
     return {"shards": len(entries), "samples": sum(len(e["ids"]) for e in entries),
@@ -279,7 +273,7 @@ CHUNK_BYTES = 16 << 20
 _POOL: ThreadPoolExecutor | None = None
 
 
-def _pool() -> ThreadPoolExecutor:
+def io_pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:  # hashlib and os.pwrite/os.pread release the GIL: chunks really run in parallel
         _POOL = ThreadPoolExecutor(max_workers=min(16, (os.cpu_count() or 1) + 1), thread_name_prefix="hstap-shard-io")
@@ -294,7 +288,7 @@ def _drop_pool_after_fork() -> None:
 os.register_at_fork(after_in_child=_drop_pool_after_fork)
 
 
-def _combine(digests: list[bytes]) -> str:
+def combine_digests(digests: list[bytes]) -> str:
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
@@ -318,168 +312,6 @@ def file_checksum(path: str | os.PathLike) -> str:
                 done += len(b)
             return h.digest()
 
-        return _combine(list(_pool().map(work, range(max(1, -(-size // CHUNK_BYTES))))))
+        return combine_digests(list(io_pool().map(work, range(max(1, -(-size // CHUNK_BYTES))))))
     finally:
         os.close(fd)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Reading
-
-
-class Store(torch.utils.data.Dataset):
-    """A store opened for reading (`open_store`): a map-style Dataset of samples, read memory-mapped."""
-
-    def __init__(self, path: Path, manifest: dict, entries: list[dict], problems: list[str]):
-        self.path = path
-        self.manifest = {k: v for k, v in manifest.items() if k != "shards"} | {"shards": entries}
-        self.header = {k: v for k, v in manifest.items() if k != "shards"}
-        self.dtype: str = manifest["dtype"]
-        self.layers: list[int] = list(manifest["layers"])
-        self.num_aux, self.hidden_size = len(self.layers), int(manifest["hidden_size"])
-        self.ids: list[str] = [i for e in entries for i in e["ids"]]
-        self.lengths: list[int] = [int(n) for e in entries for n in e["lengths"]]
-        counts = [len(e["ids"]) for e in entries]
-        self._shard = np.repeat(np.arange(len(entries), dtype=np.int64), counts)  # (N,) shard of each sample
-        starts = [np.concatenate([[0], np.cumsum(e["lengths"][:-1], dtype=np.int64)]) for e in entries if e["ids"]]
-        self._start = np.concatenate(starts).astype(np.int64) if starts else np.zeros(0, np.int64)  # (N,)
-        self._index = {sid: i for i, sid in enumerate(self.ids)}
-        self._problems = list(problems)
-        if len(self._index) != len(self.ids):
-            self._problems.append("duplicate sample ids within a shard entry")
-        self._handles: OrderedDict[int, object] = OrderedDict()
-        self._pid = os.getpid()
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def index_of(self, sample_id: str) -> int:
-        try:
-            return self._index[sample_id]
-        except KeyError:
-            raise HstapError(f"{self.path}: no sample with id {sample_id!r}") from None
-
-    def _tensors(self, si: int) -> dict[str, torch.Tensor]:
-        """Shard si's tensors, memory-mapped, opened lazily and kept (LRU-capped). get_tensor on a pt safe_open is a
-        zero-copy view of the file mapping; slicing it with torch costs ~2 us, safetensors' get_slice ~80 us."""
-        if os.getpid() != self._pid:  # mmap handles belong to the process that opened them: re-open after fork
-            self._handles, self._pid = OrderedDict(), os.getpid()
-        sl = self._handles.get(si)
-        if sl is None:
-            f = self.path / self.manifest["shards"][si]["file"]
-            if not f.is_file():
-                raise HstapError(f"{f}: shard file is missing (run Store.verify())")
-            h = safe_open(str(f), framework="pt")
-            sl = self._handles[si] = {name: h.get_tensor(name) for name in h.keys()}
-            if len(self._handles) > _MAX_OPEN_SHARDS:
-                self._handles.popitem(last=False)
-        else:
-            self._handles.move_to_end(si)
-        return sl
-
-    def __getitem__(self, i: int) -> dict:
-        n = len(self.ids)
-        i = int(i)
-        if not -n <= i < n:
-            raise IndexError(f"sample index {i} out of range for a store of {n}")
-        i %= n
-        si, a = int(self._shard[i]), int(self._start[i])
-        b = a + self.lengths[i]
-        sl = self._tensors(si)
-        aux, final = sl["aux"][a:b], sl["final"][a:b]  # (T, K, H), (T, H): views of the mmap, no copy
-        if self.dtype == "fp8":
-            aux = dequantize_fp8(aux, sl["aux_scale"][a:b])  # (T, K, H) float32
-            final = dequantize_fp8(final, sl["final_scale"][a:b])  # (T, H) float32
-        return {"id": self.ids[i], "input_ids": sl["input_ids"][a:b].long(),  # (T,)
-                "loss_mask": sl["loss_mask"][a:b].long(), "aux": aux, "final": final}
-
-    def __getstate__(self) -> dict:  # DataLoader spawn workers pickle the Dataset object itself (no file is unpickled)
-        return {k: v for k, v in self.__dict__.items() if k != "_handles"} | {"_handles": OrderedDict()}
-
-    def verify(self, chunk_bytes: int = 1 << 28) -> list[str]:
-        """Check everything; returns the problems found (empty = OK). Reads every shard once (sha256) plus a scan."""
-        problems = list(self._problems)
-        for e in self.manifest["shards"]:
-            f = self.path / e["file"]
-            if not f.is_file():
-                problems.append(f"{e['file']}: shard file is missing")
-                continue
-            if f.stat().st_size != e.get("bytes"):
-                problems.append(f"{e['file']}: size {f.stat().st_size} != {e.get('bytes')} in the manifest")
-            if file_checksum(f) != e["sha256"]:
-                problems.append(f"{e['file']}: sha256 mismatch (file changed or corrupt)")
-            try:
-                problems += [f"{e['file']}: {p}" for p in self._check_shard(f, e, chunk_bytes)]
-            except Exception as err:  # noqa: BLE001 -- a corrupt file can fail anywhere; report, do not crash
-                problems.append(f"{e['file']}: unreadable: {type(err).__name__}: {err}")
-        return problems
-
-    def _check_shard(self, f: Path, e: dict, chunk_bytes: int) -> list[str]:
-        out: list[str] = []
-        K, H, lengths = self.num_aux, self.hidden_size, [int(n) for n in e["lengths"]]
-        T, N = sum(lengths), len(e["ids"])
-        if len(lengths) != N or any(n < 1 for n in lengths):
-            out.append("lengths do not match ids or a sample has no tokens")
-        if int(e.get("tokens", -1)) != T:
-            out.append(f"tokens {e.get('tokens')} != sum(lengths) {T}")
-        dt = _ST_NAMES[TORCH_DTYPES[self.dtype]]
-        want = {"offsets": ("I64", [N + 1]), "input_ids": ("I32", [T]), "loss_mask": ("U8", [T]),
-                "aux": (dt, [T, K, H]), "final": (dt, [T, H])}
-        if self.dtype == "fp8":
-            want |= {"aux_scale": ("F32", [T, K]), "final_scale": ("F32", [T])}
-        with safe_open(str(f), framework="pt") as h:
-            meta = h.metadata() or {}
-            if meta.get("format") != FORMAT or json.loads(meta.get("ids", "null")) != e["ids"]:
-                out.append("__metadata__ format/ids differ from the manifest entry")
-            if set(h.keys()) != set(want):
-                return out + [f"tensors {sorted(h.keys())} != {sorted(want)}"]
-            for name, (d, shape) in want.items():
-                s = h.get_slice(name)
-                if s.get_dtype() != d or list(s.get_shape()) != shape:
-                    out.append(f"{name}: {s.get_dtype()} {s.get_shape()} != {d} {shape}")
-            if out:
-                return out
-            offsets = h.get_tensor("offsets")  # (N+1,)
-            if offsets.tolist() != [0] + np.cumsum(lengths).tolist():
-                out.append("offsets do not match the manifest's lengths")
-            if bool(((h.get_tensor("loss_mask") > 1)).any()):
-                out.append("loss_mask has values other than 0/1")
-            for name in [n for n in ("aux", "final", "aux_scale", "final_scale") if n in want]:
-                s = h.get_slice(name)
-                row = max(1, math.prod(want[name][1][1:]) * 4)
-                step = max(1, chunk_bytes // row)
-                for a in range(0, T, step):
-                    x = s[a:min(T, a + step)].float()  # bounded chunk: a shard can be far larger than memory
-                    if not bool(torch.isfinite(x).all()):
-                        out.append(f"{name}: non-finite values (NaN/Inf) in tokens {a}..{min(T, a + step)}")
-                        break
-                    if name.endswith("_scale") and not bool((x > 0).all()):
-                        out.append(f"{name}: non-positive scales")
-                        break
-        return out
-
-
-def open_store(path: str | os.PathLike) -> Store:
-    """Open a store for reading: manifest.json ∪ part files (see the module docstring). HstapError if not a store."""
-    path = Path(path)
-    m = _load_manifest(path)
-    for k in ("dtype", "layers", "hidden_size"):
-        if k not in m:
-            raise HstapError(f"{path / 'manifest.json'}:1: {k}: missing")
-    if m["dtype"] not in DTYPES:
-        raise HstapError(f"{path / 'manifest.json'}:1: dtype: {m['dtype']!r} is not one of {', '.join(DTYPES)}")
-    entries, problems, _ = _union(m, _load_parts(path))
-    return Store(path, m, entries, problems)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), "StoreWriter"])
-
-
-def __getattr__(name: str):
-    # StoreWriter lives in hstap.writer (which imports this module); `from hstap.store import StoreWriter` keeps working
-    if name == "StoreWriter":
-        from hstap.writer import StoreWriter
-
-        return StoreWriter
-    raise AttributeError(f"module 'hstap.store' has no attribute {name!r}")

@@ -1,6 +1,6 @@
-"""Writing a store (`hstap.store` holds the format spec, the checksum and the reader): `StoreWriter` appends
-samples to shards and commits them with the protocol of the spec; `_write_safetensors` lays out one shard file and
-writes it while hashing its chunks."""
+"""Writing a store (`hstap.store.format` holds the format spec and the checksum, `hstap.store.reader` the reader):
+`StoreWriter` appends samples to shards and commits them with the protocol of the spec; `_write_safetensors` lays out
+one shard file and writes it while hashing its chunks."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import ctypes
 import datetime
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -22,9 +23,12 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError, fsync_dir
-from hstap.store import (CHECKSUM, CHUNK_BYTES, FORMAT, PART_FORMAT, TORCH_DTYPES, VERSION, _NEW_SLACK_S, _SHARD_RE,
-                         _ST_NAMES, _TEMP_RE, _check_header, _combine, _header_diff, _load_manifest, _load_parts, _pool,
-                         _union, _write_json, log, merge_manifest, quantize_fp8, store_bytes_per_token)
+from hstap.store.format import (CHECKSUM, CHUNK_BYTES, FORMAT, PART_FORMAT, SHARD_RE, ST_NAMES, TEMP_RE, TORCH_DTYPES,
+                                VERSION, check_header, combine_digests, header_diff, io_pool, load_manifest, load_parts,
+                                merge_manifest, quantize_fp8, store_bytes_per_token, union_entries, write_json)
+
+_NEW_SLACK_S = 60.0  # see StoreWriter._wait_for_rank0
+log = logging.getLogger("hstap.store")
 
 
 START_WRITEBACK = True
@@ -84,7 +88,7 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, list[torch.Tensor], 
         n = sum(p.numel() * p.element_size() for p in pieces)
         if n != math.prod(shape) * pieces[0].element_size():
             raise AssertionError(f"{name}: {n} bytes of pieces for shape {shape}")
-        header[name] = {"dtype": _ST_NAMES[pieces[0].dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        header[name] = {"dtype": ST_NAMES[pieces[0].dtype], "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)  # safetensors pads with spaces so the data starts 8-byte aligned
@@ -135,7 +139,7 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, list[torch.Tensor], 
     wrote = None
     try:
         os.ftruncate(fd, size)
-        pool = _pool()
+        pool = io_pool()
         wrote = pool.submit(write_all)
         digests = list(pool.map(hash_chunk, range(max(1, -(-size // CHUNK_BYTES)))))
         wrote.result()
@@ -145,11 +149,11 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, list[torch.Tensor], 
             stop.set()
             futures.wait([wrote])
         os.close(fd)
-    return _combine(digests), size
+    return combine_digests(digests), size
 
 
 class StoreWriter:
-    """Append samples to a store, committing a shard each `shard_tokens` tokens (format: `hstap.store`'s docstring).
+    """Append samples to a store, committing a shard each `shard_tokens` tokens (format: `hstap.store.format`).
 
     `add()` takes ownership of the tensors it is given: tensors already in the store dtype (and contiguous) are kept by
     reference until their shard is written, so the caller must not modify or reuse them (e.g. a pinned staging buffer)
@@ -174,7 +178,7 @@ class StoreWriter:
             raise HstapError(f"store: shard_tokens/shard_bytes must be >= 1 (got {shard_tokens}, {shard_bytes})")
         started = time.time()
         self.path = Path(path)
-        self.header = _check_header(header)
+        self.header = check_header(header)
         self.rank, self.world_size, self.new = rank, world_size, new
         self.shard_tokens, self.shard_bytes = shard_tokens, shard_bytes
         self.dtype: str = self.header["dtype"]
@@ -198,16 +202,16 @@ class StoreWriter:
             self._barrier()
         elif rank > 0:
             self._wait_for_rank0(started, wait_s)
-        manifest = _load_manifest(self.path)
-        diff = _header_diff(manifest, self.header)
+        manifest = load_manifest(self.path)
+        diff = header_diff(manifest, self.header)
         if diff:
             name, old, now = diff
             raise HstapError(f"{self.path / 'manifest.json'}:1: {name}: the store was made with {old!r}, this run has "
                              f"{now!r}; pass new=True (--new) to replace it, or write to another directory")
         self.shards_dir, self.parts_dir = self.path / "shards", self.path / "parts"
         self.part_path = self.parts_dir / f"rank{rank:03d}.json"
-        parts = _load_parts(self.path)
-        entries, problems, referenced = _union(manifest, parts)
+        parts = load_parts(self.path)
+        entries, problems, referenced = union_entries(manifest, parts)
         for p in problems:
             log.warning("%s: %s", self.path, p)
         self._committed: set[str] = {i for e in entries for i in e["ids"]}
@@ -245,7 +249,7 @@ class StoreWriter:
             (p / "shards").mkdir(parents=True, exist_ok=True)
             (p / "parts").mkdir(exist_ok=True)
             now = datetime.datetime.now(datetime.timezone.utc)
-            _write_json(p / "manifest.json", {"format": FORMAT, "version": VERSION, **self.header,
+            write_json(p / "manifest.json", {"format": FORMAT, "version": VERSION, **self.header,
                                               "created": now.isoformat(timespec="seconds"),
                                               "created_unix": now.timestamp(), "checksum": CHECKSUM,
                                               "shards": []})
@@ -255,9 +259,9 @@ class StoreWriter:
         while True:
             mpath = self.path / "manifest.json"
             if mpath.is_file():
-                m = _load_manifest(self.path)
+                m = load_manifest(self.path)
                 fresh = m.get("created_unix", 0.0) >= started - _NEW_SLACK_S
-                if not self.new or (fresh and _header_diff(m, self.header) is None):
+                if not self.new or (fresh and header_diff(m, self.header) is None):
                     return
             if time.time() > deadline:
                 raise HstapError(f"{self.path}: rank {self.rank} waited {wait_s:.0f}s for rank 0 to "
@@ -268,7 +272,7 @@ class StoreWriter:
     def _remove_orphans(self, referenced: set[str]) -> None:
         """Delete this rank's leftovers of a killed run: temp shards, uncommitted shards, temp part files."""
         for f in self.shards_dir.iterdir():
-            m = _SHARD_RE.match(f.name) or _TEMP_RE.match(f.name)
+            m = SHARD_RE.match(f.name) or TEMP_RE.match(f.name)
             if m and int(m.group(1)) == self.rank and (f.name.startswith(".") or f"shards/{f.name}" not in referenced):
                 f.unlink()
                 log.info("%s: removed uncommitted %s", self.path, f.name)
@@ -276,14 +280,14 @@ class StoreWriter:
             f.unlink()
 
     def _write_part(self, closed: bool) -> None:
-        _write_json(self.part_path, {"format": PART_FORMAT, "version": VERSION, "rank": self.rank, "closed": closed,
+        write_json(self.part_path, {"format": PART_FORMAT, "version": VERSION, "rank": self.rank, "closed": closed,
                                      "shards": self._entries})
 
     # -- writing -------------------------------------------------------------------------------------------------------
 
     def committed_ids(self) -> set[str]:
         """Ids committed by any rank: read from disk now, plus this writer's own commits."""
-        entries, _, _ = _union(_load_manifest(self.path), _load_parts(self.path))
+        entries, _, _ = union_entries(load_manifest(self.path), load_parts(self.path))
         with self._lock:
             return {i for e in entries for i in e["ids"]} | self._committed
 

@@ -1,0 +1,5 @@
+"""The hidden-state store: a directory of safetensors shards of captured target states plus a manifest.
+`hstap.store.format` is the versioned on-disk format (its docstring is the spec) and what reader and writer share
+(constants, fp8 quantization, header checks, manifest and part files, `merge_manifest`, the file checksum);
+`hstap.store.reader` reads a store memory-mapped (`open_store`, `Store`); `hstap.store.writer` writes one with the
+commit protocol (`StoreWriter`)."""

@@ -1,0 +1,178 @@
+"""The store's reader: `Store`, the samples of a store as a map-style Dataset read memory-mapped (plus `verify` and
+`token_counts`), and `open_store`. The format, and the manifest union the reader sees, are `hstap.store.format`'s."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from hstap.common import HstapError
+from hstap.store.format import (DTYPES, FORMAT, ST_NAMES, TORCH_DTYPES, dequantize_fp8, file_checksum, load_manifest,
+                                load_parts, union_entries)
+
+_MAX_OPEN_SHARDS = 256  # shards a Store keeps open (LRU, `Store._tensors`)
+
+
+class Store(torch.utils.data.Dataset):
+    """A store opened for reading (`open_store`): a map-style Dataset of samples, read memory-mapped."""
+
+    def __init__(self, path: Path, manifest: dict, entries: list[dict], problems: list[str]):
+        self.path = path
+        self.manifest = {k: v for k, v in manifest.items() if k != "shards"} | {"shards": entries}
+        self.header = {k: v for k, v in manifest.items() if k != "shards"}
+        self.dtype: str = manifest["dtype"]
+        self.layers: list[int] = list(manifest["layers"])
+        self.num_aux, self.hidden_size = len(self.layers), int(manifest["hidden_size"])
+        self.ids: list[str] = [i for e in entries for i in e["ids"]]
+        self.lengths: list[int] = [int(n) for e in entries for n in e["lengths"]]
+        counts = [len(e["ids"]) for e in entries]
+        self._shard = np.repeat(np.arange(len(entries), dtype=np.int64), counts)  # (N,) shard of each sample
+        starts = [np.concatenate([[0], np.cumsum(e["lengths"][:-1], dtype=np.int64)]) for e in entries if e["ids"]]
+        self._start = np.concatenate(starts).astype(np.int64) if starts else np.zeros(0, np.int64)  # (N,)
+        self._index = {sid: i for i, sid in enumerate(self.ids)}
+        self._problems = list(problems)
+        if len(self._index) != len(self.ids):
+            self._problems.append("duplicate sample ids within a shard entry")
+        self._handles: OrderedDict[int, object] = OrderedDict()
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def index_of(self, sample_id: str) -> int:
+        try:
+            return self._index[sample_id]
+        except KeyError:
+            raise HstapError(f"{self.path}: no sample with id {sample_id!r}") from None
+
+    def _tensors(self, si: int) -> dict[str, torch.Tensor]:
+        """Shard si's tensors, memory-mapped, opened lazily and kept (LRU-capped). get_tensor on a pt safe_open is a
+        zero-copy view of the file mapping; slicing it with torch costs ~2 us, safetensors' get_slice ~80 us."""
+        if os.getpid() != self._pid:  # mmap handles belong to the process that opened them: re-open after fork
+            self._handles, self._pid = OrderedDict(), os.getpid()
+        sl = self._handles.get(si)
+        if sl is None:
+            f = self.path / self.manifest["shards"][si]["file"]
+            if not f.is_file():
+                raise HstapError(f"{f}: shard file is missing (run Store.verify())")
+            h = safe_open(str(f), framework="pt")
+            sl = self._handles[si] = {name: h.get_tensor(name) for name in h.keys()}
+            if len(self._handles) > _MAX_OPEN_SHARDS:
+                self._handles.popitem(last=False)
+        else:
+            self._handles.move_to_end(si)
+        return sl
+
+    def __getitem__(self, i: int) -> dict:
+        n = len(self.ids)
+        i = int(i)
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} out of range for a store of {n}")
+        i %= n
+        si, a = int(self._shard[i]), int(self._start[i])
+        b = a + self.lengths[i]
+        sl = self._tensors(si)
+        aux, final = sl["aux"][a:b], sl["final"][a:b]  # (T, K, H), (T, H): views of the mmap, no copy
+        if self.dtype == "fp8":
+            aux = dequantize_fp8(aux, sl["aux_scale"][a:b])  # (T, K, H) float32
+            final = dequantize_fp8(final, sl["final_scale"][a:b])  # (T, H) float32
+        return {"id": self.ids[i], "input_ids": sl["input_ids"][a:b].long(),  # (T,)
+                "loss_mask": sl["loss_mask"][a:b].long(), "aux": aux, "final": final}
+
+    def __getstate__(self) -> dict:  # DataLoader spawn workers pickle the Dataset object itself (no file is unpickled)
+        return {k: v for k, v in self.__dict__.items() if k != "_handles"} | {"_handles": OrderedDict()}
+
+    def token_counts(self, vocab_size: int) -> np.ndarray:
+        """(V,) int64 counts of loss-masked tokens over every shard (reads only input_ids and loss_mask, never the
+        hidden states)."""
+        V = vocab_size
+        freq = np.zeros(V, dtype=np.int64)  # (V,)
+        for e in self.manifest["shards"]:
+            with safe_open(str(self.path / e["file"]), framework="pt") as h:
+                ids, lm = h.get_tensor("input_ids").long(), h.get_tensor("loss_mask").bool()  # (T,), (T,)
+            if ids.numel() and int(ids.max()) >= V:
+                raise HstapError(f"{self.path / e['file']}: token id {int(ids.max())} >= the target's vocab size {V}")
+            freq += np.bincount(ids[lm].numpy(), minlength=V)
+        return freq
+
+    def verify(self, chunk_bytes: int = 1 << 28) -> list[str]:
+        """Check everything; returns the problems found (empty = OK). Reads every shard once (sha256) plus a scan."""
+        problems = list(self._problems)
+        for e in self.manifest["shards"]:
+            f = self.path / e["file"]
+            if not f.is_file():
+                problems.append(f"{e['file']}: shard file is missing")
+                continue
+            if f.stat().st_size != e.get("bytes"):
+                problems.append(f"{e['file']}: size {f.stat().st_size} != {e.get('bytes')} in the manifest")
+            if file_checksum(f) != e["sha256"]:
+                problems.append(f"{e['file']}: sha256 mismatch (file changed or corrupt)")
+            try:
+                problems += [f"{e['file']}: {p}" for p in self._check_shard(f, e, chunk_bytes)]
+            except Exception as err:  # noqa: BLE001 -- a corrupt file can fail anywhere; report, do not crash
+                problems.append(f"{e['file']}: unreadable: {type(err).__name__}: {err}")
+        return problems
+
+    def _check_shard(self, f: Path, e: dict, chunk_bytes: int) -> list[str]:
+        out: list[str] = []
+        K, H, lengths = self.num_aux, self.hidden_size, [int(n) for n in e["lengths"]]
+        T, N = sum(lengths), len(e["ids"])
+        if len(lengths) != N or any(n < 1 for n in lengths):
+            out.append("lengths do not match ids or a sample has no tokens")
+        if int(e.get("tokens", -1)) != T:
+            out.append(f"tokens {e.get('tokens')} != sum(lengths) {T}")
+        dt = ST_NAMES[TORCH_DTYPES[self.dtype]]
+        want = {"offsets": ("I64", [N + 1]), "input_ids": ("I32", [T]), "loss_mask": ("U8", [T]),
+                "aux": (dt, [T, K, H]), "final": (dt, [T, H])}
+        if self.dtype == "fp8":
+            want |= {"aux_scale": ("F32", [T, K]), "final_scale": ("F32", [T])}
+        with safe_open(str(f), framework="pt") as h:
+            meta = h.metadata() or {}
+            if meta.get("format") != FORMAT or json.loads(meta.get("ids", "null")) != e["ids"]:
+                out.append("__metadata__ format/ids differ from the manifest entry")
+            if set(h.keys()) != set(want):
+                return out + [f"tensors {sorted(h.keys())} != {sorted(want)}"]
+            for name, (d, shape) in want.items():
+                s = h.get_slice(name)
+                if s.get_dtype() != d or list(s.get_shape()) != shape:
+                    out.append(f"{name}: {s.get_dtype()} {s.get_shape()} != {d} {shape}")
+            if out:
+                return out
+            offsets = h.get_tensor("offsets")  # (N+1,)
+            if offsets.tolist() != [0] + np.cumsum(lengths).tolist():
+                out.append("offsets do not match the manifest's lengths")
+            if bool(((h.get_tensor("loss_mask") > 1)).any()):
+                out.append("loss_mask has values other than 0/1")
+            for name in [n for n in ("aux", "final", "aux_scale", "final_scale") if n in want]:
+                s = h.get_slice(name)
+                row = max(1, math.prod(want[name][1][1:]) * 4)
+                step = max(1, chunk_bytes // row)
+                for a in range(0, T, step):
+                    x = s[a:min(T, a + step)].float()  # bounded chunk: a shard can be far larger than memory
+                    if not bool(torch.isfinite(x).all()):
+                        out.append(f"{name}: non-finite values (NaN/Inf) in tokens {a}..{min(T, a + step)}")
+                        break
+                    if name.endswith("_scale") and not bool((x > 0).all()):
+                        out.append(f"{name}: non-positive scales")
+                        break
+        return out
+
+
+def open_store(path: str | os.PathLike) -> Store:
+    """Open a store for reading: manifest.json ∪ part files (see `hstap.store.format`). HstapError if not a store."""
+    path = Path(path)
+    m = load_manifest(path)
+    for k in ("dtype", "layers", "hidden_size"):
+        if k not in m:
+            raise HstapError(f"{path / 'manifest.json'}:1: {k}: missing")
+    if m["dtype"] not in DTYPES:
+        raise HstapError(f"{path / 'manifest.json'}:1: dtype: {m['dtype']!r} is not one of {', '.join(DTYPES)}")
+    entries, problems, _ = union_entries(m, load_parts(path))
+    return Store(path, m, entries, problems)

@@ -1,0 +1,76 @@
+"""The draft vocabulary map: which target token ids the drafter predicts, and how its logits map back.
+
+`hstap prepare` picks the N = min(--draft-vocab, V) most frequent loss-masked tokens of the prepared set
+(`build_vocab_map`) and writes them to PREPARED/vocab_map.safetensors; training reads it back (`load_vocab_map`) and
+export checks the map a drafter carries (`check_vocab_map`). Two tensors, as EAGLE-3 drafters store them:
+
+    d2t int64 [N]  draft index k -> target id k + d2t[k] (the hot ids, strictly increasing)
+    t2d bool  [V]  target id -> whether it is a hot id
+
+`check_vocab_map` is the one validity rule (hot ids strictly increasing inside [0, V), t2d true exactly there).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from hstap.common import HstapError, one_line
+
+
+def build_vocab_map(freq: np.ndarray, draft_vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(d2t int64 [N], t2d bool [V]): the N = min(draft_vocab, V) most frequent ids; ties and the fill (ids never
+    seen, when fewer than N were) go to the lower id."""
+    V = len(freq)
+    n = min(draft_vocab, V)
+    order = np.argsort(-freq, kind="stable")  # (V,) by count, then id: zero counts come last, lowest id first
+    hot = np.sort(order[:n])  # (N,)
+    t2d = np.zeros(V, dtype=bool)  # (V,)
+    t2d[hot] = True
+    return (hot - np.arange(n)).astype(np.int64), t2d
+
+
+def _numpy(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+
+
+def check_vocab_map(d2t, t2d, vocab_size: int) -> None:
+    """HstapError unless hot ids = arange(N) + d2t are strictly increasing inside [0, vocab_size) and t2d (length
+    vocab_size) is true exactly there. Takes torch tensors or numpy arrays."""
+    d, t = _numpy(d2t), _numpy(t2d)
+    if d.ndim != 1 or len(d) == 0 or d.dtype.kind not in "iu":
+        raise HstapError(f"vocab map: d2t must be a non-empty 1-D integer array, got {d.dtype} {d.shape}")
+    if t.ndim != 1 or t.dtype != np.bool_ or len(t) != vocab_size:
+        raise HstapError(f"vocab map: t2d must be a bool array of length {vocab_size}, got {t.dtype} {t.shape}")
+    hot = np.arange(len(d)) + d.astype(np.int64)
+    if len(d) > vocab_size or hot[0] < 0 or hot[-1] >= vocab_size:
+        raise HstapError(f"vocab map: hot ids (arange + d2t) leave the vocabulary [0, {vocab_size})")
+    if len(hot) > 1 and not np.all(np.diff(hot) > 0):
+        raise HstapError("vocab map: hot ids (arange + d2t) are not strictly increasing")
+    if int(t.sum()) != len(hot) or not t[hot].all():
+        raise HstapError("vocab map: t2d is not true exactly at the hot ids (arange + d2t)")
+
+
+def load_vocab_map(path: str | os.PathLike):
+    """(d2t LongTensor [N], t2d BoolTensor [V]) from PREPARED/ or a vocab_map.safetensors file, checked."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "vocab_map.safetensors"
+    if not p.is_file():
+        raise HstapError(f"{p}: vocab map not found")
+    try:
+        t = load_file(str(p))
+    except (SafetensorError, OSError) as e:
+        raise HstapError(f"{p}: cannot read: {one_line(e)}") from None
+    if set(t) != {"d2t", "t2d"}:
+        raise HstapError(f"{p}: expected tensors d2t and t2d, found {sorted(t)}")
+    try:
+        check_vocab_map(t["d2t"], t["t2d"], t["t2d"].shape[0] if t["t2d"].dim() == 1 else -1)
+    except HstapError as e:
+        raise HstapError(f"{p}: {e}") from None
+    return t["d2t"], t["t2d"]
