@@ -116,7 +116,8 @@ def draft(drafter, dcache, h_last: torch.Tensor, root: torch.Tensor, start: torc
     base = 0
     for d in range(1, D):
         sc = scores[-1]  # (m,) this level's candidates, numbered base..base+m-1
-        order = torch.sort(sc, descending=True, stable=True).indices[:k]  # (k,) best k, ties to the lower number
+        order = rk if shape.chain else torch.sort(sc, descending=True, stable=True).indices[:k]  # (k,) best k,
+        # ties to the lower number (a chain level holds one node)
         own = fslot[None, :] == ((d - 1) * k + rk)[:, None]  # (k, F) each front node's own drafter slot
         if d == 1:
             anc = own
@@ -141,10 +142,14 @@ def draft(drafter, dcache, h_last: torch.Tensor, root: torch.Tensor, start: torc
 def _select(shape: TreeShape, root, tok, score, par, dep, q) -> dict:
     """Keep the best N-1 candidates (C,) by score, in number order, and build the node arrays and ancestor matrix."""
     N, C, dev = shape.N, shape.C, tok.device
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    if shape.chain:  # every candidate is kept, each the child of the one before
+        ar = torch.arange(N, device=dev)
+        return {"tok": torch.cat([root.view(1), tok]), "parent": (ar - 1).clamp_min(0), "q": q,
+                "anc": torch.ones(N, N, dtype=torch.bool, device=dev).tril(), "depth": ar}
     keep = torch.sort(score, descending=True, stable=True).indices[:N - 1].sort().values  # (N-1,)
     inv = torch.zeros(C + 1, dtype=torch.long, device=dev).index_copy_(
         0, keep + 1, torch.arange(1, N, device=dev))  # candidate number + 1 -> node index (the root's "-1" -> 0)
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
     parent = torch.cat([zero, inv.index_select(0, par.index_select(0, keep) + 1)])  # (N,)
     eye = torch.eye(N, dtype=torch.bool, device=dev)
     anc = eye

@@ -15,9 +15,11 @@ from hstap.device_tree import TreeShape, accept_greedy, accept_sampled_chain, dr
 from hstap.static_kv import additive, block_mask, causal_rows, keep_path, seek
 
 
-def run_target(target, cache, layers: list[int], ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
+def run_target(target, cache, layers: list[int], ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+               rows: torch.Tensor | None = None):
     """ids (1, T) at positions pos (1, T), additive mask (1, 1, T, S), through the static cache -> logits (T, V) fp32
-    and the drafter's fc input (T, K, H): the outputs of the decoder layers `layers` (the final-norm state if none).
+    (only of `rows` (R,) if given) and the drafter's fc input (T, K, H): the outputs of the decoder layers `layers`
+    (the final-norm state if none).
 
     The model's own forward (embed, rotary, decoder layers, final norm) without its mask construction, which a 4-D
     mask skips anyway, and without hooks: the aux states are taken as the loop passes them."""
@@ -34,11 +36,40 @@ def run_target(target, cache, layers: list[int], ids: torch.Tensor, pos: torch.T
             grabbed[want[i]] = h
     final = base.norm(h)  # (1, T, H)
     aux = torch.stack(grabbed, dim=2) if layers else final.unsqueeze(2)  # (1, T, K, H)
-    return target.logits(final[0]).float(), aux[0]
+    head_in = final[0] if rows is None else final[0].index_select(0, rows)  # (T or R, H)
+    return target.logits(head_in).float(), aux[0]
 
 
 def _scalar(dev) -> torch.Tensor:
     return torch.zeros((), dtype=torch.long, device=dev)
+
+
+# --- prefill (bucketed: prompts padded to a power of two) -----------------------------------------------------------
+def prefill_buffers(dev, L: int, vocab: int, n_aux: int, width: int, dtype) -> dict:
+    return {"ids": torch.zeros(L, dtype=torch.long, device=dev), "n": _scalar(dev),
+            "logit": torch.zeros(vocab, device=dev), "aux_last": torch.zeros(n_aux, width, dtype=dtype, device=dev)}
+
+
+def prefill_body(b: dict, fwd, cache, col: torch.Tensor, dtype, drafter=None, dcache=None):
+    """The n real tokens of b["ids"] (L,) through the target at slots 0..L-1 (padding rows come after the real ones,
+    so causal attention keeps them out; their slots are rewritten later); keeps the newest token's logits and fc
+    input. With a drafter, also its extend of the pairs (x[t+1], aux[t]), t < n-1, at drafter slots 0..L-2: all but
+    the newest pair, which the first round extends."""
+    L = b["ids"].shape[0]
+
+    def body():
+        pos = torch.arange(L, device=col.device)  # (L,)
+        seek(cache, 0)
+        last = (b["n"] - 1).view(1)
+        logits, aux = fwd(b["ids"][None], pos[None], additive(causal_rows(col, pos), dtype), last)  # (1, V)
+        b["logit"].copy_(logits[0])
+        b["aux_last"].copy_(aux.index_select(0, last)[0])
+        if drafter is not None and L > 1:
+            dpos = pos[:L - 1]
+            drafter(b["ids"][None, 1:], drafter.project(aux[None, :L - 1]), dpos[None], dcache.at(dpos),
+                    causal_rows(col, dpos))
+
+    return body
 
 
 # --- target-only ------------------------------------------------------------------------------------------------------

@@ -5,16 +5,18 @@ Same drivers and outputs as hstap.speculate (target_generate, speculative_genera
 pending pairs are in: speculate.py's module docstring), and the same tokens: greedy outputs equal speculate.py's and
 target-only decoding's, sampled outputs follow the same law. What differs is how a round runs:
 
-    prefill   eager, variable length: the prompt through the target, all but the newest pair through the drafter
+    prefill   one fixed-shape step per power-of-two bucket (the prompt padded at its end, which causal attention keeps
+              out of the real rows): the prompt through the target, all but the newest pair through the drafter
     draft     one fixed-shape step: drafter extend of the pending pairs + D levels of the EAGLE-2 tree + node selection
     verify    one fixed-shape step: target forward over the N tree nodes with the tree mask over all S cache slots,
               acceptance on the device, the accepted path's KV gathered into place, the next round's pending pairs
     host      ONE read of a few integers (accepted count, new tokens), to stop at eos / max_new_tokens
 
-On CUDA each step is captured into a CUDA graph on first use (hstap.cudagraph.Step: warm-up, compilation and capture
-excluded from every timing) and replayed; a step that cannot be captured runs eagerly after one printed line. On the
-CPU the same steps run as plain calls, which is what the tests compare with speculate.py. Target-only decoding is a
-one-token step; n-gram lookup drafts on the host and verifies in a (k+1)-token step whose padding is never accepted.
+On CUDA each step is torch.compile'd (decoding steps; `compile`) and captured into a CUDA graph on first use
+(hstap.cudagraph.Step), then replayed; a step that cannot be captured runs eagerly after one printed line. The one-time
+costs (warm-up, compilation, capture) are taken out of the call's timings and reported as capture_s. On the CPU the
+same steps run as plain calls, which is what the tests compare with speculate.py. Target-only decoding is a one-token
+step; n-gram lookup drafts on the host and verifies in a (k+1)-token step whose padding is never accepted.
 
 The target forward is our own loop over the HF decoder layers (fast_steps.run_target), not `Target.capture`'s per-call
 hooks: it hands the aux states over directly and holds nothing torch.compile would have to guard (hooks registered
@@ -44,6 +46,8 @@ from hstap.fast_steps import (
     decode_buffers,
     ngram_body,
     ngram_buffers,
+    prefill_body,
+    prefill_buffers,
     run_target,
     spec_bodies,
     spec_buffers,
@@ -104,19 +108,20 @@ def _check(mode: str, k: int, topk: int, depth: int, tokens: int, temperature: f
 class FastDecoder:
     """Static caches, steps and their graphs for one target (and drafter), reused across prompts and methods.
 
-    graphs: capture CUDA graphs (default: on CUDA); compile: torch.compile each step (target layers, drafter levels,
-    masks, acceptance) before capturing it (off by default); max_len: cache slots (grown, and every graph
-    recaptured, when a request needs more)."""
+    graphs: capture CUDA graphs (default: on CUDA); compile: torch.compile each decoding step (target layers, drafter
+    levels, masks, acceptance; not the prefill buckets) before capturing it (default: on CUDA; it fuses the hundreds
+    of small kernels a step is made of, at a one-time cost of seconds to minutes per step, excluded from timings);
+    max_len: cache slots (grown, and every graph recaptured, when a request needs more)."""
 
-    def __init__(self, target, drafter=None, max_len: int = 1024, graphs: bool | None = None, compile: bool = False,
-                 log=None):
+    def __init__(self, target, drafter=None, max_len: int = 1024, graphs: bool | None = None,
+                 compile: bool | None = None, log=None):
         self.target, self.drafter, self.dev = target, drafter, target.device
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         if graphs and self.dev.type != "cuda":
             raise HstapError("fastdecode.py: graphs=True needs a CUDA target")
         self.policy = GraphPolicy(self.dev.type == "cuda" if graphs is None else graphs,
                                   f"a {target.config.model_type} decoding step", self.log)
-        self.compile = compile
+        self.compile = self.dev.type == "cuda" if compile is None else compile
         self.unsupported: str | None = None
         self._said: set[str] = set()
         self.host_reads = 0  # device -> host reads inside decoding loops: the host syncs
@@ -152,8 +157,8 @@ class FastDecoder:
         """fwd(ids, pos, mask) -> (logits, aux): the target over the static cache, tapping `layers`."""
         target, cache = self.target, self.cache
 
-        def fwd(ids, pos, mask):
-            return run_target(target, cache, list(layers), ids, pos, mask)
+        def fwd(ids, pos, mask, rows=None):
+            return run_target(target, cache, list(layers), ids, pos, mask, rows)
 
         return fwd
 
@@ -188,18 +193,48 @@ class FastDecoder:
         return t.tolist()
 
     def _prefill(self, prompt: list[int], layers: tuple):
-        """The prompt through the target at slots 0..P-1 (eager) -> logits (P, V), fc inputs (P, K, H)."""
+        """The prompt through the target at slots 0..P-1, eagerly -> logits (P, V), fc inputs (P, K, H)."""
         pos = torch.arange(len(prompt), device=self.dev)  # (P,)
         seek(self.cache, 0)
         return self._forward(layers)(torch.tensor([prompt], device=self.dev), pos[None],
-                                            additive(causal_rows(self.col, pos), self.target.dtype))
+                                     additive(causal_rows(self.col, pos), self.target.dtype))
 
-    def _step(self, key, name: str, body, state) -> Step:
+    def _prefill_step(self, prompt: list[int], layers: tuple, spec: bool) -> dict:
+        """Run the prompt as a fixed-shape step, padded to a power of two (>= 16) -> its buffers: "logit" (V,) and
+        "aux_last" (K, H) of the newest token; with spec, the drafter holds every pair but the newest."""
+        P = len(prompt)
+        L = min(self.S - 1, max(16, 1 << (P - 1).bit_length()))
+        key = ("prefill", L, layers, spec)
+        if key not in self.steps:
+            b = prefill_buffers(self.dev, L, self.target.vocab_size, max(1, len(layers)), self.target.hidden_size,
+                                self.target.dtype)
+            body = prefill_body(b, self._forward(layers), self.cache, self.col, self.target.dtype,
+                                self.drafter if spec else None, self.dcache if spec else None)
+            self._step(key, "prefill", body, [], compile=False).buf = b  # one compilation per bucket: not worth it
+        b = self.steps[key].buf
+        b["ids"][:P].copy_(torch.tensor(prompt))
+        b["n"].fill_(P)
+        self.steps[key]()
+        return b
+
+    def _captures(self) -> float:
+        return sum(st.capture_s for st in self.steps.values())
+
+    @staticmethod
+    def _times(t: list[float], c: list[float], **spans: float) -> dict:
+        """Wall clock t = [start, prefill done, loop done] and capture totals c at the same points -> the timings,
+        without the one-time costs spent in this call (warm-up, compilation, capture: capture_s), as a warm-up run
+        would have them; host_s = the loop's wall time minus the device spans."""
+        pre, loop = c[1] - c[0], c[2] - c[1]
+        return {"prefill_s": t[1] - t[0] - pre, **spans, "host_s": t[2] - t[1] - loop - sum(spans.values()),
+                "total_s": t[2] - t[0] - pre - loop, "capture_s": pre + loop}
+
+    def _step(self, key, name: str, body, state, compile: bool = True) -> Step:
         compiled = None
-        if self.compile:  # the whole step: target layers, drafter levels, masks and acceptance fuse together
+        if compile and self.compile:  # the whole step: target layers, drafter levels, masks, acceptance fuse
             cfg = torch._dynamo.config  # one code object per kind of step, many closures: room for them all
-            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-            setattr(cfg, name, max(getattr(cfg, name), 64))
+            limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+            setattr(cfg, limit, max(getattr(cfg, limit), 64))
             compiled = torch.compile(body, dynamic=False)
         self.steps[key] = Step(name, body, self.policy, state=state, compiled=compiled)
         return self.steps[key]
@@ -211,8 +246,7 @@ class FastDecoder:
              "verify_forwards": rounds, "verify_tokens": len(out) - 1,
              "tau": (len(out) - 1) / rounds if rounds else 0.0, **t,
              "tokens_per_s": len(out) / total if total > 0 else 0.0,
-             "graphs": all(st.graph is not None for st in steps), "compiled": all(st.compiled for st in steps),
-             "capture_s": sum(st.capture_s for st in steps)}
+             "graphs": all(st.graph is not None for st in steps), "compiled": all(st.compiled for st in steps)}
         s.update(latency_model(s))
         return s
 
@@ -233,14 +267,14 @@ class FastDecoder:
                                                   temperature), [b["start"], b["root"]]).buf = b
         step, eos, clock = self.steps[key], {int(e) for e in eos_ids}, Clock(self.dev)
         b = step.buf
-        t0 = time.perf_counter()
-        logits, _ = self._prefill(prompt, ())
-        x = choose(logits[-1], temperature, generator)
+        c, t = [self._captures()], [time.perf_counter()]
+        x = choose(self._prefill_step(prompt, (), False)["logit"], temperature, generator)
         b["start"].fill_(len(prompt))
         b["root"].fill_(x)
         out: list[int] = []
         done = finish(out, [x], max_new_tokens, eos)
-        t1 = time.perf_counter()
+        c.append(self._captures())
+        t.append(time.perf_counter())
         marks = []
         while not done:
             if temperature > 0:
@@ -250,10 +284,10 @@ class FastDecoder:
             marks.append((e0, clock.mark()))
             done = finish(out, self._read(b["out"]), max_new_tokens, eos)
         clock.sync()
-        t2 = time.perf_counter()
-        dec = sum(clock.span(a, c) for a, c in marks)
-        t = {"prefill_s": t1 - t0, "decode_s": dec, "host_s": (t2 - t1) - dec, "total_s": t2 - t0}
-        return out, self._stats("target", prompt, out, len(marks), t, [key], temperature=temperature)
+        t.append(time.perf_counter())
+        c.append(self._captures())
+        times = self._times(t, c, decode_s=sum(clock.span(m0, m1) for m0, m1 in marks))
+        return out, self._stats("target", prompt, out, len(marks), times, [key], temperature=temperature)
 
     # --- EAGLE: chain and tree --------------------------------------------------------------------------------------
     def _spec_steps(self, shape: TreeShape, temperature: float):
@@ -272,16 +306,11 @@ class FastDecoder:
 
     def _spec_prefill(self, b: dict, prompt: list[int], temperature: float, gen) -> int:
         """Target prefill and the drafter extend of every pair but the newest, which is left pending (row P-1)."""
-        layers = tuple(self.drafter.config.aux_layers)
-        logits, aux = self._prefill(prompt, layers)  # (P0, V), (P0, K, Ht)
-        x = choose(logits[-1], temperature, gen)
+        pre = self._prefill_step(prompt, tuple(self.drafter.config.aux_layers), True)
+        x = choose(pre["logit"], temperature, gen)
         P0 = len(prompt)
-        if P0 > 1:
-            pos = torch.arange(P0 - 1, device=self.hot.device)  # (P0-1,)
-            self.drafter(torch.tensor([prompt[1:]], device=pos.device), self.drafter.project(aux[None, :-1]),
-                         pos[None], self.dcache.at(pos), causal_rows(self.col, pos))
         b["pend_ids"].fill_(x)
-        b["pend_aux"].copy_(aux[-1:].expand_as(b["pend_aux"]))
+        b["pend_aux"].copy_(pre["aux_last"].expand_as(b["pend_aux"]))
         b["pend_n"].fill_(1)
         b["start"].fill_(P0)
         b["root"].fill_(x)
@@ -315,11 +344,12 @@ class FastDecoder:
         self._ensure(len(prompt) + max_new_tokens + shape.margin)
         draft_step, verify_step, key = self._spec_steps(shape, temperature)
         b, eos, clock, P = verify_step.buf, {int(e) for e in eos_ids}, Clock(self.dev), shape.P
-        t0 = time.perf_counter()
+        c, t = [self._captures()], [time.perf_counter()]
         x = self._spec_prefill(b, prompt, temperature, generator)
         out: list[int] = []
         done = finish(out, [x], max_new_tokens, eos)
-        t1 = time.perf_counter()
+        c.append(self._captures())
+        t.append(time.perf_counter())
         marks, counts, moved = [], [0] * depth, 0
         while not done:
             if temperature > 0:
@@ -336,11 +366,12 @@ class FastDecoder:
                 counts[d] += 1
             done = finish(out, r[2 + P - 1 - a:], max_new_tokens, eos)
         clock.sync()
-        t2 = time.perf_counter()
-        ds, vs = sum(clock.span(m[0], m[1]) for m in marks), sum(clock.span(m[1], m[2]) for m in marks)
+        t.append(time.perf_counter())
+        c.append(self._captures())
         n = len(marks)
-        t = {"prefill_s": t1 - t0, "draft_s": ds, "verify_s": vs, "host_s": (t2 - t1) - ds - vs, "total_s": t2 - t0}
-        return out, self._stats(f"eagle-{mode}", prompt, out, n, t, [key + ("draft",), key], mode=mode,
+        times = self._times(t, c, draft_s=sum(clock.span(m[0], m[1]) for m in marks),
+                            verify_s=sum(clock.span(m[1], m[2]) for m in marks))
+        return out, self._stats(f"eagle-{mode}", prompt, out, n, times, [key + ("draft",), key], mode=mode,
                                 k=k if mode == "chain" else None, topk=topk, depth=depth, tokens=tokens,
                                 temperature=temperature, accept_counts=counts,
                                 per_position_acceptance=[c / n if n else 0.0 for c in counts],
@@ -367,13 +398,13 @@ class FastDecoder:
         step, eos, clock = self.steps[key], {int(e) for e in eos_ids}, Clock(self.dev)
         b = step.buf
         pinned = torch.zeros(k + 2, dtype=torch.long, pin_memory=self.dev.type == "cuda")  # [n, root, drafts]
-        t0 = time.perf_counter()
-        logits, _ = self._prefill(prompt, ())
-        ids = prompt + [choose(logits[-1], temperature, generator)]
+        c, t = [self._captures()], [time.perf_counter()]
+        ids = prompt + [choose(self._prefill_step(prompt, (), False)["logit"], temperature, generator)]
         b["start"].fill_(len(prompt))
         out: list[int] = []
         done = finish(out, ids[-1:], max_new_tokens, eos)
-        t1 = time.perf_counter()
+        c.append(self._captures())
+        t.append(time.perf_counter())
         marks, counts, draft_s = [], [0] * k, 0.0
         while not done:
             ta = time.perf_counter()
@@ -394,9 +425,9 @@ class FastDecoder:
                 counts[d] += 1
             done = finish(out, new, max_new_tokens, eos)
         clock.sync()
-        t2 = time.perf_counter()
-        vs, n = sum(clock.span(a, c) for a, c in marks), len(marks)
-        t = {"prefill_s": t1 - t0, "draft_s": draft_s, "verify_s": vs, "host_s": (t2 - t1) - vs - draft_s,
-             "total_s": t2 - t0}
-        return out, self._stats("ngram", prompt, out, n, t, [key], k=k, temperature=temperature,
+        t.append(time.perf_counter())
+        c.append(self._captures())
+        n = len(marks)
+        times = self._times(t, c, draft_s=draft_s, verify_s=sum(clock.span(m0, m1) for m0, m1 in marks))
+        return out, self._stats("ngram", prompt, out, n, times, [key], k=k, temperature=temperature,
                                 accept_counts=counts, per_position_acceptance=[c / n if n else 0.0 for c in counts])
