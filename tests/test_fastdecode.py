@@ -15,8 +15,8 @@ from hstap.common import HstapError
 from hstap.device_tree import TreeShape, draft
 from hstap.drafter import DrafterCache
 from hstap.fastdecode import FastDecoder
+from hstap.draft_tree import draft_tree, tree_mask
 from hstap.speculate import (
-    draft_tree,
     drafter_extend,
     new_cache,
     ngram_generate,
@@ -24,10 +24,9 @@ from hstap.speculate import (
     speculative_generate,
     target_forward,
     target_generate,
-    tree_mask,
 )
 from hstap.static_kv import DrafterStaticCache
-from tests._speculate_fixtures import load_tiny_target, oracle_drafter, random_drafter
+from _speculate_fixtures import load_tiny_target, oracle_drafter, random_drafter
 
 TYPES = ["llama", "qwen2", "qwen3", "deepseek_v3"]
 
