@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, write_run_config
+from hstap.fastdecode import FastDecoder, latency_model
 from hstap.speculate import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
 
 
@@ -82,6 +83,9 @@ class EvalConfig:
     """Sampling seed (temperature > 0); prompt i of every method uses seed + i."""
     tie_tol: float | None = None
     """Logit gap under which a greedy mismatch counts as a numerical near-tie (unset: 1e-3 in fp32, 0.5 in bf16)."""
+    engine: str = field(default="auto", metadata={"choices": ["auto", "fast", "eager"]})
+    """Decoder: fast (static KV caches, CUDA graphs: hstap.fastdecode), eager (hstap.speculate), auto = fast on CUDA,
+    eager on the CPU. Every method runs on the same one."""
 
     def __post_init__(self):
         for name, lo in (("k", 1), ("topk", 1), ("depth", 1), ("tokens", 2), ("max_new_tokens", 1)):
@@ -95,7 +99,7 @@ class EvalConfig:
         if self.tie_tol is not None and self.tie_tol < 0:
             raise HstapError(f"--tie-tol: must be >= 0, got {self.tie_tol}")
         for name, choices in (("mode", ("chain", "tree")), ("baseline", ("none", "ngram")),
-                              ("dtype", ("auto", "fp32", "bf16"))):
+                              ("dtype", ("auto", "fp32", "bf16")), ("engine", ("auto", "fast", "eager"))):
             if getattr(self, name) not in choices:
                 raise HstapError(f"--{name}: expected one of {', '.join(choices)}, got {getattr(self, name)!r}")
         self.target, self.data, self.out = (os.path.abspath(p) for p in (self.target, self.data, self.out))
@@ -240,9 +244,10 @@ def aggregate(per: list[dict]) -> dict:
     agg = {"method": per[0]["method"], "prompts": len(per), "new_tokens": new, "verify_forwards": steps,
            "tau": tot("verify_tokens") / steps if steps else 0.0, "total_s": wall,
            "tokens_per_s": new / wall if wall > 0 else 0.0}
-    for key in ("prefill_s", "draft_s", "verify_s", "decode_s"):
+    for key in ("prefill_s", "draft_s", "verify_s", "decode_s", "host_s"):
         if any(key in s for s in per):
             agg[key] = tot(key)
+    agg.update(latency_model(agg))
     if "accept_counts" in per[0]:
         counts = [sum(c) for c in zip(*(s["accept_counts"] for s in per))]
         agg["accept_counts"] = counts
@@ -251,6 +256,26 @@ def aggregate(per: list[dict]) -> dict:
     if "mean_tree_nodes" in per[0]:
         agg["mean_tree_nodes"] = sum(s["mean_tree_nodes"] * s["verify_forwards"] for s in per) / steps if steps else 0.0
     return agg
+
+
+def decoders(cfg: EvalConfig, target, drafter, prompts, eos) -> tuple[str, dict]:
+    """(engine name, {method: fn(prompt, generator, max_new) -> (output, stats)}) for --engine."""
+    engine = cfg.engine if cfg.engine != "auto" else ("fast" if target.device.type == "cuda" else "eager")
+    T = cfg.temperature
+    dec = None
+    if engine == "fast":
+        longest = max(len(p) for _, p in prompts) + cfg.max_new_tokens + max(cfg.tokens, cfg.k, cfg.depth) + 2
+        dec = FastDecoder(target, drafter, max_len=longest)
+    tgt, ngram, spec = ((dec.target_generate, dec.ngram_generate, dec.speculative_generate) if dec else
+                        (lambda *a: target_generate(target, *a), lambda *a: ngram_generate(target, *a),
+                         lambda *a: speculative_generate(target, drafter, *a)))
+    methods = {"target": lambda p, g, m=cfg.max_new_tokens: tgt(p, m, T, eos, g)}
+    if cfg.baseline == "ngram":
+        methods["ngram"] = lambda p, g, m=cfg.max_new_tokens: ngram(p, m, cfg.k, 3, T, eos, g)
+    if drafter is not None:
+        methods["eagle"] = lambda p, g, m=cfg.max_new_tokens: spec(p, m, cfg.mode, cfg.k, cfg.topk, cfg.depth,
+                                                                   cfg.tokens, T, eos, g)
+    return engine, methods
 
 
 def check_lossless(target, prompts, ref: list[list[int]], outs: list[list[int]], method: str, tol: float) -> list[dict]:
@@ -284,12 +309,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)  # after the input checks, before the long runs
     eos = eos_ids(tok, target)
     T, n = cfg.temperature, cfg.max_new_tokens
-    methods = {"target": lambda p, g, m=n: target_generate(target, p, m, T, eos, g)}
-    if cfg.baseline == "ngram":
-        methods["ngram"] = lambda p, g, m=n: ngram_generate(target, p, m, cfg.k, 3, T, eos, g)
-    if drafter is not None:
-        methods["eagle"] = lambda p, g, m=n: speculative_generate(target, drafter, p, m, cfg.mode, cfg.k, cfg.topk,
-                                                                  cfg.depth, cfg.tokens, T, eos, g)
+    engine, methods = decoders(cfg, target, drafter, prompts, eos)
     outputs, results = {}, {}
     for name, fn in methods.items():
         fn(prompts[0][1], torch.Generator(device=dev).manual_seed(cfg.seed), min(n, 32))  # warm-up, not counted
@@ -314,7 +334,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     report = {
         "method": primary, "tau": p["tau"], "per_position_acceptance": p.get("per_position_acceptance", []),
         "mean_accepted": p.get("mean_accepted"), "tokens_per_s": p["tokens_per_s"], "target_tokens_per_s": base,
-        "speedup": p["speedup"], "draft_s": p.get("draft_s"), "verify_s": p.get("verify_s"),
+        "speedup": p["speedup"], "predicted_speedup": p.get("predicted_speedup"), "engine": engine,
+        "draft_s": p.get("draft_s"), "verify_s": p.get("verify_s"), "host_s": p.get("host_s"),
         "prefill_s": p.get("prefill_s"), "total_s": p["total_s"],
         "simulated_tau": sim_chain_tau(sim, cfg.k) if cfg.mode == "chain" else None,
         "simulated": sim,
@@ -405,15 +426,21 @@ def _markdown(cfg: EvalConfig, r: dict) -> str:
              f"max {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, {r['dtype']} on "
              f"{hw.get('gpu', hw['device'])} (torch {hw['torch']}, transformers {hw['transformers']})",
              "drafting: " + (f"chain k={cfg.k}" if cfg.mode == "chain" else
-                              f"tree topk={cfg.topk} depth={cfg.depth} tokens={cfg.tokens}"), "",
-             "| method | tau | tokens/s | speedup | draft s | verify s | per-position acceptance |",
-             "|---|---|---|---|---|---|---|"]
+                              f"tree topk={cfg.topk} depth={cfg.depth} tokens={cfg.tokens}")
+             + f"; engine {r['engine']}", "",
+             ("| method | tau | tokens/s | speedup | predicted | draft s | verify s | ms/round draft / verify / host "
+              "| per-position acceptance |"),
+             "|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f=".2f": format(v, f) if isinstance(v, float) else "-"
     for name, m in r["methods"].items():
         acc = " ".join(f"{a:.2f}" for a in m.get("per_position_acceptance", [])) or "-"
-        fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else "-"  # noqa: E731
+        split = " / ".join(fmt(m.get(f"{k}_ms_per_round"), ".3f") for k in ("draft", "verify", "host"))
         lines.append(f"| {name} | {m['tau']:.3f} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
-                     f"{fmt(m.get('draft_s'))} | {fmt(m.get('verify_s'))} | {acc} |")
-    lines.append("")
+                     f"{fmt(m.get('predicted_speedup'))}{'x' if m.get('predicted_speedup') else ''} | "
+                     f"{fmt(m.get('draft_s'))} | {fmt(m.get('verify_s'))} | {split} | {acc} |")
+    lines += ["", ("latency model: predicted speedup = tau / (1 + k c_draft / c_verify), k c_draft and c_verify the "
+                   "measured draft and verify time per round (it assumes a verify costs one target-only step and no "
+                   "host time); target-only's verify is its one-token step."), ""]
     if r["simulated_tau"] is not None and r["tau"] > 0:
         sim, tau = r["simulated_tau"], r["tau"]
         lines.append(f"simulated tau of this chain (training eval at step {r['simulated']['step']}, teacher-forced: "

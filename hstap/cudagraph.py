@@ -1,0 +1,133 @@
+"""CUDA-graph capture of fixed-shape steps, with an honest fallback, and a clock that needs no host sync.
+
+A `Step` wraps a function of no arguments that reads and writes preallocated tensors only (static buffers updated
+in place). On CUDA, its first call warms it up twice on a side stream (lazy initialisation, cuBLAS handles,
+torch.compile's compilation) and captures it into a `torch.cuda.CUDAGraph`; later calls replay the graph. The warm-up
+runs change the buffers a step advances (its `state`), so those are saved before and restored after. One of the
+warm-ups runs under `torch.cuda.set_sync_debug_mode("error")`: a step that synchronises with the host (`.item()`,
+`nonzero`, data-dependent shapes such as a MoE's routing loop) raises there, cleanly, instead of breaking a capture.
+Then, or when the capture itself fails, the policy prints ONE line and every later step runs eagerly (steps already
+captured keep their graphs). On the CPU a step is just a call.
+
+`Clock` marks points of a round: CUDA events on the GPU (read once, at the end of a generation), perf_counter on the
+CPU (where every kernel is synchronous).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+
+class GraphPolicy:
+    """Whether new steps may be captured; says so once when they may not."""
+
+    def __init__(self, enabled: bool, what: str, log=None):
+        self.enabled, self.what = enabled, what
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.reason: str | None = None
+
+    def disable(self, reason: str) -> None:
+        if self.enabled:
+            self.enabled, self.reason = False, reason
+            self.log(f"hstap fastdecode: {self.what} cannot be captured in a CUDA graph ({reason}): running eagerly")
+
+
+class Step:
+    """fn: the step on static buffers; compiled: torch.compile(fn) or None (used instead of fn while it works)."""
+
+    def __init__(self, name: str, fn, policy: GraphPolicy, state=(), compiled=None):
+        self.name, self.fn, self.policy, self.state = name, fn, policy, list(state)
+        self.run, self.compiled = compiled or fn, compiled is not None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.tried = False
+        self.capture_s = 0.0  # warm-up + compile + capture, spent once; excluded from every timing
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.tried or not self.policy.enabled:
+            if (self.tried or not self.compiled) or not self._first_run():
+                self.run()
+        else:
+            self._capture_and_run()
+
+    def _first_run(self) -> bool:
+        """Run the compiled step once (this compiles it): True; on failure say so and fall back to the plain step,
+        not run yet: False."""
+        self.tried = True
+        try:
+            self.run()
+            return True
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the uncompiled step is the same function
+            self.policy.log(f"hstap fastdecode: torch.compile failed on the {self.name} step ({_first_line(e)}): "
+                            "running it uncompiled")
+            self.run, self.compiled = self.fn, False
+            return False
+
+    def _capture_and_run(self) -> None:
+        t0 = time.perf_counter()
+        saved = [t.clone() for t in self.state]
+
+        def restore():
+            for t, s in zip(self.state, saved):
+                t.copy_(s)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        self.tried = True
+        try:
+            with torch.cuda.stream(side):
+                if self.compiled:  # compile first (inductor may synchronise while it benchmarks kernels)
+                    self._first_run()
+                    restore()
+                mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    self.run()
+                finally:
+                    torch.cuda.set_sync_debug_mode(mode)
+                restore()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.run()
+        except RuntimeError as e:
+            torch.cuda.synchronize()
+            restore()
+            self.policy.disable(f"{self.name}: {_first_line(e)}")
+            self.run()
+            self.capture_s = time.perf_counter() - t0
+            return
+        torch.cuda.synchronize()
+        self.graph = graph
+        self.capture_s = time.perf_counter() - t0
+        graph.replay()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160]}" if text else type(e).__name__
+
+
+class Clock:
+    """Marks on the device's timeline; `span(a, b)` in seconds once the device is done (call `sync` first)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def span(self, a, b) -> float:
+        return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()

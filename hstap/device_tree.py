@@ -1,0 +1,212 @@
+"""EAGLE-2 drafting and lossless acceptance as fixed-shape tensor code: what `hstap.speculate` does with Python lists,
+done on the device so a whole round can be captured in CUDA graphs and needs one host read at most.
+
+Shapes (`TreeShape`): k = topk, D = depth levels, C = k + (D-1) k^2 candidates (level 1 has k, every later level the
+k children of each of the k nodes expanded there), N = min(tokens, C+1) verified nodes (root included), F = (D-1) k
+drafter slots written while drafting, P = min(D, N-1) + 1 the longest accepted path (root included). A chain of k
+drafts is topk=1, depth=k, tokens=k+1, as in speculate.py.
+
+The tree is speculate.draft_tree's at T = 0, candidate for candidate: candidates are numbered in creation order
+(level by level, and within a level by the rank of the parent, then the child's rank); each level expands its best k
+by cumulative log-prob with ties to the lower number (a stable descending sort, Python's sort by (-score, index));
+the kept nodes are the best N-1 overall, ties again to the lower number, so a parent (never below its child's score,
+and numbered first) is kept before its child: ancestor-closed. At T > 0 only the chain is built here (children are
+Gumbel-top-1 draws from q, as speculate.py draws them); trees at T > 0 stay with the eager decoder.
+
+Acceptance at T = 0: node i is good when its token is the target's argmax at its parent; the accepted nodes are those
+whose ancestors (itself included) are all good. Siblings carry distinct tokens (top-k of one distribution, mapped to
+distinct target ids), so at most one child of a node is good, and the accepted nodes are one path from the root:
+speculate.accept's walk. At T > 0 (chain): child i+1 is accepted with probability min(1, p(t)/q(t)); at the first
+rejection y ~ norm(max(0, p - q)), after the last draft y ~ p (speculate.accept with one child per node). Random
+numbers come in through `noise` (uniforms drawn outside the graph), so the graph holds no generator state.
+
+Pending drafter pairs are kept right-aligned in P rows: the real ones are the last n rows (slots start-n..start-1),
+the padding rows write to slot `start` (scratch: rewritten before it is read), so the extend's last row is always the
+newest pair at a fixed index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hstap.static_kv import block_mask, causal_rows
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    topk: int
+    depth: int
+    tokens: int
+
+    @property
+    def C(self) -> int:
+        return self.topk + (self.depth - 1) * self.topk * self.topk
+
+    @property
+    def N(self) -> int:
+        return min(self.tokens, self.C + 1)
+
+    @property
+    def F(self) -> int:
+        return max(1, (self.depth - 1) * self.topk)
+
+    @property
+    def P(self) -> int:
+        return min(self.depth, self.N - 1) + 1
+
+    @property
+    def chain(self) -> bool:
+        return self.topk == 1
+
+    @property
+    def margin(self) -> int:
+        """Slots a round may write past the committed length."""
+        return max(self.N, self.F, self.P) + 1
+
+
+def gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Uniforms -> Gumbel(0, 1) noise (speculate.py's transform, with its clamp)."""
+    return -(-u.clamp_min(1e-20).log()).log()
+
+
+def _children(drafter, h: torch.Tensor, k: int, temperature: float, u: torch.Tensor | None):
+    """h (f, H) -> top-k children per row: log-probs (f, k), draft ids (f, k), the distribution drawn from or None."""
+    logits = drafter.compute_logits(h).float()  # (f, Vd)
+    if temperature == 0:
+        lp, idx = torch.log_softmax(logits, -1).topk(k, -1)  # (f, k)
+        return lp, idx, None
+    q = torch.softmax(logits / temperature, -1)  # (f, Vd)
+    logq = q.log()
+    idx = (logq + gumbel(u)).topk(k, -1).indices  # Gumbel-top-k: draws without replacement, in order
+    return logq.gather(-1, idx), idx, q
+
+
+def extend(drafter, dcache, ids: torch.Tensor, aux: torch.Tensor, n: torch.Tensor, start: torch.Tensor,
+           col: torch.Tensor) -> torch.Tensor:
+    """Pending pairs (embed(ids[j]), fc(aux[j])), the last n of P rows real, at drafter slots start-n..start-1.
+
+    ids (P,), aux (P, K, Ht); returns h_out of the newest pair (1, H), whose logits propose the next token."""
+    P = ids.shape[0]
+    j = torch.arange(P, device=ids.device)  # (P,)
+    pos = (start - P + j).clamp_min(0)  # (P,) real rows: start-n .. start-1
+    slots = torch.where(j >= P - n, pos, start)  # padding rows write the scratch slot `start`
+    hidden = drafter.project(aux[None])  # (1, P, H)
+    h = drafter(ids[None], hidden, pos[None], dcache.at(slots), causal_rows(col, pos))  # (1, P, H)
+    return h[0, P - 1:]  # (1, H)
+
+
+@torch.no_grad()
+def draft(drafter, dcache, h_last: torch.Tensor, root: torch.Tensor, start: torch.Tensor, col: torch.Tensor,
+          shape: TreeShape, hot: torch.Tensor, temperature: float = 0.0, u: torch.Tensor | None = None) -> dict:
+    """Grow the tree from h_last (1, H) rooted at token `root` (0-d) at sequence index `start`.
+
+    Returns {"tok" (N,), "depth" (N,), "parent" (N,) (the root is its own parent), "anc" (N, N) bool (row i: node i
+    and its ancestors), "q" (N-1, Vd) the draft distribution each node's children were drawn from (T > 0) or None}.
+    u (D, Vd): uniforms for the Gumbel draws at T > 0 (row d for level d+1)."""
+    k, D, Fs = shape.topk, shape.depth, shape.F
+    dev = h_last.device
+    rk, fslot = torch.arange(k, device=dev), torch.arange(Fs, device=dev)  # (k,), (F,)
+    lp, idx, q = _children(drafter, h_last, k, temperature, None if u is None else u[:1])  # (1, k)
+    toks, scores, pars, deps, qs = [hot[idx[0]]], [lp[0]], [torch.full((k,), -1, device=dev)], \
+        [torch.ones(k, dtype=torch.long, device=dev)], [q]
+    hid = h_last.expand(k, -1)  # (k, H): the root's h_out feeds every level-1 node
+    anc = h = None
+    base = 0
+    for d in range(1, D):
+        sc = scores[-1]  # (m,) this level's candidates, numbered base..base+m-1
+        order = rk if shape.chain else torch.sort(sc, descending=True, stable=True).indices[:k]  # (k,) best k,
+        # ties to the lower number (a chain level holds one node)
+        own = fslot[None, :] == ((d - 1) * k + rk)[:, None]  # (k, F) each front node's own drafter slot
+        if d == 1:
+            anc = own
+        else:
+            prank = order // k  # (k,) rank of each front node's parent in the previous front
+            hid, anc = h.index_select(0, prank), anc.index_select(0, prank) | own  # (k, H), (k, F)
+        pos = (start - 1 + d).expand(k)  # (k,) the drafter's rotary position grows with depth
+        slots = start + (d - 1) * k + rk  # (k,)
+        h = drafter(toks[-1].index_select(0, order)[None], hid[None], pos[None], dcache.at(slots),
+                    block_mask(col, start, anc))[0]  # (k, H)
+        lp, idx, q = _children(drafter, h, k, temperature, None if u is None else u[d:d + 1])  # (k, k)
+        toks.append(hot[idx].flatten())
+        scores.append((sc.index_select(0, order)[:, None] + lp).flatten())  # (k*k,) cumulative log-probs
+        pars.append((base + order)[:, None].expand(k, k).reshape(-1))  # (k*k,) (no repeat_interleave: it may sync)
+        deps.append(torch.full((k * k,), d + 1, dtype=torch.long, device=dev))
+        qs.append(q)
+        base += sc.shape[0]
+    return _select(shape, root, torch.cat(toks), torch.cat(scores), torch.cat(pars), torch.cat(deps),
+                   torch.cat(qs) if temperature > 0 else None)
+
+
+def _select(shape: TreeShape, root, tok, score, par, dep, q) -> dict:
+    """Keep the best N-1 candidates (C,) by score, in number order, and build the node arrays and ancestor matrix."""
+    N, C, dev = shape.N, shape.C, tok.device
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    if shape.chain:  # every candidate is kept, each the child of the one before
+        ar = torch.arange(N, device=dev)
+        return {"tok": torch.cat([root.view(1), tok]), "parent": (ar - 1).clamp_min(0), "q": q,
+                "anc": torch.ones(N, N, dtype=torch.bool, device=dev).tril(), "depth": ar}
+    keep = torch.sort(score, descending=True, stable=True).indices[:N - 1].sort().values  # (N-1,)
+    inv = torch.zeros(C + 1, dtype=torch.long, device=dev).index_copy_(
+        0, keep + 1, torch.arange(1, N, device=dev))  # candidate number + 1 -> node index (the root's "-1" -> 0)
+    parent = torch.cat([zero, inv.index_select(0, par.index_select(0, keep) + 1)])  # (N,)
+    eye = torch.eye(N, dtype=torch.bool, device=dev)
+    anc = eye
+    for _ in range(shape.depth):  # row i |= row of its parent, depth times: every ancestor is reached
+        anc = eye | anc.index_select(0, parent)  # (N, N)
+    return {"tok": torch.cat([root.view(1), tok.index_select(0, keep)]), "parent": parent, "anc": anc,
+            "depth": torch.cat([zero, dep.index_select(0, keep)]), "q": q}
+
+
+# --- acceptance -------------------------------------------------------------------------------------------------------
+def accept_greedy(logits: torch.Tensor, tok: torch.Tensor, parent: torch.Tensor, anc: torch.Tensor, P: int,
+                  valid: torch.Tensor | None = None):
+    """logits (N, V) -> (accepted drafts a (), path (P,) node indices from the root (valid up to a), final token y ()).
+
+    valid (N,) bool, optional: nodes that may be accepted (n-gram chains shorter than the buffer)."""
+    N = tok.shape[0]
+    ar = torch.arange(N, device=tok.device)  # (N,)
+    am = logits.argmax(-1)  # (N,)
+    good = (tok == am.index_select(0, parent)) | (ar == 0)  # (N,)
+    if valid is not None:
+        good = good & valid
+    onpath = ~(anc & ~good[None]).any(-1)  # (N,) every ancestor good
+    a = onpath.sum() - 1
+    path = torch.sort(torch.where(onpath, ar, ar + N)).indices[:P]  # (P,) the path in depth order, then padding
+    y = am.index_select(0, path.index_select(0, a.view(1)))[0]
+    return a, path, y
+
+
+def accept_sampled_chain(logits: torch.Tensor, tok: torch.Tensor, q: torch.Tensor, n_valid: torch.Tensor,
+                         temperature: float, u: torch.Tensor, g: torch.Tensor):
+    """Chain rejection sampling. logits (N, V); tok (N,) (tok[i+1] was drawn at node i); q (N-1, V) the target-vocab
+    distributions the drafts were drawn from; n_valid () drafts present; u (N-1,) uniforms, g (V,) Gumbel noise.
+
+    Returns (a (), path = arange (N,), y ())."""
+    N = tok.shape[0]
+    ar = torch.arange(N, device=tok.device)  # (N,)
+    p = torch.softmax(logits / temperature, -1)  # (N, V)
+    t = tok[1:, None]  # (N-1, 1)
+    pt, qt = p[:-1].gather(1, t)[:, 0], q.gather(1, t)[:, 0]  # (N-1,)
+    ok = (u * qt < pt) & (qt > 0) & (ar[:-1] < n_valid)  # accept w.p. min(1, p/q)
+    a = ok.long().cumprod(0).sum()  # leading accepts
+    pa = p.index_select(0, a.view(1))[0]  # (V,)
+    qa = torch.cat([q, torch.zeros_like(q[:1])]).index_select(0, a.view(1))[0]  # (V,) zero past the last draft
+    r = (pa - qa).clamp_min(0)  # residual after a rejection
+    qta = torch.cat([qt, qt.new_zeros(1)]).index_select(0, a.view(1))[0]
+    use_r = (a < n_valid) & (qta > 0) & (r.sum() > 0)  # q(t) == 0 or rounding: speculate.py samples p itself
+    dist = torch.where(use_r, r, pa)  # (V,)
+    y = (dist.log() + g).argmax()  # Gumbel-max: a sample of dist / sum(dist)
+    return a, ar, y
+
+
+def next_pending(tok: torch.Tensor, path: torch.Tensor, a: torch.Tensor, y: torch.Tensor, aux: torch.Tensor):
+    """The next round's right-aligned pending pairs: rows P-1-a..P-1 hold (x[t+1], aux[t]) for the accepted path.
+
+    Returns ids (P,) and aux (P, K, H); ids[P-1-a:] are the new tokens (accepted drafts, then y)."""
+    P = path.shape[0]
+    m = (torch.arange(P, device=tok.device) - (P - 1) + a).clamp_min(0)  # (P,) offset along the path
+    nxt = tok.index_select(0, path.index_select(0, (m + 1).clamp_max(P - 1)))  # (P,)
+    ids = torch.where(m < a, nxt, y)
+    return ids, aux.index_select(0, path.index_select(0, m))  # (P,), (P, K, H)

@@ -1,0 +1,255 @@
+"""The fast decoder (hstap.fastdecode: static caches, device-side trees and acceptance) against the eager one
+(hstap.speculate) on tiny random CPU targets: the same tokens (greedy; Llama, Qwen2, Qwen3, DeepSeek-V3), the same
+EAGLE-2 trees node for node, caches after tree rounds equal to a fresh prefill, the output law at temperature > 0
+(chi-square), one host read per round, and the one-line fallbacks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from hstap.common import HstapError
+from hstap.device_tree import TreeShape, draft
+from hstap.drafter import DrafterCache
+from hstap.fastdecode import FastDecoder
+from hstap.draft_tree import draft_tree, tree_mask
+from hstap.speculate import (
+    drafter_extend,
+    new_cache,
+    ngram_generate,
+    prefill,
+    speculative_generate,
+    target_forward,
+    target_generate,
+)
+from hstap.static_kv import DrafterStaticCache
+from _speculate_fixtures import load_tiny_target, oracle_drafter, random_drafter
+
+TYPES = ["llama", "qwen2", "qwen3", "deepseek_v3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tiny_llama, tiny_deepseek, tiny_tokenizer, tmp_path_factory) -> dict:
+    from hstap.toy import build_random_target
+
+    paths = {"llama": tiny_llama, "deepseek_v3": tiny_deepseek}
+    for mt in ("qwen2", "qwen3"):
+        d = tmp_path_factory.mktemp(f"tiny-{mt}")
+        build_random_target(d, tiny_tokenizer[0], model_type=mt, num_layers=4, hidden_size=64)
+        paths[mt] = d
+    return {mt: load_tiny_target(p)[0] for mt, p in paths.items()}
+
+
+def _prompt(V: int, n: int, seed: int) -> list[int]:
+    return torch.randint(6, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("mt", TYPES)
+def test_static_forward_equals_model(tiny_models, mt):
+    target = tiny_models[mt]
+    fd = FastDecoder(target, max_len=64)
+    assert fd.unsupported is None and fd.S == 256
+    prompt = _prompt(target.vocab_size, 9, seed=1)
+    logits, aux = fd._prefill(prompt, (1, 2))
+    ref_logits, ref_aux = target_forward(target, torch.tensor([prompt]), [1, 2], new_cache())
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mt", TYPES)
+def test_greedy_equals_eager_and_target(tiny_models, mt):
+    target = tiny_models[mt]
+    prompt = _prompt(target.vocab_size, 8, seed=6)
+    ref, _ = target_generate(target, prompt, 40)
+    random_d = random_drafter(target, (1, 2, 3), draft_vocab=300)
+    oracle = oracle_drafter(target, prompt + ref, second=range(len(prompt) + 1, len(prompt) + 40, 2))
+    runs = [(random_d, dict(mode="chain", k=3)), (random_d, dict(mode="tree", topk=3, depth=4, tokens=10)),
+            (oracle, dict(mode="chain", k=4)), (oracle, dict(mode="tree", topk=2, depth=4, tokens=12))]
+    for drafter, kw in runs:
+        fd = FastDecoder(target, drafter, max_len=64)
+        out, st = fd.speculative_generate(prompt, 32, **kw)
+        eager, est = speculative_generate(target, drafter, prompt, 32, **kw)
+        assert out == eager == ref[:32], kw
+        assert st["accept_counts"] == est["accept_counts"] and st["kv_moves"] == est["kv_moves"], kw
+        assert fd.host_reads == st["verify_forwards"] == est["verify_forwards"]  # one read per round, no more
+    assert st["kv_moves"] > 0 and st["tau"] > 2.5  # the oracle tree accepted through second children
+    fd = FastDecoder(target, max_len=64)
+    assert fd.target_generate(prompt, 40)[0] == ref
+    out, st = fd.ngram_generate(prompt + ref[:20] + prompt, 30)  # repeats: n-gram drafts get accepted
+    eager, est = ngram_generate(target, prompt + ref[:20] + prompt, 30)
+    assert out == eager and st["accept_counts"] == est["accept_counts"]
+
+
+@pytest.mark.parametrize("topk,depth,tokens", [(3, 4, 10), (2, 5, 8), (4, 3, 30), (3, 3, 50), (1, 5, 6)])
+def test_device_tree_equals_draft_tree(tiny_models, topk, depth, tokens):
+    """The on-device EAGLE-2 construction keeps the eager tree's nodes, parents and depths, in the same order."""
+    target = tiny_models["llama"]
+    drafter = random_drafter(target, (1, 2, 3), draft_vocab=300, seed=topk)
+    st = prefill(target, drafter, _prompt(target.vocab_size, 11, seed=depth))
+    h_last = drafter_extend(drafter, st.dcache, *st.pending)  # (1, 1, H)
+    L = len(st.ids)
+    ref = draft_tree(drafter, st.dcache, h_last, st.ids[-1], L - 1, topk, depth, tokens)
+    c = drafter.config
+    dc = DrafterStaticCache(c.num_key_value_heads, c.head_dim, 64, torch.float32, "cpu")
+    dc.k[:, :, :L - 1], dc.v[:, :, :L - 1] = st.dcache.k, st.dcache.v
+    hot = torch.arange(c.draft_vocab_size) + drafter.d2t
+    t = draft(drafter, dc, h_last[0], torch.tensor(st.ids[-1]), torch.tensor(L - 1), torch.arange(64),
+              TreeShape(topk, depth, tokens), hot)
+    assert t["tok"].tolist() == ref.tokens and t["depth"].tolist() == ref.depths
+    assert t["parent"].tolist() == [max(p, 0) for p in ref.parents]
+    assert torch.equal(t["anc"], tree_mask(ref.parents, 0, torch.float32, "cpu")[0, 0] == 0)
+    assert len(ref.tokens) == min(tokens, TreeShape(topk, depth, tokens).C + 1)
+
+
+def test_caches_after_tree_rounds_equal_fresh_prefill(tiny_models):
+    target = tiny_models["llama"]
+    prompt = _prompt(target.vocab_size, 12, seed=3)
+    ref, _ = target_generate(target, prompt, 30)
+    seq = prompt + ref
+    drafter = oracle_drafter(target, seq, second=range(len(prompt) + 2, len(seq), 3))
+    fd = FastDecoder(target, drafter, max_len=64)
+    out, st = fd.speculative_generate(prompt, 24, mode="tree", topk=2, depth=3, tokens=7)
+    assert out == ref[:24] and st["kv_moves"] > 0  # accepted paths skipped tree slots: entries were gathered
+    b = next(s.buf for s in fd.steps.values() if hasattr(s, "buf"))
+    n = len(prompt) + len(out) - 1  # committed on the host; the device may be ahead (a round cut by max_new)
+    assert int(b["start"]) >= n
+    fresh = new_cache()
+    _, aux = target_forward(target, torch.tensor([seq[:n]]), [1, 2, 3], fresh)
+    for layer, want in zip(fd.cache.layers, fresh.layers):
+        torch.testing.assert_close(layer.keys[:, :, :n], want.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.values[:, :, :n], want.values, atol=1e-5, rtol=1e-5)
+    m = min(n, int(b["start"]) - int(b["pend_n"]))  # drafter entries before the pending pairs
+    dref = DrafterCache()
+    drafter_extend(drafter, dref, seq[1:n + 1], aux, 0)
+    torch.testing.assert_close(fd.dcache.k[:, :, :m], dref.k[:, :, :m], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fd.dcache.v[:, :, :m], dref.v[:, :, :m], atol=1e-4, rtol=1e-4)
+
+
+def test_eos_stops(tiny_models):
+    target = tiny_models["llama"]
+    prompt = _prompt(target.vocab_size, 8, seed=7)
+    ref, _ = target_generate(target, prompt, 24)
+    eos = ref[9]
+    stop = ref.index(eos) + 1
+    fd = FastDecoder(target, oracle_drafter(target, prompt + ref), max_len=64)
+    assert fd.target_generate(prompt, 24, eos_ids=[eos])[0] == ref[:stop]
+    assert fd.speculative_generate(prompt, 24, k=4, eos_ids=[eos])[0] == ref[:stop]
+    assert fd.ngram_generate(prompt, 24, eos_ids=[eos])[0] == ref[:stop]
+
+
+# --- temperature > 0: the output law is the target's -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vocab4(tmp_path_factory):
+    """A 2-layer Llama with a 4-token vocabulary (64 outcomes for 3 tokens) and a drafter over 3 of them."""
+    from hstap.toy import build_random_target
+
+    d = tmp_path_factory.mktemp("vocab4")
+    build_random_target(d, None, model_type="llama", num_layers=2, hidden_size=16, num_heads=2, num_kv_heads=1,
+                        intermediate_size=32, vocab_size=4)
+    target = load_tiny_target(d)[0]
+    return target, random_drafter(target, (0, 1), draft_vocab=3, seed=1)
+
+
+def _law(target, prompt: list[int], n: int, temperature: float) -> dict:
+    probs = {}
+    for seq in itertools.product(range(target.vocab_size), repeat=n):
+        pr = 1.0
+        logits, _ = target_forward(target, torch.tensor([prompt + list(seq[:-1])]), [], new_cache())  # (T, V)
+        for i, t in enumerate(seq):
+            pr *= float(torch.softmax(logits[len(prompt) - 1 + i] / temperature, -1)[t])
+        probs[seq] = pr
+    return probs
+
+
+def _chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
+    """Pearson chi-square goodness of fit; cells expected below 5 are pooled."""
+    stat, dof, pool_o, pool_e = 0.0, -1, 0.0, 0.0
+    for cell, p in probs.items():
+        e, o = p * n, counts.get(cell, 0)
+        if e < 5:
+            pool_o, pool_e = pool_o + o, pool_e + e
+            continue
+        stat, dof = stat + (o - e) ** 2 / e, dof + 1
+    if pool_e > 0:
+        stat, dof = stat + (pool_o - pool_e) ** 2 / pool_e, dof + 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("method,N", [("chain", 500), ("ngram", 400), ("target", 300)])
+def test_sampling_law_equals_target(vocab4, method, N):
+    target, drafter = vocab4
+    prompt, n, temp = [1, 2, 1, 3, 1, 2, 1], 3, 1.0  # repeats: n-gram lookup finds drafts
+    fd = FastDecoder(target, drafter, max_len=32)
+    gen = torch.Generator().manual_seed(1234)
+    counts: dict = {}
+    accepted = 0
+    for _ in range(N):
+        if method == "chain":
+            out, st = fd.speculative_generate(prompt, n, mode="chain", k=2, temperature=temp, generator=gen)
+        elif method == "ngram":
+            out, st = fd.ngram_generate(prompt, n, k=2, temperature=temp, generator=gen)
+        else:
+            out, st = fd.target_generate(prompt, n, temperature=temp, generator=gen)
+        accepted += sum(st.get("accept_counts", [0]))
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    probs = _law(target, prompt, n, temp)
+    assert _chi2_pvalue(counts, probs, N) > 1e-3
+    assert _chi2_pvalue(counts, _law(target, prompt, n, temp / 3), N) < 1e-6  # the test tells close laws apart
+    assert method == "target" or accepted > N // 4  # drafts were accepted and rejected: both branches ran
+
+
+# --- fallbacks, said once ------------------------------------------------------------------------------------------
+def test_tree_sampling_falls_back_with_one_line(tiny_models):
+    target = tiny_models["llama"]
+    drafter = random_drafter(target, (1, 2, 3), draft_vocab=300)
+    said: list[str] = []
+    fd = FastDecoder(target, drafter, max_len=64, log=said.append)
+    prompt = _prompt(target.vocab_size, 8, seed=2)
+    kw = dict(mode="tree", topk=2, depth=3, tokens=6, temperature=0.8)
+    for _ in range(2):
+        out, _ = fd.speculative_generate(prompt, 10, generator=torch.Generator().manual_seed(5), **kw)
+        assert out == speculative_generate(target, drafter, prompt, 10, generator=torch.Generator().manual_seed(5),
+                                           **kw)[0]
+    assert len(said) == 1 and "eager decoder" in said[0] and "temperature > 0" in said[0]
+
+
+def test_unsupported_cache_falls_back_with_one_line(tiny_tokenizer, tmp_path):
+    from hstap.toy import build_random_target
+
+    build_random_target(tmp_path, tiny_tokenizer[0], model_type="mistral", num_layers=2, hidden_size=64,
+                        sliding_window=32)
+    target = load_tiny_target(tmp_path)[0]
+    said: list[str] = []
+    fd = FastDecoder(target, random_drafter(target, (0, 1), draft_vocab=300), max_len=64, log=said.append)
+    assert "sliding window 32" in fd.unsupported
+    prompt = _prompt(target.vocab_size, 8, seed=9)
+    ref, _ = target_generate(target, prompt, 12)
+    assert fd.target_generate(prompt, 12)[0] == ref and fd.speculative_generate(prompt, 12, k=2)[0] == ref
+    assert len(said) == 1 and "eager decoder" in said[0]
+    with pytest.raises(HstapError, match="needs a CUDA target"):
+        FastDecoder(target, graphs=True)
+
+
+def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path):
+    from hstap.evaluate import EvalConfig, evaluate
+    from hstap.export import save_drafter
+
+    target = load_tiny_target(tiny_llama)[0]
+    save_drafter(tmp_path / "d", random_drafter(target, (1, 2, 3), draft_vocab=300))
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "messages": [{"role": "user", "content": c}]}) + "\n"
+                            for i, c in enumerate(["def parse(s):", "json.dumps"])))
+    evaluate(EvalConfig(target=str(tiny_llama), drafter=str(tmp_path / "d"), data=str(data), out=str(tmp_path / "r"),
+                        mode="tree", topk=2, depth=3, tokens=6, max_new_tokens=10, baseline="ngram", device="cpu",
+                        engine="fast"))
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert rep["engine"] == "fast" and rep["lossless"] is True and set(rep["methods"]) == {"target", "ngram", "eagle"}
+    for m in rep["methods"].values():
+        assert m["verify_ms_per_round"] > 0 and m["host_ms_per_round"] >= 0
+    assert rep["predicted_speedup"] == pytest.approx(
+        rep["tau"] / (1 + rep["methods"]["eagle"]["draft_s"] / rep["methods"]["eagle"]["verify_s"]))
+    assert "latency model" in (tmp_path / "r" / "report.md").read_text()
