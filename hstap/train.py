@@ -69,7 +69,7 @@ from hstap.drafter import DrafterConfig
 from hstap.model_dir import load_config, target_head
 from hstap.train_data import Feed, TrainData, build_data
 from hstap.trainer import Schedule, Trainer, init_drafter
-from hstap.ttt import ttt_flops
+from hstap.ttt import ttt_attention, ttt_flops
 
 STATE_FORMAT = "hstap-trainer-state"
 
@@ -254,12 +254,12 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and cuda)
     if bf16 and not cuda:
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
-    attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "sdpa")
     _open_run(cfg, run, rank)
     hf_cfg = load_config(cfg.target)
     data = build_data(cfg, hf_cfg, rank, world, dev, bf16)
     embed, head = target_head(cfg.target)
     drafter = init_drafter(cfg, hf_cfg, data, embed, head)
+    attn, why = ttt_attention(cfg.attn, dev.type, drafter.config.head_dim)
     feed = Feed(data, head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt)
     del embed, head
 
@@ -285,6 +285,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
              f"{dev.type} {'bf16' if bf16 else 'fp32'}, attn {attn}, ttt {cfg.ttt}, draft vocab {data.d2t.numel()}, "
              f"aux layers {data.layers or 'final'}"
              + (f", resumed from {ckpt.name}" if ckpt else ""))
+    D.print0(f"hstap train: TTT attention {attn}: {why}")
     schedule = Schedule(cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio, total)
     return _Run(cfg, run, rank, world, dev, data, feed, trainer, batches, schedule, run_config), st
 
