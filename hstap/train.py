@@ -22,7 +22,9 @@ drafter starts out predicting what the target head would say on its state: faste
 for random); the rest PyTorch's default init under --seed. AdamW (0.9, 0.95), eps 1e-8; linear warmup over
 --warmup-ratio, then cosine to --min-lr-ratio * lr (default 0, as SpecForge/EAGLE); clipping at --grad-clip. CUDA:
 fp32 master weights, bf16 autocast, bf16 target head, flex_attention with the exact TTT block mask. CPU: fp32, SDPA with
-the exact mask.
+the exact mask. The run log names the TTT attention kernel and why (`hstap.ttt.ttt_attention`: from the device and the
+head width, never the batches); if compiling flex_attention fails for a batch, that rank says so in one line and goes
+on with the exact SDPA path.
 
 Metrics (RUN/metrics.jsonl, a JSON object per line; TensorBoard in RUN/tb when installed). Train lines: step, epoch,
 loss, loss_k, acc (acc_k = counted positions whose draft argmax is the target argmax / counted positions), lr,
