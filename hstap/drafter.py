@@ -230,6 +230,27 @@ def compile_region(fn, **kw):
     return call
 
 
+FLEX_KERNEL_OPTIONS: dict = {"FORCE_USE_FLEX_ATTENTION": True}
+"""kernel_options of every compiled flex_attention call: the main Triton kernel always, never inductor's decoding one.
+
+Inductor lowers a call whose batch and head counts are static and whose query is shorter than 128 to its flex-decoding
+kernel, with BLOCK_M = next_power_of_2(Q_LEN * query heads per kv head); past 128 (the BlockMask's query block) it
+filters out every config: NoValidChoicesError (query (7, 4, 79, 16) with 2 query heads per kv head: BLOCK_M 256).
+Which calls see a static batch depends on the order of shapes in the process (dynamo compiles the first shape static,
+and a batch of one sample always), so a resumed run, which starts on another batch, hit it where the uninterrupted
+run did not. TTT queries are whole sequences, not decoding steps: the main kernel serves every shape the same way."""
+
+
+FLEX_DYNAMIC = None
+"""torch.compile's `dynamic` for the flex region: None (dynamo's default: the first shape static, recompiled with dynamic
+shapes once another comes); benchmarks/repro_flex.py tries True too."""
+
+
+class FlexCompileError(HstapError):
+    """Compiling flex_attention for a shape failed (dynamo, inductor or Triton raised): the caller may run the exact SDPA
+    path instead (`hstap.ttt.TTTModel` does)."""
+
+
 _FLEX: dict = {}
 
 
@@ -243,14 +264,16 @@ def _flex(cuda: bool):
     specialised, so a batch of one sample and a BlockMask with one q or kv block (T <= 128) each get their own; and the
     grad mode splits them all again, so `TTTModel(evaluate=True)` under no_grad (train's evaluation, which runs last)
     hit the limit. Hence a region of our own (a wrapper, so its cache is not shared), a budget of RECOMPILE_LIMIT
-    (the specialisations are bounded, ~2^4; `compile_region`), and fullgraph=True."""
+    (the specialisations are bounded, ~2^4; `compile_region`), and fullgraph=True. FLEX_KERNEL_OPTIONS picks the kernel.
+    A compile failure raises FlexCompileError; the backward is compiled with the forward where torch allows it, so
+    that a failure of either surfaces at the forward call, before any gradient exists."""
     if cuda not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
         if cuda:
             def region(*a, **kw):  # its own code object: its own graph cache and recompile budget
-                return flex_attention(*a, **kw)
+                return flex_attention(*a, kernel_options=dict(FLEX_KERNEL_OPTIONS), **kw)
             # dynamic=None: recompiles once with dynamic shapes, not per T
-            _FLEX[cuda] = compile_region(region, fullgraph=True)
+            _FLEX[cuda] = guard_flex_compile(compile_region(region, fullgraph=True, dynamic=FLEX_DYNAMIC))
         else:
             def eager(*a, **kw):
                 with warnings.catch_warnings():  # "flex_attention called without torch.compile" is the point here
@@ -258,6 +281,42 @@ def _flex(cuda: bool):
                     return flex_attention(*a, **kw)
             _FLEX[cuda] = eager
     return _FLEX[cuda]
+
+
+def guard_flex_compile(compiled):
+    """`compiled(q, k, v, **kw)` with the backward lowered at forward time and compile failures as FlexCompileError."""
+    import torch._functorch.config as fcfg
+
+    eager_bw = {"force_non_lazy_backward_lowering": True} if hasattr(fcfg, "force_non_lazy_backward_lowering") else {}
+
+    def call(q, k, v, **kw):
+        try:
+            with fcfg.patch(**eager_bw):
+                return compiled(q, k, v, **kw)
+        except Exception as e:  # noqa: BLE001 - only compile failures are converted; anything else is re-raised
+            cause = compile_failure(e)
+            if cause is None:
+                raise
+            raise FlexCompileError(f"compiling flex_attention failed for query {tuple(q.shape)} {q.dtype}, key "
+                                   f"{tuple(k.shape)}: {cause}") from e
+    return call
+
+
+def compile_failure(e: BaseException) -> str | None:
+    """'Type: first line' of the innermost dynamo/inductor/Triton exception in e's chain (a failure to compile), or
+    None when there is none or the chain holds an out-of-memory error (a failure to run, not to compile)."""
+    chain = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if any(isinstance(x, torch.OutOfMemoryError) for x in chain):
+        return None
+    hits = [x for x in chain if type(x).__module__.startswith(("torch._dynamo", "torch._inductor", "triton"))]
+    if not hits:
+        return None
+    root = hits[-1]
+    lines = [ln.strip() for ln in str(root).splitlines() if ln.strip()]
+    return f"{type(root).__name__}: {lines[0][:240] if lines else ''}".rstrip(": ")
 
 
 class MLP(nn.Module):

@@ -22,7 +22,9 @@ drafter starts out predicting what the target head would say on its state: faste
 for random); the rest PyTorch's default init under --seed. AdamW (0.9, 0.95), eps 1e-8; linear warmup over
 --warmup-ratio, then cosine to --min-lr-ratio * lr (default 0, as SpecForge/EAGLE); clipping at --grad-clip. CUDA:
 fp32 master weights, bf16 autocast, bf16 target head, flex_attention with the exact TTT block mask. CPU: fp32, SDPA with
-the exact mask.
+the exact mask. The run log names the TTT attention kernel and why (`hstap.ttt.ttt_attention`: from the device and the
+head width, never the batches); if compiling flex_attention fails for a batch, that rank says so in one line and goes
+on with the exact SDPA path.
 
 Metrics (RUN/metrics.jsonl, a JSON object per line; TensorBoard in RUN/tb when installed). Train lines: step, epoch,
 loss, loss_k, acc (acc_k = counted positions whose draft argmax is the target argmax / counted positions), lr,
@@ -69,7 +71,7 @@ from hstap.drafter import DrafterConfig
 from hstap.model_dir import load_config, target_head
 from hstap.train_data import Feed, TrainData, build_data
 from hstap.trainer import Schedule, Trainer, init_drafter
-from hstap.ttt import ttt_flops
+from hstap.ttt import ttt_attention, ttt_flops
 
 STATE_FORMAT = "hstap-trainer-state"
 
@@ -254,12 +256,12 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and cuda)
     if bf16 and not cuda:
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
-    attn = cfg.attn if cfg.attn != "auto" else ("flex" if cuda else "sdpa")
     _open_run(cfg, run, rank)
     hf_cfg = load_config(cfg.target)
     data = build_data(cfg, hf_cfg, rank, world, dev, bf16)
     embed, head = target_head(cfg.target)
     drafter = init_drafter(cfg, hf_cfg, data, embed, head)
+    attn, why = ttt_attention(cfg.attn, dev.type, drafter.config.head_dim)
     feed = Feed(data, head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt)
     del embed, head
 
@@ -285,6 +287,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
              f"{dev.type} {'bf16' if bf16 else 'fp32'}, attn {attn}, ttt {cfg.ttt}, draft vocab {data.d2t.numel()}, "
              f"aux layers {data.layers or 'final'}"
              + (f", resumed from {ckpt.name}" if ckpt else ""))
+    D.print0(f"hstap train: TTT attention {attn}: {why}")
     schedule = Schedule(cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio, total)
     return _Run(cfg, run, rank, world, dev, data, feed, trainer, batches, schedule, run_config), st
 

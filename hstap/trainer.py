@@ -79,6 +79,14 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                      weight_decay=cfg.weight_decay, fused=True if cuda and not self.fsdp else None)
+        self._told_fallback = False
+
+    def _tell_fallback(self) -> None:
+        """One run-log line, the first time this rank's TTT attention fell back from flex to SDPA."""
+        if self.model.attn_fallback and not self._told_fallback:
+            self._told_fallback = True
+            print(f"hstap train: rank {D.get_rank()}: TTT attention sdpa from now on (exact mask): "
+                  f"{self.model.attn_fallback}", flush=True)
 
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16)
@@ -97,6 +105,7 @@ class Trainer:
                     loss, s = self.wrapped(ids, feats, tb, denom.float(), float(self.world))
                 loss.backward()
             stats += s
+        self._tell_fallback()
         gn = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -119,6 +128,7 @@ class Trainer:
                     stats, sim = stats + s, sim + m
                     replays.append((runs, b["loss_mask"], b["lengths"]))
         self.wrapped.train()
+        self._tell_fallback()
         chain = torch.zeros(2, K, dtype=torch.float64)  # replayed chain decoding: tokens, rounds per k
         for runs, lm, lengths in replays:
             chain += torch.tensor(np.stack(replay_chain(runs, lm, lengths, K)))

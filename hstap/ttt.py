@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hstap.drafter import DrafterCache, DrafterConfig, Eagle3Drafter, compile_region
+from hstap.drafter import DrafterCache, DrafterConfig, Eagle3Drafter, FlexCompileError, compile_region
 
 
 def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
@@ -167,11 +167,36 @@ def step_rows(tb: dict, T: int, k: int, counted_only: bool = True):
     return tb["s"][rows_c] - (1 + k), rows_c
 
 
+FLEX_MIN_HEAD_DIM = 16
+"""Narrowest head flex_attention's Triton kernels are given (their tl.dot tiles need K >= 16); narrower: SDPA."""
+
+
+def ttt_attention(requested: str, device: str, head_dim: int) -> tuple[str, str]:
+    """The TTT attention kernel of a run and why, decided before the first batch -> ("flex" | "sdpa" | "causal", the
+    reason: train's run-log line). requested: --attn (auto, flex, sdpa, causal); device: "cuda" or "cpu".
+
+    The choice depends on the device and the drafter's shape only, never on the batches, so a resumed run takes the
+    kernel of the uninterrupted one. flex and sdpa compute the same exact TTT attention; flex is faster (sparse)."""
+    if requested in ("sdpa", "causal"):
+        return requested, f"--attn {requested}"
+    if device != "cuda":
+        if requested == "flex":
+            return "flex", "--attn flex on CPU: eager flex_attention (forward only)"
+        return "sdpa", "CPU: SDPA with the exact TTT mask"
+    if head_dim < FLEX_MIN_HEAD_DIM:
+        return "sdpa", (f"head_dim {head_dim} < {FLEX_MIN_HEAD_DIM}, narrower than flex_attention's Triton kernels "
+                        f"take: SDPA with the exact TTT mask")
+    return "flex", ("compiled flex_attention, its main Triton kernel for every shape (hstap.drafter.FLEX_KERNEL_OPTIONS)"
+                    " with the sparse exact TTT mask; SDPA with the exact mask if compiling it ever fails")
+
+
 class TTTModel(nn.Module):
     """The training-time test of a drafter over one batch as a single forward (the module DDP/FSDP wrap).
 
     attn: "sdpa" (exact bool mask, any device), "flex" (BlockMask; compiled on CUDA), "causal" (approximate: each step
-    attends causally to its own keys only, no cache; a cheaper baseline, not the EAGLE-3 objective)."""
+    attends causally to its own keys only, no cache; a cheaper baseline, not the EAGLE-3 objective). If compiling
+    flex_attention fails for a batch (`FlexCompileError`), the batch is recomputed with "sdpa", which is exact too, and
+    so is every later one; `attn_fallback` then holds the reason (the trainer logs it)."""
 
     def __init__(self, drafter: Eagle3Drafter, ttt: int = 7, decay: float = 0.8, attn: str = "sdpa",
                  ce_chunk: int = 4096, compile: bool = False):
@@ -180,6 +205,7 @@ class TTTModel(nn.Module):
             raise ValueError(f"attn: expected sdpa, flex or causal, got {attn!r}")
         self.drafter, self.ttt, self.decay, self.attn, self.ce_chunk = drafter, ttt, decay, attn, ce_chunk
         self._masks: dict = {}
+        self.attn_fallback: str | None = None
         self.ce_core = ce_core  # the cross-entropy of `soft_ce` (compiled with compile=True)
         if compile:
             mid = drafter.midlayer
@@ -198,8 +224,20 @@ class TTTModel(nn.Module):
             m = self._masks[key] = (ttt_block_mask if self.attn == "flex" else ttt_mask)(T, k, device=device)
         return m
 
-    def forward(self, input_ids: torch.Tensor, feats: torch.Tensor, tb: dict, denom: torch.Tensor | None = None,
-                scale: float = 1.0, evaluate: bool = False):
+    def forward(self, *args, **kw):
+        """`_forward`'s result; on a flex_attention compile failure, recomputed from the start with SDPA (nothing of the
+        failed pass is kept: its partial graph is dropped, and the forward has no randomness)."""
+        try:
+            return self._forward(*args, **kw)
+        except FlexCompileError as e:
+            if self.attn != "flex":
+                raise
+            self.attn, self.attn_fallback = "sdpa", str(e)
+            self._masks.clear()  # BlockMasks: the bool masks of SDPA are built from now on
+            return self._forward(*args, **kw)
+
+    def _forward(self, input_ids: torch.Tensor, feats: torch.Tensor, tb: dict, denom: torch.Tensor | None = None,
+                 scale: float = 1.0, evaluate: bool = False):
         """input_ids (B, T); feats (B, T, K, Ht) fc inputs; tb from `target_distribution`.
 
         Training: returns (loss, stats) with loss = scale * sum_k decay^k * sum(CE_k) / denom[k] (denom (K,) = counted

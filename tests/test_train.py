@@ -97,6 +97,7 @@ def test_kill_9_then_resume_reproduces_the_loss_trajectory(assets, tmp_path):
     assert resumed.wait() == 0, resumed.output()[-3000:]
     assert ref.wait() == 0, ref.output()[-3000:]
     assert "resumed from step_" in resumed.output()
+    assert "hstap train: TTT attention sdpa: CPU: SDPA with the exact TTT mask" in resumed.output()
     (a, ea), (b, eb) = metrics(tmp_path / "ref"), metrics(tmp_path / "run")
     assert [r["step"] for r in b] == list(range(1, 17))
     assert [(r["loss"], r["loss_k"], r["acc"], r["grad_norm"]) for r in b] == \
@@ -166,3 +167,29 @@ def test_resume_with_more_steps_extends_the_schedule(assets, tmp_path):
     assert [r["lr"] for r in rows] == [short.lr_at(i) for i in range(4)] + [long.lr_at(i) for i in range(4, 8)]
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
     assert state["total_steps"] == 8 and state["scheduler"] == long.state(8)
+
+
+def test_a_flex_compile_failure_is_one_log_line_and_the_run_trains_as_sdpa(assets, tmp_path, monkeypatch, capsys):
+    """--attn flex whose compile fails (as a shape inductor has no kernel for did on CUDA): one run-log line, then the
+    run goes on with the exact SDPA path and logs the losses of an --attn sdpa run bitwise. The failure is injected at
+    the compiled region's place: eager flex on CPU has no backward, and no CUDA compile runs here."""
+    from torch._inductor.select_algorithm import NoValidChoicesError
+
+    import hstap.drafter as dr
+    from hstap.drafter import guard_flex_compile
+
+    def no_kernel(q, k, v, **kw):
+        raise NoValidChoicesError("No choices to select, please consider adding ATEN into max_autotune_gemm_backends")
+
+    common = dict(steps=3, save_every=3, eval_frac=0.2, lr=2e-3)
+    train(_cfg(assets, tmp_path / "sdpa", attn="sdpa", **common))
+    capsys.readouterr()
+    monkeypatch.setattr(dr, "_flex", lambda cuda: guard_flex_compile(no_kernel))
+    train(_cfg(assets, tmp_path / "flex", attn="flex", **common))
+    out = capsys.readouterr().out
+    told = [ln for ln in out.splitlines() if "TTT attention sdpa from now on" in ln]
+    assert len(told) == 1 and "NoValidChoicesError: No choices to select" in told[0], out
+    assert "hstap train: TTT attention flex: --attn flex on CPU" in out
+    (a, ea), (b, eb) = metrics(tmp_path / "sdpa"), metrics(tmp_path / "flex")
+    assert [(r["loss"], r["acc"], r["grad_norm"]) for r in b] == [(r["loss"], r["acc"], r["grad_norm"]) for r in a]
+    assert [e["sim_tau"] for e in eb] == [e["sim_tau"] for e in ea] and len(eb) == 1

@@ -231,3 +231,95 @@ def test_ttt_flops_by_hand():
     keys = (1 + 2 + 3) + (1 + 2)  # sum over tokens of t+1
     assert ttt_flops(c, L, [4.0, 3.0], 4.0, 2) == base + 12 * nh * hd * (keys + keys + N)
     assert ttt_flops(c, L, [4.0, 3.0], 4.0, 2, exact_attn=False) == base + 12 * nh * hd * (2 * keys)
+
+
+# --- the TTT attention kernel: chosen up front, and the exact SDPA path when compiling flex_attention fails ---------
+
+
+def test_attention_kernel_is_chosen_from_the_device_and_head_dim_only():
+    from hstap.ttt import ttt_attention
+
+    assert ttt_attention("auto", "cuda", 16)[0] == "flex" and ttt_attention("flex", "cuda", 128)[0] == "flex"
+    assert ttt_attention("auto", "cpu", 64) == ("sdpa", "CPU: SDPA with the exact TTT mask")
+    kernel, why = ttt_attention("flex", "cuda", 8)  # narrower than flex's Triton tiles: SDPA, said so
+    assert kernel == "sdpa" and why.startswith("head_dim 8 < 16")
+    assert ttt_attention("causal", "cuda", 64) == ("causal", "--attn causal")
+    assert ttt_attention("sdpa", "cuda", 64) == ("sdpa", "--attn sdpa")
+    assert ttt_attention("flex", "cpu", 8)[0] == "flex"  # asked for on CPU: the eager kernel, as before
+
+
+def test_compile_failure_finds_the_inductor_error_and_leaves_out_of_memory_alone():
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.select_algorithm import NoValidChoicesError
+
+    from hstap.drafter import compile_failure
+
+    def chained(inner, outer=RuntimeError("compiled call failed")):
+        try:
+            try:
+                raise inner
+            except BaseException as e:
+                raise outer from e
+        except BaseException as e:
+            return e
+
+    novalid = NoValidChoicesError("No choices to select, please consider adding ATEN into max_autotune_gemm_backends\n"
+                                  "  target: flex_attention")
+    wrapped = chained(novalid, BackendCompilerFailed(lambda *a: None, novalid, None))
+    assert compile_failure(wrapped) == "NoValidChoicesError: No choices to select, please consider adding ATEN into " \
+                                       "max_autotune_gemm_backends"
+    assert compile_failure(chained(torch.OutOfMemoryError("CUDA out of memory"), wrapped)) is None
+    assert compile_failure(chained(ValueError("a bug of ours"))) is None
+
+
+def test_a_flex_compile_failure_recomputes_the_batch_with_sdpa_exactly(monkeypatch):
+    """A compile failure (as a new shape's graph would raise) -> the whole batch is recomputed with SDPA: results equal
+    an SDPA run's bitwise, and flex is not tried again. Training: at the first call (eager flex on CPU has no
+    backward); evaluation: at the second TTT step, mid-forward."""
+    from torch._inductor.select_algorithm import NoValidChoicesError
+
+    import hstap.drafter as dr
+    from hstap.drafter import guard_flex_compile
+
+    d, W, hot, t2d, ids, lm, L, aux, final = tiny_setup(seed=5, B=3, T=9, lengths=(9, 6, 4))
+    tb = target_distribution(final, lm, L, W, hot, t2d)
+    K = 3
+    denom = torch.tensor([float(step_rows(tb, 9, k)[0].numel()) for k in range(K)])
+    calls, fail_at = [], [1]
+    eager = dr._flex(False)
+
+    def failing(q, k, v, **kw):  # the compiled region as it fails for one new shape
+        calls.append(tuple(k.shape))
+        if len(calls) in fail_at:
+            raise NoValidChoicesError("No choices to select, please consider adding ATEN")
+        return eager(q, k, v, **kw)
+
+    monkeypatch.setattr(dr, "_flex", lambda cuda: guard_flex_compile(failing))
+    res = {}
+    for attn in ("sdpa", "flex"):
+        d.zero_grad(set_to_none=True)
+        model = TTTModel(d, ttt=K, attn=attn)
+        loss, stats = model(ids, aux, tb, denom)
+        loss.backward()
+        res[attn] = (loss.detach(), stats, [p.grad.clone() for p in d.parameters() if p.requires_grad], model)
+    flex = res["flex"][3]
+    assert flex.attn == "sdpa" and "NoValidChoicesError: No choices to select" in flex.attn_fallback
+    assert "query (3, 2, 9, 8)" in flex.attn_fallback and "key (3, 1, 9, 8)" in flex.attn_fallback
+    assert torch.equal(res["flex"][0], res["sdpa"][0]) and torch.equal(res["flex"][1], res["sdpa"][1])
+    assert all(torch.equal(a, b) for a, b in zip(res["flex"][2], res["sdpa"][2]))
+    flex(ids, aux, tb, denom)
+    assert len(calls) == 1  # later batches go straight to SDPA
+
+    calls.clear()
+    fail_at[0] = 2
+    with torch.no_grad():
+        ev = [TTTModel(d, ttt=K, attn=a)(ids, aux, tb, evaluate=True) for a in ("sdpa", "flex")]
+    assert len(calls) == 2 and calls[1] == (3, 1, 18, 8)  # step 0 ran on flex, step 1 failed
+    assert all(torch.equal(a, b) for a, b in zip(*ev))
+
+    def broken(q, k, v, **kw):
+        raise ValueError("not a compile failure")
+
+    x = torch.zeros(1, 1, 1, 8)
+    with pytest.raises(ValueError, match="not a compile failure"):  # passed through unchanged, no SDPA rerun
+        guard_flex_compile(broken)(x, x, x)
