@@ -19,7 +19,7 @@ from hstap import dist as D
 from hstap.batching import Rows, eval_batches
 from hstap.common import HstapError, sha256_bytes
 from hstap.target import Target
-from hstap.ttt import step_rows, target_distribution
+from hstap.ttt import plan_rows, target_distribution
 
 
 @dataclass
@@ -166,5 +166,5 @@ class Feed:
             aux, final = b["aux"].to(dev, non_blocking=True), b["final"].to(dev, non_blocking=True)
             aux = aux if sel is None or sel == list(range(aux.shape[2])) else aux[:, :, sel]
         tb = target_distribution(final, lm, lengths, self.head_w, self.hot, self.t2d, self.ce_chunk, self.cd)
-        counted = [float(step_rows(tb, ids.shape[1], k)[0].numel()) for k in range(self.ttt)]
+        counted = plan_rows(tb, ids.shape[1], self.ttt)  # every step's rows now: no host sync in the forward
         return ids, (final.unsqueeze(2) if sel is None else aux), tb, counted, b["lengths"]
