@@ -252,7 +252,7 @@ def run_shape(a, dev, shape: str) -> dict:
         tr = make_trainer(d, dev, "flex" if cuda else "sdpa", comp, chunk, a.ttt, a.dist == "fsdp")
         data = SimpleNamespace(target=None, layers=list(cfg.aux_layers), sel=[0, 1, 2], d2t=d.d2t.cpu(),
                                t2d=d.t2d.cpu())
-        feed = Feed(data, head, dev, cd, chunk, a.ttt)
+        feed = Feed(data, head, dev, cd, chunk, a.ttt, pad_to=16 if cuda else 1)  # as train pads on CUDA
         batches = batches_ref(a, cfg, dev, cd) if shape == "ref" else batches_8b(a, cfg, dev, cd)
         label = f"{shape}_{name}"
         r = bench(a, dev, tr, feed, batches, True, label)

@@ -280,7 +280,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     data = build_data(cfg, hf_cfg, rank, world, dev, bf16)
     embed, head = target_head(cfg.target)
     drafter = init_drafter(cfg, hf_cfg, data, embed, head)
-    feed = Feed(data, head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt)
+    feed = Feed(data, head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt,
+                pad_to=16 if cuda else 1)  # CUDA: T in steps of 16 bounds the TTT masks and compiled shapes
     del embed, head
 
     # A resume loads the weights before wrapping and the optimizer and RNG after.
