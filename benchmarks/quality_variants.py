@@ -160,12 +160,18 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def source(s: dict, split: str) -> Path:
+    """REGEN/regen-{split}.jsonl[.gz], else REF/corpus/{split}.jsonl.gz."""
+    if not s["REGEN"]:
+        return Path(s["REF"]) / "corpus" / f"{split}.jsonl.gz"
+    plain = Path(s["REGEN"]) / f"regen-{split}.jsonl"
+    return plain if plain.is_file() and not plain.with_suffix(".jsonl.gz").is_file() else Path(f"{plain}.gz")
+
+
 def prepare(s: dict, W: Path, log: Log) -> None:
     """Train/validation split by id hash, the eval prompts (whole and in EP parts), each prepared."""
     from hstap.train_data import is_eval
-    src = Path(s["REGEN"]) if s["REGEN"] else Path(s["REF"]) / "corpus"
-    train = read_jsonl_gz(src / ("regen-train.jsonl.gz" if s["REGEN"] else "train.jsonl.gz"), s["MAXS"])
-    evals = read_jsonl_gz(src / ("regen-eval.jsonl.gz" if s["REGEN"] else "eval.jsonl.gz"), s["NP"])
+    train, evals = read_jsonl_gz(source(s, "train"), s["MAXS"]), read_jsonl_gz(source(s, "eval"), s["NP"])
     if len(evals) < s["NP"] or s["NP"] % s["EP"]:
         sys.exit(f"quality_variants: NP={s['NP']} eval prompts in EP={s['EP']} equal parts: {len(evals)} available")
     val = [r for r in train if is_eval(r["id"], s["VAL_FRAC"])]

@@ -110,7 +110,7 @@ def _term(name: str, z, p, q, lse):
         psum = p.sum(-1, keepdim=True)  # (n, 1)
         return (lse * psum - (p * z).sum(-1, keepdim=True)).squeeze(-1), q * psum - p
     if name == "hard":  # cross-entropy against the target's argmax: the greedy-decoding surrogate
-        onehot = F.one_hot(p.argmax(-1), p.shape[-1]).to(z.dtype)  # (n, Vd)
+        onehot = torch.zeros_like(z).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)  # (n, Vd); compiles (no one_hot)
         return (lse - (onehot * z).sum(-1, keepdim=True)).squeeze(-1), q - onehot
     if name == "tv":  # total variation 0.5 sum |q - p| = 1 - acceptance probability under sampling
         s = torch.sign(q - p)  # (n, Vd)
@@ -362,11 +362,11 @@ def ttt_flops(cfg: DrafterConfig, lengths: torch.Tensor, counted: list[float], r
     H, hd, nh = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
     L = lengths.double().cpu()
     N = float(L.sum())
-    n_layers = getattr(cfg, "num_layers", 1)
+    depth = getattr(cfg, "num_layers", 1)  # decoder layers of the drafter
     p_rest = nh * hd * H + 3 * H * cfg.intermediate_size  # o_proj + MLP
     p_mid = 2 * H * (nh + 2 * cfg.num_key_value_heads) * hd + p_rest
-    p_mid += (n_layers - 1) * (H * (nh + 2 * cfg.num_key_value_heads) * hd + p_rest)
+    p_mid += (depth - 1) * (H * (nh + 2 * cfg.num_key_value_heads) * hd + p_rest)
     f = 4 * N * cfg.num_aux * cfg.target_hidden_size * H + 6 * ttt * N * p_mid
     f += 6 * sum(counted) * H * cfg.draft_vocab_size + 2 * rows * H * cfg.vocab_size
     keys = float((L * (L + 1) / 2).sum())  # sum over tokens of (t+1)
-    return f + 12 * nh * hd * n_layers * sum(keys + (k * N if exact_attn else 0.0) for k in range(ttt))
+    return f + 12 * nh * hd * depth * sum(keys + (k * N if exact_attn else 0.0) for k in range(ttt))

@@ -342,3 +342,13 @@ def test_deeper_ttt_equals_step_by_step_decoding(num_layers, loss):
     full = [(b, t) for b in range(ids.shape[0]) for t in range(T) if all((k, b, t) in table for k in range(K))]
     assert sim.tolist() == [float(len(full))] + [float(sum(all(table[(i, b, t)] for i in range(k + 1))
                                                            for b, t in full)) for k in range(K)]
+
+
+def test_ttt_flops_of_a_deeper_drafter():
+    """Each layer beyond the midlayer adds its weights (q/k/v over H inputs, not 2H) and its attention keys."""
+    one, two = tiny_setup()[0].config, tiny_setup(num_layers=2)[0].config
+    L, Hd, nh, hd = torch.tensor([3, 2]), one.hidden_size, one.num_attention_heads, one.head_dim
+    p_layer = Hd * (nh + 2 * one.num_key_value_heads) * hd + nh * hd * Hd + 3 * Hd * one.intermediate_size
+    keys = (1 + 2 + 3) + (1 + 2)
+    extra = 6 * 2 * 5 * p_layer + 12 * nh * hd * (keys + keys + 5)  # ttt 2, N = 5 tokens
+    assert ttt_flops(two, L, [4.0, 3.0], 4.0, 2) == ttt_flops(one, L, [4.0, 3.0], 4.0, 2) + extra
