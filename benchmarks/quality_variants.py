@@ -33,7 +33,8 @@ Stages.
 Table: validation sim_tau (the trainer's, selection) and replayed chain-5 tau, eval replayed chain-5 tau, measured
 chain-5 tau (lossless, decoder engine), ratios vs today's recipe (`base`), train tok/s (median logged; trainings share
 the GPU, so not a clean timing). Then one JSON line. Env knobs: VARIANTS (comma list, or "all"), MEASURE, PAR, EPAR,
-EPOCHS or STEPS, BT, EV, NP, EP, NT, VAL_FRAC, DEV, CE_CHUNK, COMPILE, WORKERS, timeouts TP TC TT TE (s).
+EPOCHS or STEPS, BT, EV, NP, EP, NT, VAL_FRAC, DEV, CE_CHUNK, COMPILE, WORKERS, STAGGER (s the first training runs
+alone, at most, so that the others find its compiled kernels), timeouts TP TC TT TE (s).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def settings(tiny: bool) -> dict:
          "CE_CHUNK": e("CE_CHUNK", "" if tiny else "8192"), "COMPILE": e("COMPILE", "0") != "0",
          "WORKERS": e("WORKERS", "0" if tiny else "2"), "TP": int(e("TP", "240")), "TC": int(e("TC", "240")),
          "TT": int(e("TT", "600" if tiny else "330")), "TE": int(e("TE", "600" if tiny else "200")),
-         "LAYERS": e("LAYERS", "1,3,4" if tiny else "")}
+         "LAYERS": e("LAYERS", "1,3,4" if tiny else ""), "STAGGER": float(e("STAGGER", "0" if tiny else "90"))}
     names = list(VARIANTS) if s["VARIANTS"] == "all" else s["VARIANTS"].split(",")
     bad = [n for n in names if n not in VARIANTS]
     if bad or "base" not in names:
@@ -141,9 +142,16 @@ def run(cmd: list[str], log: Path, timeout: int) -> int:
             return 124
 
 
-def parallel(jobs: list[tuple[list[str], Path, int]], n: int) -> list[int]:
+def parallel(jobs: list[tuple[list[str], Path, int]], n: int, lead=None, wait_s: float = 0.0) -> list[int]:
+    """Run the jobs, n at a time; return codes in order. lead (a callable): start job 0 alone and the others once
+    lead() is true (or job 0 ended, or wait_s passed): its compiled kernels are then in inductor's cache for them."""
     with ThreadPoolExecutor(max_workers=max(1, n)) as ex:
-        return list(ex.map(lambda j: run(*j), jobs))
+        futs = [ex.submit(run, *jobs[0])] if jobs else []
+        t0 = time.time()
+        while lead is not None and futs and not futs[0].done() and not lead() and time.time() - t0 < wait_s:
+            time.sleep(1.0)
+        futs += [ex.submit(run, *j) for j in jobs[1:]]
+        return [f.result() for f in futs]
 
 
 def hstap(*args) -> list[str]:
@@ -214,7 +222,10 @@ def train(s: dict, W: Path) -> dict[str, int]:
                            "--save-every", s["EV"], "--log-every", 10, "--keep", 1, "--workers", s["WORKERS"],
                            "--skip-verify", "--tensorboard", "false", *speed, *flags, "--out", W / f"run-{name}"),
                      W / f"train-{name}.log", s["TT"]))
-    rcs = dict(zip(s["names"], parallel(jobs, s["PAR"])))
+    # the first variant (base) alone until it has logged 10 steps: the others find its flex_attention kernels
+    # (static, then dynamic shapes: the same batches, the same graphs) compiled instead of compiling 12 at once
+    ready = lambda: (W / f"run-{s['names'][0]}" / "metrics.jsonl").is_file()  # noqa: E731
+    rcs = dict(zip(s["names"], parallel(jobs, s["PAR"], ready, s["STAGGER"])))
     oom = [i for i, n in enumerate(s["names"]) if rcs[n] not in (0, 124)
            and "out of memory" in (W / f"train-{n}.log").read_text(errors="replace").lower()]
     if oom:  # too many side by side for the GPU's memory: those again, fewer at a time, from scratch
