@@ -23,10 +23,11 @@ Shapes.
   (train's defaults), eager-chunk16k (--ce-chunk 16384), compiled (--compile), compiled-chunk16k.
 
 Figures per run: ms/step, tok/s (real tokens), MFU (`hstap.ttt.ttt_flops` / time / --peak-tflops, 790 for an H200 in
-bf16), peak memory and host syncs per timed step (CUDA: torch.cuda.set_sync_debug_mode("warn") warnings counted). Warm-up
-steps (compilation) are excluded; timed steps are synchronised at both ends. --profile adds torch.profiler's top-15 ops
-by self CUDA time and by self CPU time over 3 more steps (to stderr, and to $OUT/profile_<shape>_<config>.txt when
-$OUT is set; the JSON keeps the top 8 of each). The last line of stdout is one JSON object.
+bf16), peak memory and host syncs per timed step (CUDA: torch.cuda.set_sync_debug_mode("warn") warnings counted).
+Warm-up steps (compilation) are excluded; timed steps are synchronised at both ends. --profile adds torch.profiler's
+top-15 ops by self CUDA time and by self CPU time over 3 more steps (to stderr, and to
+$OUT/profile_<shape>_<config>.txt when $OUT is set; the JSON keeps the top 8 of each). The last line of stdout is one
+JSON object.
 
 Several GPUs (weak scaling: --batch-tokens per rank; 8b shape), wrapped by Trainer exactly as `hstap train` wraps:
 
@@ -261,7 +262,7 @@ def run_shape(a, dev, shape: str) -> dict:
             print(_line(label, r), file=sys.stderr)
         if shape == "8b" and not a.no_baseline and D.get_world() == 1 and a.shape == "8b":
             base = make_trainer(d, dev, "causal", False, chunk, a.ttt, False)
-            base.model.ce_core = tr.model.ce_core  # the same (compiled) objective; the layers' compiled parts are shared
+            base.model.ce_core = tr.model.ce_core  # the same (compiled) objective; the layers' compiled parts shared
             b = bench(a, dev, base, feed, batches, False, f"{shape}_causal")
             out["runs"]["baseline_causal"] = b
             out["exact_vs_causal_time"] = r["step_s"] / b["step_s"]

@@ -137,7 +137,8 @@ def run(cmd: list[str], log: Path, timeout: int) -> int:
            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
     with open(log, "w") as f:
         try:
-            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=REPO).returncode
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env,
+                                  cwd=REPO).returncode
         except subprocess.TimeoutExpired:
             return 124
 
@@ -337,9 +338,10 @@ def table(s: dict, rows: dict[str, dict], best: str | None) -> dict:
         print(f"{name + ('*' if name == best else ''):14s} {r.get('steps', 0):5d} {f(r.get('val_sim_tau'))} "
               f"{f(r.get('val_chain5'))} {f(r.get('eval_chain5'), 8)} {f(r['eval_ratio'], 6)} "
               f"{f(r.get('measured_tau'), 8)} {f(r['measured_ratio'], 6)} {str(r.get('lossless', '-')):>8s} "
-              f"{f(r.get('train_tok_s'), 8, 0)}  {' '.join(flags) or '(defaults)'}{' [fp8 store]' if store == 'store-fp8' else ''}")
-    print("* best by validation chain-5 replay; ratios vs base (today's recipe); eval ch5 = chain-5 tau replayed on the "
-          f"{s['NP']} eval prompts' answers, measured = hstap eval chain k=5 on the same prompts")
+              f"{f(r.get('train_tok_s'), 8, 0)}  {' '.join(flags) or '(defaults)'}"
+              + (" [fp8 store]" if store == "store-fp8" else ""))
+    print("* best by validation chain-5 replay; ratios vs base (today's recipe); eval ch5 = chain-5 tau replayed on "
+          f"the {s['NP']} eval prompts' answers, measured = hstap eval chain k=5 on the same prompts")
     out = {}
     if "fp8" in rows:
         for key in ("measured_tau", "eval_chain5"):
@@ -392,7 +394,8 @@ def main(argv: list[str]) -> int:
         else "eval_chain5"  # one figure for both: measured when both were measured, else the replay
     b, top = rows["base"].get(key), (rows[best].get(key) if best else None)
     summary = {"bench": "quality_variants", "tiny": tiny, "best": best, "best_over_base": round(top / b, 4)
-               if top and b else None, "best_over_base_figure": key, "goal_1.08x": bool(top and b and top / b >= 1.08), **extra,
+               if top and b else None, "best_over_base_figure": key,
+               "goal_1.08x": bool(top and b and top / b >= 1.08), **extra,
                "stages_s": log.stages, "duration_s": round(time.time() - log.t0, 1),
                "settings": {k: v for k, v in s.items() if k not in ("names",)}, "variants": rows}
     (OUT / "variants.json").write_text(json.dumps(summary, indent=1) + "\n")
