@@ -26,8 +26,8 @@ Figures per run: ms/step, tok/s (real tokens), MFU (`hstap.ttt.ttt_flops` / time
 bf16), peak memory and host syncs per timed step (CUDA: torch.cuda.set_sync_debug_mode("warn") warnings counted).
 Warm-up steps (compilation) are excluded; timed steps are synchronised at both ends. --profile adds torch.profiler's
 top-15 ops by self CUDA time and by self CPU time over 3 more steps (to stderr, and to
-$OUT/profile_<shape>_<config>.txt when $OUT is set; the JSON keeps the top 8 of each). The last line of stdout is one
-JSON object.
+$OUT/profile_<shape>_<config>.txt when $OUT is set; the JSON keeps the top 5 of each). The last line of stdout is
+one JSON object.
 
 Several GPUs (weak scaling: --batch-tokens per rank; 8b shape), wrapped by Trainer exactly as `hstap train` wraps:
 
@@ -199,8 +199,8 @@ def bench(a, dev, trainer, feed, batches, exact: bool, label: str) -> dict:
            "host_syncs_per_step": syncs / a.steps if syncs is not None else None, "world": world,
            "tok_s_per_rank": tokens / el / world, "tokens_per_step": tokens / a.steps / world}
     if a.profile and D.get_rank() == 0:
-        top = profile(a, dev, lambda: step(False, True), label)  # compact in the JSON: the top 8 of each
-        res["profile_top8"] = {k: [[e["op"][:60], round(e["ms_per_step"], 3)] for e in v[:8]] for k, v in top.items()}
+        top = profile(a, dev, lambda: step(False, True), label)  # compact in the JSON: the top 5 of each
+        res["profile_top5"] = {k: [[e["op"][:50], round(e["ms_per_step"], 3)] for e in v[:5]] for k, v in top.items()}
     return res
 
 
