@@ -103,11 +103,11 @@ def settings(tiny: bool) -> dict:
          "MEASURE": e("MEASURE", "base,n2" if tiny else "base,best,n2"), "EPOCHS": e("EPOCHS", "2"),
          "STEPS": e("STEPS", "2" if tiny else ""), "BT": e("BT", "1024" if tiny else "32768"),
          "EV": e("EV", "1" if tiny else "64"), "NP": int(e("NP", "2" if tiny else "80")),
-         "EP": int(e("EP", "2")), "NT": e("NT", "8" if tiny else "128"),
+         "EP": int(e("EP", "2" if tiny else "4")), "NT": e("NT", "8" if tiny else "128"),
          "VAL_FRAC": float(e("VAL_FRAC", "0.3" if tiny else "0.05")), "MAXS": int(e("MAXS", "0")),
          "CE_CHUNK": e("CE_CHUNK", "" if tiny else "8192"), "COMPILE": e("COMPILE", "0") != "0",
          "WORKERS": e("WORKERS", "0" if tiny else "2"), "TP": int(e("TP", "240")), "TC": int(e("TC", "240")),
-         "TT": int(e("TT", "600" if tiny else "330")), "TE": int(e("TE", "600" if tiny else "200")),
+         "TT": int(e("TT", "600" if tiny else "330")), "TE": int(e("TE", "600" if tiny else "180")),
          "LAYERS": e("LAYERS", "1,3,4" if tiny else ""), "STAGGER": float(e("STAGGER", "0" if tiny else "90"))}
     names = list(VARIANTS) if s["VARIANTS"] == "all" else s["VARIANTS"].split(",")
     bad = [n for n in names if n not in VARIANTS]
@@ -115,7 +115,7 @@ def settings(tiny: bool) -> dict:
         sys.exit(f"quality_variants: VARIANTS: unknown {bad} (known: {', '.join(VARIANTS)}); base is required")
     s["names"] = names
     s["PAR"] = int(e("PAR", str(min(len(names), 2 if tiny else 13))))
-    s["EPAR"] = int(e("EPAR", "2" if tiny else "8"))
+    s["EPAR"] = int(e("EPAR", "2" if tiny else "12"))
     return s
 
 
