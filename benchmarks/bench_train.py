@@ -1,39 +1,43 @@
-"""Training throughput of one EAGLE-3 drafter step (TTT 7) on a Llama-3.1-8B-shaped drafter, random data, one GPU.
+"""Training throughput of EAGLE-3 drafter steps (TTT 7), one GPU: the 8B-shaped drafter and the reference target's.
 
-    python benchmarks/bench_train.py                 # H200: exact TTT mask (flex_attention) + causal-only baseline
-    python benchmarks/bench_train.py --tiny          # CPU smoke test of the same code path (seconds)
+    python benchmarks/bench_train.py                       # H200: both shapes, one JSON line ("shapes": {"8b", "ref"})
+    python benchmarks/bench_train.py --shape 8b            # the 8B shape alone, + the causal-only baseline
+    python benchmarks/bench_train.py --shape ref --profile # the reference shape, + top-15 CUDA/CPU ops per config
+    python benchmarks/bench_train.py --tiny                # CPU smoke test of the same code paths (seconds)
 
-Shapes: hidden 4096, 32/8 heads of 128, intermediate 14336, target vocab 128256, draft vocab 32000, 3 aux layers of
-4096, sequences of 2048, --batch-tokens per step (default 16384 = 8 sequences), TTT 7. Data are random tensors made on
-the device once (ids, loss mask all 1, aux and final states in bf16); the frozen target lm_head is a random bf16
-[128256, 4096] whose draft-vocabulary rows are scaled x2, so that the target argmax lies in the draft vocabulary for
-almost every position, as with real data (a purely random head would put it there for 25% of positions only and the
-drafter lm_head would run on a quarter of the rows).
+One step is exactly `hstap train`'s: `hstap.train_data.Feed` (batch to the device, the target distribution in chunks
+under no_grad, every TTT step's counted rows) and `hstap.trainer.Trainer.step` (forward of the unrolled TTT steps under
+bf16 autocast with fp32 master weights, the fused chunked lm_head + objective, backward, clipping, fused AdamW), with a
+TrainConfig of train's defaults; the step's figures are read (a host sync) once per 10 steps, as --log-every 10 does.
 
-One step = exactly what `hstap train` does per micro-batch: target distribution in chunks under no_grad (bf16 head,
-argmax over 128256, softmax over the 32000 hot columns), counted positions per TTT step, forward of the 7 unrolled steps
-under bf16 autocast (fp32 master weights) with the fused chunked lm_head + soft cross-entropy, backward, gradient
-clipping, fused AdamW. The step runs with the exact TTT mask (flex_attention, compiled) and then, as the in-run
-baseline, with causal-only attention (each step attends causally to its own keys; SDPA/flash; no TTT diagonal).
+Shapes.
+- 8b: hidden 4096, 32/8 heads of 128, intermediate 14336, target vocab 128256, draft vocab 32000, 3 aux layers,
+  sequences of 2048 (--seq), 16384 tokens per step (--batch-tokens), batch tensors made on the device once. The frozen
+  target lm_head is a random bf16 [128256, 4096] whose draft rows are scaled x2, so the target argmax lies in the
+  draft vocabulary for almost every position, as with real data. In-run baseline (--shape 8b): causal-only attention
+  (each step attends causally to its own keys; SDPA; no TTT diagonal).
+- ref: the reference target's drafter (hidden 384, 6/2 heads of 64, intermediate 1024, vocab = draft vocab 8192, 3 aux
+  layers), 32768 tokens per step, 8 batches cycled whose lengths look like the regenerated corpus (most samples a ~40
+  token prompt + a 256-token answer, some shorter; B * max_len <= batch tokens, loss mask 0 on the prompt), held in
+  pinned host memory and copied per step as train's DataLoader batches are. Run once per --ref-configs entry: eager
+  (train's defaults), eager-chunk16k (--ce-chunk 16384), compiled (--compile), compiled-chunk16k.
 
-FLOPs (hstap.ttt.ttt_flops, per step; N = real tokens): fc 4*N*3*4096*4096 + 6*7*N*P_mid (P_mid = q,k,v,o,gate,
-up,down = 218.1M) + 6*sum_k counted_k*4096*32000 (drafter lm_head) + 12*32*128*sum_k sum_t (t+1+k) (attention, exact
-mask; the baseline counts sum_t (t+1)) + 2*rows*4096*128256 (target head, forward only). MFU = FLOPs / time / peak
-(--peak-tflops, 790 for an H200 in bf16). Warm-up steps (compilation) are excluded; the timed steps are synchronised.
-The last line of stdout is one JSON object.
+Figures per run: ms/step, tok/s (real tokens), MFU (`hstap.ttt.ttt_flops` / time / --peak-tflops, 790 for an H200 in
+bf16), peak memory and host syncs per timed step (CUDA: torch.cuda.set_sync_debug_mode("warn") warnings counted).
+Warm-up steps (compilation) are excluded; timed steps are synchronised at both ends. --profile adds torch.profiler's
+top-15 ops by self CUDA time and by self CPU time over 3 more steps (to stderr, and to
+$OUT/profile_<shape>_<config>.txt when $OUT is set; the JSON keeps the top 5 of each). The last line of stdout is
+one JSON object.
 
-Several GPUs (weak scaling: --batch-tokens per rank), wrapped exactly as `hstap train` wraps its TTTModel:
+Several GPUs (weak scaling: --batch-tokens per rank; 8b shape), wrapped by Trainer exactly as `hstap train` wraps:
 
-    torchrun --nproc-per-node 2 benchmarks/bench_train.py --no-baseline --dist ddp     # hstap.dist.wrap_ddp
-    torchrun --nproc-per-node 2 benchmarks/bench_train.py --no-baseline --dist fsdp    # hstap.dist.apply_fsdp, bf16
-    torchrun --nproc-per-node 2 benchmarks/bench_train.py --tiny --dist ddp            # CPU, gloo
+    torchrun --nproc-per-node 2 benchmarks/bench_train.py --shape 8b --no-baseline --dist ddp
+    torchrun --nproc-per-node 2 benchmarks/bench_train.py --shape 8b --no-baseline --dist fsdp
+    torchrun --nproc-per-node 2 benchmarks/bench_train.py --tiny --shape 8b --dist ddp     # CPU, gloo
 
-Every rank builds the same drafter and head (same seed) and its own random batch (seed 1 + rank: rank 0's is the
-one-process batch); the counted positions are summed over ranks and the loss carries the world factor, as in
-hstap.train. Timed steps start after a barrier and end with one; the step time is the slowest rank's. `tok_s` is then
-the aggregate (world x per-rank tokens / step time; `tok_s_per_rank` the per-rank share) and `mfu` is over world x
---peak-tflops; rank 0 prints the JSON. The causal-only baseline is not run with --dist (a second wrapper over the same
-parameters).
+Every rank builds the same drafter and head (same seed) and its own random batch (seed 1 + rank); timed steps start
+after a barrier and end with one; the step time is the slowest rank's; `tok_s` is the aggregate, `mfu` over world x
+--peak-tflops; rank 0 prints the JSON.
 """
 
 from __future__ import annotations
@@ -41,25 +45,43 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from hstap import dist as D
 from hstap.drafter import DrafterConfig, Eagle3Drafter
-from hstap.ttt import TTTModel, step_rows, target_distribution, ttt_flops
+from hstap.train import TrainConfig
+from hstap.train_data import Feed
+from hstap.trainer import Trainer
+from hstap.ttt import ttt_flops
+
+REF_CONFIGS = {"eager": (False, 4096), "eager-chunk16k": (False, 16384), "compiled": (True, 4096),
+               "compiled-chunk16k": (True, 16384)}
+"""--ref-configs name -> (--compile, --ce-chunk)."""
 
 
-def build(a, dev):
-    if a.tiny:
-        cfg = DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            intermediate_size=128, vocab_size=512, draft_vocab_size=128, target_hidden_size=64,
-                            num_aux=3)
-    else:
-        cfg = DrafterConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                            intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
-                            num_aux=3, rope_theta=500000.0, max_position_embeddings=131072, aux_layers=[1, 15, 28])
+def drafter_config(shape: str, tiny: bool) -> DrafterConfig:
+    if tiny:
+        return DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             intermediate_size=128, vocab_size=512, draft_vocab_size=512 if shape == "ref" else 128,
+                             target_hidden_size=64, num_aux=3, aux_layers=[1, 2, 3])
+    if shape == "ref":
+        return DrafterConfig(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                             intermediate_size=1024, vocab_size=8192, draft_vocab_size=8192, target_hidden_size=384,
+                             num_aux=3, aux_layers=[1, 3, 4])
+    return DrafterConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
+                         num_aux=3, rope_theta=500000.0, max_position_embeddings=131072, aux_layers=[1, 15, 28])
+
+
+def build_drafter(cfg: DrafterConfig, dev):
+    """The drafter with a random draft vocabulary, and a random bf16 target head whose draft rows are scaled x2."""
     torch.manual_seed(0)
     d = Eagle3Drafter(cfg)
     hot = torch.sort(torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size]).values
@@ -70,140 +92,240 @@ def build(a, dev):
     cd = torch.bfloat16 if dev.type == "cuda" else torch.float32
     head = torch.randn(cfg.vocab_size, cfg.hidden_size, device=dev, dtype=cd) / math.sqrt(cfg.hidden_size)
     head[hot.to(dev)] *= 2.0
+    return d, head, cd
+
+
+def batches_8b(a, cfg, dev, cd) -> list[dict]:
+    """One batch of B sequences of --seq tokens on the device, loss mask all 1."""
     B = max(1, a.batch_tokens // a.seq)
     g = torch.Generator(device=dev).manual_seed(1 + D.get_rank())  # each rank its own batch; rank 0's = 1 process
-    data = {"ids": torch.randint(0, cfg.vocab_size, (B, a.seq), device=dev, generator=g),
-            "lm": torch.ones(B, a.seq, dtype=torch.long, device=dev),
-            "lengths": torch.full((B,), a.seq, dtype=torch.long, device=dev),
-            "aux": torch.randn(B, a.seq, 3, cfg.hidden_size, device=dev, dtype=cd, generator=g),
-            "final": torch.randn(B, a.seq, cfg.hidden_size, device=dev, dtype=cd, generator=g)}
-    return d, head, hot.to(dev), t2d.to(dev), data, cd
+    return [{"input_ids": torch.randint(0, cfg.vocab_size, (B, a.seq), device=dev, generator=g),
+             "loss_mask": torch.ones(B, a.seq, dtype=torch.long, device=dev),
+             "lengths": torch.full((B,), a.seq, dtype=torch.long),
+             "aux": torch.randn(B, a.seq, 3, cfg.hidden_size, device=dev, dtype=cd, generator=g),
+             "final": torch.randn(B, a.seq, cfg.hidden_size, device=dev, dtype=cd, generator=g)}]
 
 
-def bench(a, dev, model, params, opt, head, hot, t2d, data, cd, exact: bool, wrapped=None) -> dict:
-    """Time a.steps steps of `model` (a TTTModel; `wrapped` = its DDP/FSDP wrapper when distributed)."""
-    cuda = dev.type == "cuda"
-    T = a.seq
-    world = D.get_world()
-    fwd = wrapped if wrapped is not None else model
+def batches_ref(a, cfg, dev, cd, n: int = 8) -> list[dict]:
+    """n right-padded batches of corpus-like lengths in (pinned) host memory: T = the batch's longest sample."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    scale = a.seq / 296  # --seq: the typical length (a ~40-token prompt + a 256-token answer)
+    for _ in range(n):
+        T = int(scale * int(torch.randint(270, 330, (1,), generator=g)))
+        B = max(1, a.batch_tokens // T)
+        full = (torch.rand(B, generator=g) < 0.85)  # most answers hit the 256-token cap
+        lengths = torch.where(full, T - torch.randint(0, max(2, T // 8), (B,), generator=g),
+                              torch.randint(max(8, T // 5), T, (B,), generator=g))
+        lengths[0] = T
+        prompt = torch.randint(max(2, T // 12), max(3, T // 6), (B,), generator=g)
+        pos = torch.arange(T)[None]
+        b = {"input_ids": torch.randint(0, cfg.vocab_size, (B, T), generator=g) * (pos < lengths[:, None]),
+             "loss_mask": ((pos >= prompt[:, None]) & (pos < lengths[:, None])).long(), "lengths": lengths,
+             "aux": torch.randn(B, T, 3, cfg.hidden_size, generator=g).to(cd),
+             "final": torch.randn(B, T, cfg.hidden_size, generator=g).to(cd)}
+        out.append({k: (v.pin_memory() if dev.type == "cuda" else v) for k, v in b.items()})
+    return out
 
-    def step():
-        tb = target_distribution(data["final"], data["lm"], data["lengths"], head, hot, t2d, a.ce_chunk, cd)
-        counted = [float(step_rows(tb, T, k)[0].numel()) for k in range(a.ttt)]
-        denom = D.all_reduce_sum(torch.tensor(counted, device=dev))  # (K,) counted positions of the global batch
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            if world > 1:  # as hstap.train: the world factor undoes DDP/FSDP's gradient averaging
-                loss, _ = fwd(data["ids"], data["aux"], tb, denom.float(), float(world))
-            else:
-                loss, _ = fwd(data["ids"], data["aux"], tb, denom)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return counted, float(tb["s"].numel())
+
+def make_trainer(drafter, dev, attn: str, compile_: bool, ce_chunk: int, ttt: int, fsdp: bool) -> Trainer:
+    """train's Trainer, with a TrainConfig of train's defaults, over a drafter already on dev."""
+    tc = TrainConfig(out="/nonexistent", target="/nonexistent", store="/nonexistent", ttt=ttt, ce_chunk=ce_chunk,
+                     compile=compile_ and dev.type == "cuda", fsdp=fsdp)
+    return Trainer(tc, drafter, D.get_world(), dev, attn, dev.type == "cuda")
+
+
+def _syncs(run, cuda: bool) -> tuple[object, int | None]:
+    """run() under the CUDA sync debug mode ("warn"): (its result, synchronising calls counted); None on CPU."""
+    if not cuda:
+        return run(), None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            res = run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return res, sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+
+
+def bench(a, dev, trainer, feed, batches, exact: bool, label: str) -> dict:
+    """Time a.steps steps cycling through `batches` (after a.warmup untimed ones) -> the figures of one run."""
+    cuda, world = dev.type == "cuda", D.get_world()
+    state = {"i": 0, "flops": 0.0, "tokens": 0.0}
+
+    def step(count: bool, read: bool):
+        b = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        micro = [feed(b)]
+        stats, gn = trainer.step(micro, 1e-4)
+        if count:
+            _, _, tb, counted, lengths = micro[0]
+            state["flops"] += ttt_flops(trainer.drafter.config, lengths, counted, float(tb["s"].numel()), a.ttt, exact)
+            state["tokens"] += float(lengths.sum())
+        if read:  # what train's metrics line reads, once per --log-every steps
+            state["last"] = (stats.tolist(), float(D.full_tensor(gn)))
 
     t0 = time.perf_counter()
     for _ in range(a.warmup):
-        step()
+        step(False, True)
     if cuda:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     D.barrier()
     warm_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    flops = 0.0
-    for _ in range(a.steps):
-        counted, rows = step()
-        flops += ttt_flops(model.drafter.config, data["lengths"].cpu(), counted, rows, a.ttt, exact)
-    if cuda:
-        torch.cuda.synchronize(dev)
-    D.barrier()
-    el = time.perf_counter() - t0
-    tokens = float(data["lengths"].sum()) * a.steps
-    if world == 1:
-        return {"attn": model.attn, "step_s": el / a.steps, "tok_s": tokens / el, "tflops": flops / el / 1e12,
-                "mfu": flops / el / (a.peak_tflops * 1e12), "flops_per_step": flops / a.steps, "warmup_s": warm_s,
-                "peak_gb": torch.cuda.max_memory_allocated(dev) / 1e9 if cuda else None, "world": 1,
-                "tok_s_per_rank": tokens / el}
-    # slowest rank's time; tokens and FLOPs summed over ranks (gloo reduces CPU tensors, NCCL device tensors)
-    rdev = dev if cuda else torch.device("cpu")
-    t = torch.tensor([el, warm_s, torch.cuda.max_memory_allocated(dev) / 1e9 if cuda else 0.0], dtype=torch.float64,
-                     device=rdev)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    el, warm_s, peak = t.tolist()
-    tf = D.all_reduce_sum(torch.tensor([tokens, flops], dtype=torch.float64, device=rdev)).tolist()
-    return {"attn": model.attn, "step_s": el / a.steps, "tok_s": tf[0] / el, "tflops": tf[1] / el / 1e12,
-            "mfu": tf[1] / el / (a.peak_tflops * 1e12 * world), "flops_per_step": tf[1] / a.steps, "warmup_s": warm_s,
-            "peak_gb": peak if cuda else None, "world": world, "tok_s_per_rank": tf[0] / el / world}
+
+    def timed():
+        t = time.perf_counter()
+        for j in range(a.steps):
+            step(True, (j + 1) % 10 == 0 or j + 1 == a.steps)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        D.barrier()
+        return time.perf_counter() - t
+
+    el, syncs = _syncs(timed, cuda)
+    peak = torch.cuda.max_memory_allocated(dev) / 1e9 if cuda else 0.0
+    tokens, flops = state["tokens"], state["flops"]
+    if world > 1:  # slowest rank's time; tokens and FLOPs summed over ranks (gloo: CPU tensors, NCCL: device)
+        rdev = dev if cuda else torch.device("cpu")
+        t = torch.tensor([el, warm_s, peak], dtype=torch.float64, device=rdev)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        el, warm_s, peak = t.tolist()
+        tokens, flops = D.all_reduce_sum(torch.tensor([tokens, flops], dtype=torch.float64, device=rdev)).tolist()
+    res = {"config": label, "attn": trainer.model.attn, "step_s": el / a.steps, "ms_per_step": 1e3 * el / a.steps,
+           "tok_s": tokens / el, "tflops": flops / el / 1e12, "mfu": flops / el / (a.peak_tflops * 1e12 * world),
+           "flops_per_step": flops / a.steps, "warmup_s": warm_s, "peak_gb": peak if cuda else None,
+           "host_syncs_per_step": syncs / a.steps if syncs is not None else None, "world": world,
+           "tok_s_per_rank": tokens / el / world, "tokens_per_step": tokens / a.steps / world}
+    if a.profile and D.get_rank() == 0:
+        top = profile(a, dev, lambda: step(False, True), label)  # compact in the JSON: the top 5 of each
+        res["profile_top5"] = {k: [[e["op"][:50], round(e["ms_per_step"], 3)] for e in v[:5]] for k, v in top.items()}
+    return res
+
+
+def profile(a, dev, step, label: str) -> dict:
+    """torch.profiler over 3 steps: the top-15 ops by self CUDA time and by self CPU time (printed and returned)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with prof(activities=acts) as p:
+        for _ in range(3):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    ka = p.key_averages()
+    out, text = {}, []
+    for key, attrs in (("cuda", ("self_device_time_total", "self_cuda_time_total")), ("cpu", ("self_cpu_time_total",))):
+        if key == "cuda" and dev.type != "cuda":
+            continue
+        us = lambda e: next((getattr(e, x) for x in attrs if hasattr(e, x)), 0) or 0  # noqa: E731 -- torch renamed it
+        rows = sorted(ka, key=us, reverse=True)[:15]
+        out[key] = [{"op": e.key, "ms_per_step": us(e) / 3e3, "calls_per_step": e.count / 3} for e in rows]
+        text.append(f"top-15 ops by self {key.upper()} time ({label}, per step):")
+        text += [f"  {r['ms_per_step']:9.3f} ms  {r['calls_per_step']:8.1f} calls  {r['op'][:90]}" for r in out[key]]
+    print("\n".join(text), file=sys.stderr)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / f"profile_{label}.txt").write_text("\n".join(text) + "\n")
+    return out
+
+
+def _line(label: str, r: dict) -> str:
+    s = r["host_syncs_per_step"]
+    return (f"{label:24s} {r['ms_per_step']:8.1f} ms/step  {r['tok_s']:>10,.0f} tok/s  MFU {r['mfu']:6.1%}  "
+            f"peak {r['peak_gb'] or 0:5.1f} GB  syncs/step {'-' if s is None else f'{s:.1f}'}  "
+            f"(warm-up {r['warmup_s']:.0f} s)")
+
+
+def run_shape(a, dev, shape: str) -> dict:
+    cfg = drafter_config(shape, a.tiny)
+    out = {"drafter": {"hidden": cfg.hidden_size, "heads": [cfg.num_attention_heads, cfg.num_key_value_heads],
+                       "head_dim": cfg.head_dim, "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
+                       "draft_vocab": cfg.draft_vocab_size}, "batch_tokens": a.batch_tokens, "seq": a.seq,
+           "ttt": a.ttt, "runs": {}}
+    cuda = dev.type == "cuda"
+    configs = ([(n, *REF_CONFIGS[n]) for n in a.ref_configs.split(",")] if shape == "ref"
+               else [("compiled" if cuda and not a.no_compile else "eager", cuda and not a.no_compile, a.ce_chunk)])
+    for name, comp, chunk in configs:
+        d, head, cd = build_drafter(cfg, dev)  # a fresh drafter per config: compile wraps its layers in place
+        tr = make_trainer(d, dev, "flex" if cuda else "sdpa", comp, chunk, a.ttt, a.dist == "fsdp")
+        data = SimpleNamespace(target=None, layers=list(cfg.aux_layers), sel=[0, 1, 2], d2t=d.d2t.cpu(),
+                               t2d=d.t2d.cpu())
+        feed = Feed(data, head, dev, cd, chunk, a.ttt, pad_to=16 if cuda else 1)  # as train pads on CUDA
+        batches = batches_ref(a, cfg, dev, cd) if shape == "ref" else batches_8b(a, cfg, dev, cd)
+        label = f"{shape}_{name}"
+        r = bench(a, dev, tr, feed, batches, True, label)
+        out["runs"][name] = r
+        if D.get_rank() == 0:
+            print(_line(label, r), file=sys.stderr)
+        if shape == "8b" and not a.no_baseline and D.get_world() == 1 and a.shape == "8b":
+            base = make_trainer(d, dev, "causal", False, chunk, a.ttt, False)
+            base.model.ce_core = tr.model.ce_core  # the same (compiled) objective; the layers' compiled parts shared
+            b = bench(a, dev, base, feed, batches, False, f"{shape}_causal")
+            out["runs"]["baseline_causal"] = b
+            out["exact_vs_causal_time"] = r["step_s"] / b["step_s"]
+            print(_line(f"{shape}_causal", b), file=sys.stderr)
+        del tr, feed, batches, d, head
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=["ref", "8b", "both"], default="both", help="drafter shape(s) (default both)")
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU (smoke test)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --tiny)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --tiny)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; 64 with --tiny)")
-    p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 16384; 256 with --tiny)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 4 for ref, 3 for 8b; 1 tiny)")
+    p.add_argument("--seq", type=int, default=None, help="8b: sequence length (2048); ref: typical length (296)")
+    p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (8b 16384, ref 32768)")
     p.add_argument("--ttt", type=int, default=None, help="TTT steps (default 7; 3 with --tiny)")
-    p.add_argument("--ce-chunk", type=int, default=4096, help="rows per chunk of the target head and the fused CE")
-    p.add_argument("--no-compile", action="store_true", help="no torch.compile of dense parts / CE")
-    p.add_argument("--no-baseline", action="store_true", help="skip the causal-only baseline")
+    p.add_argument("--ce-chunk", type=int, default=4096, help="8b: rows per chunk of the target head and fused CE")
+    p.add_argument("--ref-configs", default="eager,eager-chunk16k,compiled-chunk16k",
+                   help=f"ref: comma list of {', '.join(REF_CONFIGS)}")
+    p.add_argument("--no-compile", action="store_true", help="8b: no torch.compile of dense parts / CE")
+    p.add_argument("--no-baseline", action="store_true", help="8b: skip the causal-only baseline")
+    p.add_argument("--profile", action="store_true", help="top-15 CUDA/CPU ops of 3 more steps per run")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="peak bf16 TFLOP/s for MFU (H200: 790)")
     p.add_argument("--dist", choices=["ddp", "fsdp"], default=None,
                    help="under torchrun: wrap with DDP or FSDP2 as hstap train does (--batch-tokens per rank)")
     a = p.parse_args(argv)
-    defaults = (("steps", 10, 2), ("warmup", 3, 1), ("seq", 2048, 64), ("batch_tokens", 16384, 256), ("ttt", 7, 3))
-    for k, full, tiny in defaults:
-        if getattr(a, k) is None:
-            setattr(a, k, tiny if a.tiny else full)
+    bad = [c for c in a.ref_configs.split(",") if c not in REF_CONFIGS]
+    if bad:
+        p.error(f"--ref-configs: unknown {bad}")
     if a.dist:
         _, world, _, dev = D.init_dist("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
         try:
-            return _main(a, dev, world)
+            return _main(a, dev)
         finally:
             D.destroy()
-    dev = torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
-    return _main(a, dev, 1)
+    return _main(a, torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda"))
 
 
-def _main(a, dev, world: int) -> dict:
+def _main(a, dev) -> dict:
     if dev.type == "cpu" and not a.tiny:
         print("no CUDA device: use --tiny for the CPU smoke test", file=sys.stderr)
         sys.exit(2)
-    d, head, hot, t2d, data, cd = build(a, dev)
-    compile_ = dev.type == "cuda" and not a.no_compile  # TTTModel gives its compiled regions their recompile budget
-    exact = TTTModel(d, ttt=a.ttt, attn="flex" if dev.type == "cuda" else "sdpa", ce_chunk=a.ce_chunk, compile=compile_)
-    wrapped, fsdp = None, a.dist == "fsdp" and world > 1
-    if world > 1:  # as hstap.train: FSDP2 shards in place (before the optimizer sees the parameters), DDP wraps
-        if fsdp:
-            D.apply_fsdp(exact, bf16=dev.type == "cuda")
-            wrapped = exact
-        else:
-            wrapped = D.wrap_ddp(exact, dev)
-    params = [q for q in exact.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0,
-                            fused=None if fsdp else dev.type == "cuda")  # train.py: fused AdamW only without FSDP
-    res = bench(a, dev, exact, params, opt, head, hot, t2d, data, cd, exact=True, wrapped=wrapped)
     out = {"bench": "train", "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "torch": torch.__version__, "tiny": a.tiny, "compile": compile_, "seq": a.seq,
-           "batch_tokens": int(data["lengths"].sum()), "ttt": a.ttt, "hidden": d.config.hidden_size,
-           "vocab": d.config.vocab_size, "draft_vocab": d.config.draft_vocab_size, "peak_tflops": a.peak_tflops,
-           "exact": res, "dist": a.dist if world > 1 else None, "world": world,
-           "global_batch_tokens": int(data["lengths"].sum()) * world}
+           "torch": torch.__version__, "tiny": a.tiny, "peak_tflops": a.peak_tflops, "world": D.get_world(),
+           "dist": a.dist if D.get_world() > 1 else None, "shapes": {}}
+    given = {k: getattr(a, k) for k in ("steps", "warmup", "seq", "batch_tokens", "ttt")}
+    for shape in (["8b", "ref"] if a.shape == "both" else [a.shape]):
+        full = {"steps": 10, "warmup": 4 if shape == "ref" else 3, "seq": 296 if shape == "ref" else 2048,
+                "batch_tokens": 32768 if shape == "ref" else 16384, "ttt": 7}
+        tiny = {"steps": 2, "warmup": 1, "seq": 48 if shape == "ref" else 64, "batch_tokens": 256, "ttt": 3}
+        for k, v in given.items():
+            setattr(a, k, v if v is not None else (tiny if a.tiny else full)[k])
+        out["shapes"][shape] = run_shape(a, dev, shape)
     if D.get_rank() == 0:
-        print(f"exact TTT ({res['attn']}{', ' + a.dist + ' x' + str(world) if world > 1 else ''}): "
-              f"{res['step_s'] * 1e3:.1f} ms/step  {res['tok_s']:,.0f} tok/s  "
-              f"{res['tflops']:.1f} TFLOP/s  MFU {res['mfu']:.1%}  peak {res['peak_gb'] or 0:.1f} GB  "
-              f"(warm-up {res['warmup_s']:.0f} s)", file=sys.stderr)
-    if not a.no_baseline and world == 1:
-        base = TTTModel(d, ttt=a.ttt, attn="causal", ce_chunk=a.ce_chunk)
-        base.ce_core = exact.ce_core  # same (possibly compiled) cross-entropy; the midlayer's compiled parts are shared
-        b = bench(a, dev, base, params, opt, head, hot, t2d, data, cd, exact=False)
-        out["baseline_causal"] = b
-        out["exact_vs_causal_time"] = res["step_s"] / b["step_s"]
-        print(f"causal-only baseline: {b['step_s'] * 1e3:.1f} ms/step  {b['tok_s']:,.0f} tok/s  MFU {b['mfu']:.1%}  "
-              f"peak {b['peak_gb'] or 0:.1f} GB", file=sys.stderr)
-    if D.get_rank() == 0:
+        rows = [(f"{s}_{n}", r) for s, o in out["shapes"].items() for n, r in o["runs"].items()]
+        print(f"{'run':24s} {'ms/step':>8s}  {'tok/s':>10s}  {'MFU':>6s}  host syncs/step")
+        for label, r in rows:
+            s = r["host_syncs_per_step"]
+            print(f"{label:24s} {r['ms_per_step']:8.1f}  {r['tok_s']:10,.0f}  {r['mfu']:6.1%}  "
+                  f"{'-' if s is None else f'{s:.1f}'}")
         print(json.dumps(out))
     return out
 

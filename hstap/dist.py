@@ -11,7 +11,7 @@ to a no-op in a plain single process (no RANK/WORLD_SIZE in the environment), so
     torchrun --nproc-per-node 8 -m hstap.cli train --store S --target T --out RUN            # DDP
     torchrun --nproc-per-node 8 -m hstap.cli train --store S --target T --out RUN --fsdp     # FSDP2 (fully_shard)
 
-Backends: NCCL on CUDA, gloo on CPU (tests run 2 CPU processes). FSDP2 shards the drafter's midlayer and the root
+Backends: NCCL on CUDA, gloo on CPU (tests run 2 CPU processes). FSDP2 shards each drafter decoder layer and the root
 (fc, norm, lm_head and the frozen embedding); `reshard_after_forward=False` keeps the gathered weights through the K
 TTT passes (ZeRO-2-like: one all-gather per step, not one per TTT step).
 """
@@ -132,13 +132,15 @@ def wrap_ddp(model: nn.Module, device: torch.device | None = None) -> nn.Module:
 
 
 def apply_fsdp(model: nn.Module, bf16: bool = False) -> nn.Module:
-    """FSDP2 `fully_shard` on `model.drafter.midlayer` and on the root `model` (in place; returns it).
+    """FSDP2 `fully_shard` on each decoder layer of `model.drafter` (the midlayer, and layers 1.. of a deeper drafter)
+    and on the root `model` (in place; returns it).
 
     bf16: gather parameters in bf16 and reduce gradients in fp32 (fp32 master weights stay sharded)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
-    fully_shard(model.drafter.midlayer, reshard_after_forward=False, **kw)
+    for layer in model.drafter.decoder_layers():
+        fully_shard(layer, reshard_after_forward=False, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)
     return model
 

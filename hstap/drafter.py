@@ -88,11 +88,15 @@ class DrafterConfig:
     """The target's HF model_type (decides the SGLang layer-id convention at export)."""
     aux_layers: list[int] = field(default_factory=list)
     """Canonical ids of the target layers fused by fc, in order (empty for a final-state-only EAGLE-1-style drafter)."""
+    num_layers: int = 1
+    """Decoder layers: layer 0 is the EAGLE-3 midlayer (q/k/v over 2H inputs), layers 1.. plain Llama layers on H."""
 
     def __post_init__(self):
         if self.num_aux < 1:
             raise HstapError(f"DrafterConfig: num_aux is fc's slot count and must be >= 1 (hstap.layers.fc_slots), "
                              f"got {self.num_aux}")
+        if self.num_layers < 1:
+            raise HstapError(f"DrafterConfig: num_layers must be >= 1, got {self.num_layers}")
 
     @classmethod
     def from_target_config(cls, cfg, draft_vocab_size: int, num_aux: int, aux_layers=(),
@@ -122,7 +126,11 @@ class DrafterConfig:
         return cls(**kw)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as JSON-ready dict; num_layers only when > 1, so one-layer drafter.json files stay as they were."""
+        d = dataclasses.asdict(self)
+        if d["num_layers"] == 1:
+            del d["num_layers"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
@@ -144,7 +152,10 @@ class RMSNorm(nn.Module):
 
 
 class DrafterCache:
-    """Keys/values of earlier positions (decoding) or earlier TTT steps (training): (B, n_kv, S, hd) each."""
+    """Keys/values of earlier positions (decoding) or earlier TTT steps (training): (B, n_kv, S, hd) each.
+
+    The cache protocol of one decoder layer: append(k, v) -> the full keys and values, crop(n), len() = positions. A
+    one-layer drafter takes one DrafterCache; a deeper one (num_layers > 1) takes a `LayerCaches`, one per layer."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None
@@ -164,23 +175,47 @@ class DrafterCache:
             self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
 
 
+class LayerCaches:
+    """One DrafterCache per decoder layer of a deeper drafter, with DrafterCache's len() and crop(n) over all of them
+    (decoding and draft trees handle it as one cache). `.layers[i]` is layer i's."""
+
+    def __init__(self, n: int):
+        self.layers = [DrafterCache() for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.layers[0])
+
+    def crop(self, n: int) -> None:
+        for c in self.layers:
+            c.crop(n)
+
+
+def new_drafter_cache(drafter):
+    """An empty cache for `drafter`: a DrafterCache for one layer (what every one-layer call site passes), else a
+    LayerCaches of config.num_layers."""
+    n = getattr(drafter.config, "num_layers", 1)
+    return DrafterCache() if n == 1 else LayerCaches(n)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, in_features: int | None = None):
+        """in_features: q/k/v input width (default 2H: the midlayer's cat(embedding, hidden))."""
         super().__init__()
         H, hd = cfg.hidden_size, cfg.head_dim
+        inp = in_features or 2 * H
         self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(2 * H, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.n_kv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.n_kv * hd, bias=False)
+        self.q_proj = nn.Linear(inp, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(inp, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(inp, self.n_kv * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, H, bias=False)
 
     def qkv(self, x, cos, sin):
-        """x (B, T, 2H) -> rotated q (B, nh, T, hd), rotated k and v (B, nkv, T, hd)."""
+        """x (B, T, in_features) -> rotated q (B, nh, T, hd), rotated k and v (B, nkv, T, hd)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
@@ -354,7 +389,33 @@ class Midlayer(nn.Module):
         return self.post(self.self_attn.attend(q, k, v, cache, mask), hidden)
 
 
+class DecoderLayer(nn.Module):
+    """Layer i >= 1 of a deeper drafter: a plain pre-norm Llama decoder layer on H, as vLLM's Eagle3 `layers.i` (and
+    speculators' HF LlamaDecoderLayer) run it: r = h + attn(input_layernorm(h)); out = r + mlp(norm(r))."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, in_features=cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def pre(self, hidden, cos, sin):
+        return self.self_attn.qkv(self.input_layernorm(hidden), cos, sin)
+
+    post = Midlayer.post  # the same o_proj + residual + MLP half: the residual is this layer's input
+
+    def forward(self, hidden, cos, sin, cache, mask):
+        q, k, v = self.pre(hidden, cos, sin)
+        return self.post(self.self_attn.attend(q, k, v, cache, mask), hidden)
+
+
 class Eagle3Drafter(nn.Module):
+    """fc + the midlayer (+ num_layers - 1 DecoderLayers, `layers.1` ...) + norm + lm_head.
+
+    Caches: forward takes one DrafterCache for a one-layer drafter (or None), a `LayerCaches` for a deeper one (each
+    layer attends over its own keys, with the same mask); `new_drafter_cache` makes the right one."""
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
@@ -362,6 +423,8 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Midlayer(cfg)
+        if cfg.num_layers > 1:  # not registered at all for one layer: its state dict stays as it was
+            self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(1, cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -378,12 +441,26 @@ class Eagle3Drafter(nn.Module):
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor):
         return self.rotary(x, position_ids)  # cos, sin: (B, T, hd)
 
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers in order: the midlayer, then layers 1..num_layers-1."""
+        return [self.midlayer] + (list(self.layers.values()) if self.config.num_layers > 1 else [])
+
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                cache: DrafterCache | None = None, attn_mask=None) -> torch.Tensor:
-        """One midlayer pass. input_ids (B, T) target ids; hidden (B, T, H); returns h_out (B, T, H), pre-norm."""
+                cache: DrafterCache | LayerCaches | None = None, attn_mask=None) -> torch.Tensor:
+        """One pass through the layers. input_ids (B, T) target ids; hidden (B, T, H); returns h_out (B, T, H), the
+        last layer's pre-norm output. Every layer sits at the same rotary positions and uses the same mask."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
         cos, sin = self.rope(hidden, position_ids)
-        return self.midlayer(emb, hidden, cos, sin, cache, attn_mask)
+        n = self.config.num_layers
+        if n == 1:
+            return self.midlayer(emb, hidden, cos, sin, cache, attn_mask)
+        if cache is not None and not (isinstance(cache, LayerCaches) and len(cache.layers) == n):
+            raise ValueError(f"a {n}-layer drafter takes a LayerCaches({n}) (new_drafter_cache), got {type(cache)}")
+        caches = cache.layers if cache is not None else [None] * n
+        h = self.midlayer(emb, hidden, cos, sin, caches[0], attn_mask)
+        for layer, c in zip(self.layers.values(), caches[1:]):
+            h = layer(h, cos, sin, c, attn_mask)  # (B, T, H)
+        return h
 
     def compute_logits(self, h_out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h_out))  # (B, T, Vd)

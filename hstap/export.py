@@ -12,7 +12,10 @@ data: the store manifest header (target fingerprint, layers, dtype, engine)...}}
   `lm_head.weight`, `d2t`, `t2d`; no embedding (SGLang shares the target's).
 - vllm: a speculators `Eagle3Speculator` config.json (`transformer_layer_config`, `speculators_config` naming the
   verifier, ids in vLLM's convention, `hstap.layers.to_vllm`), so `vllm serve DIR` needs no other flag; the same
-  model.safetensors (vLLM maps `midlayer.` -> `layers.0.`, `d2t` -> `draft_id_to_target_id`, skips `t2d`).
+  model.safetensors (vLLM maps `midlayer.` -> `layers.0.`, `d2t` -> `draft_id_to_target_id`, skips `t2d`). A deeper
+  drafter (num_layers N > 1; SGLang loads one layer and is refused) is written in speculators' names: `layers.0.*` the
+  midlayer, `layers.i.*` plain Llama layers on H, `num_hidden_layers` N (vLLM's llama_eagle3 builds layers 1.. with
+  H-wide q/k/v and runs them as pre-norm Llama layers).
 - hf: the hstap format, embedding included (`load_drafter(DIR)` reads it, for `hstap eval`), plus a config.json that
   describes the model (not loadable by transformers).
 
@@ -130,21 +133,21 @@ def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> tuple[E
 
 
 def expected_state(cfg: DrafterConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
-    """name -> (shape, dtype or None for "any float") of every tensor in an hstap drafter checkpoint."""
-    H, hd, Vd, V = cfg.hidden_size, cfg.head_dim, cfg.draft_vocab_size, cfg.vocab_size
-    nq, nkv, inter = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd, cfg.intermediate_size
-    return {
-        "embed_tokens.weight": ((V, H), None),
-        "fc.weight": ((H, cfg.num_aux * cfg.target_hidden_size), None),  # num_aux: fc's slot count
-        "midlayer.input_layernorm.weight": ((H,), None), "midlayer.hidden_norm.weight": ((H,), None),
-        "midlayer.self_attn.q_proj.weight": ((nq, 2 * H), None), "midlayer.self_attn.k_proj.weight": ((nkv, 2 * H), None),
-        "midlayer.self_attn.v_proj.weight": ((nkv, 2 * H), None), "midlayer.self_attn.o_proj.weight": ((H, nq), None),
-        "midlayer.post_attention_layernorm.weight": ((H,), None),
-        "midlayer.mlp.gate_proj.weight": ((inter, H), None), "midlayer.mlp.up_proj.weight": ((inter, H), None),
-        "midlayer.mlp.down_proj.weight": ((H, inter), None),
-        "norm.weight": ((H,), None), "lm_head.weight": ((Vd, H), None),
-        "d2t": ((Vd,), torch.int64), "t2d": ((V,), torch.bool),
-    }
+    """name -> (shape, dtype or None for "any float") of every tensor in an hstap drafter checkpoint: the state dict of
+    an `Eagle3Drafter(cfg)` built on the meta device (no memory), rotary buffers aside."""
+    with torch.device("meta"):
+        model = Eagle3Drafter(cfg)
+    return {k: (tuple(v.shape), None if v.dtype.is_floating_point else v.dtype)
+            for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+
+
+def engine_state(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """The tensors of an engine export: ENGINE_KEYS for one layer; a deeper drafter in speculators' names, which vLLM's
+    Eagle3LlamaForCausalLM loads as they are: `layers.0.*` = the midlayer, `layers.i.*` plain Llama layers (no embed)."""
+    if num_layers == 1:
+        return {k: state[k] for k in ENGINE_KEYS}
+    return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()
+            if k != "embed_tokens.weight"}
 
 
 def _read_checkpoint(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -271,9 +274,9 @@ def _rope_fields(cfg: DrafterConfig) -> dict:
 
 
 def llama_fields(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
-    """The LlamaConfig fields describing the drafter's single decoder layer (shared by the sglang and vllm configs)."""
+    """The LlamaConfig fields describing the drafter's decoder layers (shared by the sglang and vllm configs)."""
     return {
-        "model_type": "llama", "num_hidden_layers": 1, "hidden_size": cfg.hidden_size,
+        "model_type": "llama", "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act,
         "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
@@ -373,6 +376,9 @@ def export(cfg: ExportConfig) -> dict:
     if cfg.to in ("sglang", "vllm") and not dcfg.aux_layers:
         raise HstapError(f"{d / 'drafter.json'}: this drafter reads only the target's final state (EAGLE-1 style, no aux "
                          f"layers); {cfg.to} serves EAGLE-3 drafters, which fuse captured layers: export --to hf instead")
+    if cfg.to == "sglang" and dcfg.num_layers > 1:
+        raise HstapError(f"{d / 'drafter.json'}: SGLang's LlamaForCausalLMEagle3 loads one decoder layer and this "
+                         f"drafter has {dcfg.num_layers} (--draft-layers): export --to vllm or --to hf instead")
     if cfg.to == "vllm" and dcfg.num_aux != VLLM_NUM_AUX:
         raise HstapError(f"{d / 'drafter.json'}: vLLM's Eagle3LlamaForCausalLM fuses exactly {VLLM_NUM_AUX} aux layers; "
                          f"this drafter has {dcfg.num_aux} ({dcfg.aux_layers})")
@@ -404,7 +410,7 @@ def export(cfg: ExportConfig) -> dict:
             atomic_write_json(tmp / "drafter.json", {**meta, "export": {"source": str(d)}})
             weights = "drafter.safetensors"
         else:
-            _write_safetensors(tmp / "model.safetensors", {k: cast[k] for k in ENGINE_KEYS}, {"format": "pt"})
+            _write_safetensors(tmp / "model.safetensors", engine_state(cast, dcfg.num_layers), {"format": "pt"})
             weights = "model.safetensors"
         atomic_write_json(tmp / "config.json", conf)
         atomic_write_json(tmp / "hstap_export.json", info)
@@ -413,7 +419,8 @@ def export(cfg: ExportConfig) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     summary = {"out": str(out), "format": cfg.to, "source": str(d), "dtype": HF_DTYPE[dtype], "weights": weights,
-               "aux_layers": list(dcfg.aux_layers), "tensors": len(ENGINE_KEYS) if cfg.to != "hf" else len(cast)}
+               "aux_layers": list(dcfg.aux_layers),
+               "tensors": len(engine_state(cast, dcfg.num_layers)) if cfg.to != "hf" else len(cast)}
     if cfg.to == "sglang":
         summary["eagle_aux_hidden_state_layer_ids"] = conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     elif cfg.to == "vllm":
@@ -463,6 +470,7 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
         raise HstapError(f"{wpath}: cannot read: {type(e).__name__}: {e}") from None
     if "fc.weight" not in state:
         raise HstapError(f"{wpath}: no fc.weight")
+    state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
     ht = layer.get("target_hidden_size") or layer["hidden_size"]
     num_aux = state["fc.weight"].shape[1] // ht  # (H, K*Ht): the file decides K
     theta, scaling = parse_rope(layer)
@@ -475,7 +483,7 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
         target_hidden_size=ht, num_aux=num_aux,
         rms_norm_eps=layer.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=layer.get("max_position_embeddings", 2048), hidden_act=layer.get("hidden_act", "silu"),
-        target_model_type=mtype, aux_layers=list(aux))
+        target_model_type=mtype, aux_layers=list(aux), num_layers=int(layer.get("num_hidden_layers") or 1))
     if "embed_tokens.weight" not in state:
         if embed_weight is None:
             raise HstapError(f"{wpath}: no embed_tokens.weight (shared with the target): pass the target's embedding")

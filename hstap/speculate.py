@@ -38,7 +38,7 @@ import torch
 from hstap.acceptance import accept
 from hstap.common import HstapError
 from hstap.draft_tree import Tree, draft_tree, tree_mask
-from hstap.drafter import DrafterCache
+from hstap.drafter import DrafterCache, new_drafter_cache
 from hstap.layers import fc_slots
 
 
@@ -160,7 +160,9 @@ def prefill(target, drafter, prompt: list[int], temperature: float = 0.0, gen=No
     cache = new_cache()
     logits, aux = target_forward(target, torch.tensor([prompt], device=target.device), layers, cache)
     x = _choose(logits[-1], temperature, gen)
-    return SpecState(ids=list(prompt) + [x], cache=cache, dcache=DrafterCache(), pending=(prompt[1:] + [x], aux, 0))
+    # a deeper drafter gets a LayerCaches: the same len()/crop() protocol, so rounds and draft trees are unchanged
+    return SpecState(ids=list(prompt) + [x], cache=cache, dcache=new_drafter_cache(drafter),
+                     pending=(prompt[1:] + [x], aux, 0))
 
 
 @torch.no_grad()

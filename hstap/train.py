@@ -9,7 +9,9 @@
 Objective (`hstap.ttt`): step k of --ttt at position t feeds x[t+1+k] and the step k-1 output, and predicts x[t+2+k]
 against the target's distribution at t+1+k over the draft vocabulary (the frozen target lm_head, read from the target
 directory's safetensors, applied to the stored `final` state). Counted: loss_mask[t+2+k] == 1, t+2+k < length, target
-argmax in the draft vocabulary. loss = sum_k 0.8^k mean_k(soft CE).
+argmax in the draft vocabulary. loss = sum_k 0.8^k mean_k(soft CE) (--ttt-decay; --loss picks another per-row
+objective: total variation, reverse KL, hard CE, mixes, an LK-style hybrid). --draft-layers N > 1 stacks N-1 plain
+Llama layers after the midlayer, each with its own TTT cache.
 
 Exact global mean. An optimizer step covers world x --grad-accum micro-batches. Every micro-batch's target distribution
 is computed first; the counted positions N_k are summed over micro-batches and all-reduced; each micro-batch then
@@ -103,6 +105,16 @@ class TrainConfig:
     """Training-time-test steps K (1 = no TTT)."""
     ttt_decay: float = 0.8
     """Weight of TTT step k is ttt_decay**k."""
+    loss: str = "ce"
+    """Per-row objective (`hstap.ttt.loss_core`): ce (soft cross-entropy), tv (total variation = 1 - acceptance under
+    sampling), rkl (reverse KL), hard (cross-entropy against the target argmax), 'a+b' = (1 - --loss-mix) a +
+    --loss-mix b, or lk (per-row ce/tv hybrid weighted by exp(-lk_decay * acceptance))."""
+    loss_mix: float = 0.5
+    """Weight of the second term of an 'a+b' --loss."""
+    lk_decay: float = 3.0
+    """--loss lk: the cross-entropy's weight of a row is exp(-lk_decay * (1 - tv))."""
+    draft_layers: int = 1
+    """Drafter decoder layers: 1 = the EAGLE-3 midlayer alone; N > 1 adds N-1 plain Llama layers (vLLM export)."""
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.0
@@ -167,7 +179,8 @@ class TrainConfig:
             raise HstapError(f"{w}: --eval-store: offline only (online mode evaluates on an --eval-frac split)")
         if self.steps is not None and self.epochs is not None:
             raise HstapError(f"{w}: give --steps or --epochs, not both")
-        for name in ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "draft_vocab", "ce_chunk"):
+        for name in ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "draft_vocab", "ce_chunk",
+                     "draft_layers"):
             if getattr(self, name) < 1:
                 raise HstapError(f"{w}: --{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
         for name in ("steps", "epochs"):
@@ -179,6 +192,13 @@ class TrainConfig:
             raise HstapError(f"{w}: --warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1]")
         if self.lr <= 0 or self.grad_clip < 0 or self.eval_every < 0:
             raise HstapError(f"{w}: --lr must be > 0, --grad-clip and --eval-every >= 0")
+        from hstap.ttt import loss_core
+        try:
+            loss_core(self.loss)
+        except ValueError as e:
+            raise HstapError(f"{w}: --{e}") from None
+        if not 0.0 <= self.loss_mix <= 1.0 or self.lk_decay < 0:
+            raise HstapError(f"{w}: --loss-mix must be in [0, 1] and --lk-decay >= 0")
         for name in ("out", "target", "store", "data", "vocab_map", "eval_store"):
             if getattr(self, name):
                 setattr(self, name, os.path.abspath(getattr(self, name)))
@@ -262,7 +282,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     embed, head = target_head(cfg.target)
     drafter = init_drafter(cfg, hf_cfg, data, embed, head)
     attn, why = ttt_attention(cfg.attn, dev.type, drafter.config.head_dim)
-    feed = Feed(data, head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt)
+    feed = Feed(data, head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt,
+                pad_to=16 if cuda else 1)  # CUDA: T in steps of 16 bounds the TTT masks and compiled shapes
     del embed, head
 
     # A resume loads the weights before wrapping and the optimizer and RNG after.
@@ -312,10 +333,10 @@ def _loop(r: _Run, st: TrainState) -> None:
         meter.add(micro)
         del micro
         st.step += 1
-        st.last = _train_line(st.step, pos[0] + pos[1] / len(r.batches.sampler), stats, cfg.ttt_decay, lr, gn)
         bar.update(1)
-        bar.set_postfix(loss=f"{st.last['loss']:.3f}", acc0=f"{st.last['acc'][0]:.3f}", refresh=False)
-        if st.step % cfg.log_every == 0 or st.step == total:
+        if st.step % cfg.log_every == 0 or st.step == total:  # read the step's figures only here: a host sync
+            st.last = _train_line(st.step, pos[0] + pos[1] / len(r.batches.sampler), stats, cfg.ttt_decay, lr, gn)
+            bar.set_postfix(loss=f"{st.last['loss']:.3f}", acc0=f"{st.last['acc'][0]:.3f}", refresh=False)
             tokens, tok_s, mfu = meter.window(r.dev)
             st.tokens_seen += tokens
             st.last |= {"tokens": st.tokens_seen, "tok_s": tok_s, "mfu": mfu}

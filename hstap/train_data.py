@@ -14,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from hstap import dist as D
 from hstap.batching import Rows, eval_batches
 from hstap.common import HstapError, sha256_bytes
 from hstap.target import Target
-from hstap.ttt import step_rows, target_distribution
+from hstap.ttt import plan_rows, target_distribution
 
 
 @dataclass
@@ -147,10 +148,12 @@ class Feed:
     lengths (B,) on the CPU)."""
 
     def __init__(self, data: TrainData, head: torch.Tensor, dev: torch.device, cd: torch.dtype, ce_chunk: int,
-                 ttt: int):
-        """head (V, H): the target's lm_head; cd: the compute dtype (of the head matmul and of the distributions)."""
+                 ttt: int, pad_to: int = 1):
+        """head (V, H): the target's lm_head; cd: the compute dtype (of the head matmul and of the distributions);
+        pad_to: right-pad T to a multiple of this (CUDA: fewer distinct shapes, so fewer TTT masks and recompiles;
+        right padding changes no counted position, `hstap.ttt`)."""
         self.target, self.layers, self.sel = data.target, data.layers, data.sel
-        self.dev, self.cd, self.ce_chunk, self.ttt = dev, cd, ce_chunk, ttt
+        self.dev, self.cd, self.ce_chunk, self.ttt, self.pad_to = dev, cd, ce_chunk, ttt, pad_to
         self.head_w = head.to(dev, cd)  # (V, H)
         self.hot = (torch.arange(data.d2t.numel()) + data.d2t).to(dev)  # (Vd,)
         self.t2d = data.t2d.to(dev)  # (V,)
@@ -159,12 +162,17 @@ class Feed:
         dev, sel = self.dev, self.sel
         ids = b["input_ids"].to(dev, non_blocking=True)  # (B, T)
         lm, lengths = b["loss_mask"].to(dev, non_blocking=True), b["lengths"].to(dev, non_blocking=True)
+        extra = -ids.shape[1] % self.pad_to
+        if extra:
+            ids, lm = F.pad(ids, (0, extra)), F.pad(lm, (0, extra))  # (B, T + extra)
         if self.target is not None:
             # right padding needs no mask
             aux, final, _ = self.target.capture(ids, self.layers)  # (B, T, K, H), (B, T, H)
         else:
             aux, final = b["aux"].to(dev, non_blocking=True), b["final"].to(dev, non_blocking=True)
             aux = aux if sel is None or sel == list(range(aux.shape[2])) else aux[:, :, sel]
+            if extra:
+                aux, final = F.pad(aux, (0, 0, 0, 0, 0, extra)), F.pad(final, (0, 0, 0, extra))  # (B, T + extra, .)
         tb = target_distribution(final, lm, lengths, self.head_w, self.hot, self.t2d, self.ce_chunk, self.cd)
-        counted = [float(step_rows(tb, ids.shape[1], k)[0].numel()) for k in range(self.ttt)]
+        counted = plan_rows(tb, ids.shape[1], self.ttt)  # every step's rows now: no host sync in the forward
         return ids, (final.unsqueeze(2) if sel is None else aux), tb, counted, b["lengths"]

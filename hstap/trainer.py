@@ -55,7 +55,8 @@ def init_drafter(cfg, hf_cfg, data: TrainData, embed: torch.Tensor, head: torch.
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     dcfg = DrafterConfig.from_target_config(hf_cfg, draft_vocab_size=int(data.d2t.numel()),
-                                            num_aux=fc_slots(data.layers), aux_layers=data.layers)
+                                            num_aux=fc_slots(data.layers), aux_layers=data.layers,
+                                            num_layers=cfg.draft_layers)
     drafter = Eagle3Drafter(dcfg)
     drafter.set_vocab_map(data.d2t, data.t2d)
     drafter.init_from_target(embed, head if cfg.init_lm_head else None)
@@ -70,7 +71,8 @@ class Trainer:
         self.drafter, self.world, self.dev, self.bf16 = drafter, world, dev, bf16
         self.ttt, self.decay, self.grad_clip = cfg.ttt, cfg.ttt_decay, cfg.grad_clip
         self.model = TTTModel(drafter, ttt=cfg.ttt, decay=cfg.ttt_decay, attn=attn, ce_chunk=cfg.ce_chunk,
-                              compile=cfg.compile and cuda)
+                              compile=cfg.compile and cuda, loss=cfg.loss, loss_mix=cfg.loss_mix,
+                              lk_decay=cfg.lk_decay)
         self.fsdp = cfg.fsdp and world > 1
         if self.fsdp:
             D.apply_fsdp(self.model, bf16=bf16)

@@ -10,7 +10,8 @@ decoding uses for the k-th draft token, and SpecForge's `position_ids + lck`); t
 draft vocabulary of the target's logits at t+1+k (the frozen target lm_head applied to `final[t+1+k]`, columns of the
 hot ids); predicted token x[t+2+k]. A (step, position) is counted when loss_mask[t+2+k] == 1, t+2+k < length and the
 target's full-vocabulary argmax at t+1+k lies in the draft vocabulary. Loss = sum_k decay^k * mean over counted
-positions of the soft cross-entropy -sum p_target log softmax(draft logits).
+positions of the per-row objective: by default the soft cross-entropy -sum p_target log softmax(draft logits);
+`loss_core` gives the others (total variation, reverse KL, hard cross-entropy, mixes, the LK-style hybrid).
 
 Right padding needs no mask of its own: a counted query (t+2+k < length) only sees step-0 keys at s <= t and diagonal
 keys at t, all of which were built from real tokens.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hstap.drafter import DrafterCache, DrafterConfig, Eagle3Drafter, FlexCompileError, compile_region
+from hstap.drafter import DrafterConfig, Eagle3Drafter, FlexCompileError, compile_region, new_drafter_cache
 
 
 def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
@@ -99,6 +100,60 @@ def ce_core(z: torch.Tensor, p: torch.Tensor, grad: bool = True):
     return loss, (torch.exp(z - lse) * psum - p if grad else None), z.argmax(-1)
 
 
+LOSS_TERMS = ("ce", "tv", "rkl", "hard")
+"""Terms of `--loss`; "a+b" mixes two of them, "lk" is the adaptive ce/tv hybrid (see `loss_core`)."""
+
+
+def _term(name: str, z, p, q, lse):
+    """One loss term and its gradient in z: (n,), (n, Vd). q = softmax(z), lse = logsumexp(z) (n, 1)."""
+    if name == "ce":  # soft cross-entropy -sum p log q (= forward KL + H(p))
+        psum = p.sum(-1, keepdim=True)  # (n, 1)
+        return (lse * psum - (p * z).sum(-1, keepdim=True)).squeeze(-1), q * psum - p
+    if name == "hard":  # cross-entropy against the target's argmax: the greedy-decoding surrogate
+        onehot = torch.zeros_like(z).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)  # (n, Vd); compiles (no one_hot)
+        return (lse - (onehot * z).sum(-1, keepdim=True)).squeeze(-1), q - onehot
+    if name == "tv":  # total variation 0.5 sum |q - p| = 1 - acceptance probability under sampling
+        s = torch.sign(q - p)  # (n, Vd)
+        return 0.5 * (q - p).abs().sum(-1), 0.5 * q * (s - (s * q).sum(-1, keepdim=True))
+    # reverse KL sum q (log q - log p); p clamped away from 0 (a softmax underflow), so log p stays finite
+    a = (z - lse) - torch.log(p.clamp_min(1e-30))  # (n, Vd)
+    qa = (q * a).sum(-1, keepdim=True)  # (n, 1)
+    return qa.squeeze(-1), q * (a - qa)
+
+
+def loss_core(loss: str = "ce", mix: float = 0.5, lk_decay: float = 3.0):
+    """The per-row objective of `--loss` as a core for `soft_ce`: core(z, p, grad) -> (loss (n,), d loss / d z or
+    None, argmax (n,)), z fp32 draft logits (n, Vd), p target probabilities (n, Vd). Exact gradients, in closed form.
+
+    "ce" is `ce_core` itself (today's objective, bit for bit). "tv", "rkl", "hard": one term (`_term`). "a+b": (1 -
+    mix) * a + mix * b. "lk" (LK-style lambda hybrid, per row): w * ce + (1 - w) * tv with w = exp(-lk_decay * (1 -
+    tv)) held constant (no gradient through w): rows the drafter already accepts well are trained on acceptance,
+    the others mostly on the cross-entropy."""
+    if loss == "ce":
+        return ce_core
+    names = loss.split("+") if loss != "lk" else ["ce", "tv"]
+    if len(names) > 2 or any(n not in LOSS_TERMS for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"loss: expected one of {LOSS_TERMS}, 'a+b' of two of them, or 'lk'; got {loss!r}")
+
+    def core(z: torch.Tensor, p: torch.Tensor, grad: bool = True):
+        lse = torch.logsumexp(z, -1, keepdim=True)  # (n, 1)
+        q = torch.exp(z - lse)  # (n, Vd)
+        parts = [_term(n, z, p, q, lse) for n in names]
+        if len(parts) == 1:
+            total, g = parts[0]
+        else:
+            (l0, g0), (l1, g1) = parts
+            if loss == "lk":  # the second term's (tv's) weight per row, held constant
+                w = (1 - torch.exp(-lk_decay * (1 - l1))).unsqueeze(-1)  # (n, 1)
+            else:
+                w = torch.full_like(l0, mix).unsqueeze(-1)  # (n, 1)
+            total = ((1 - w) * l0.unsqueeze(-1) + w * l1.unsqueeze(-1)).squeeze(-1)  # (n,)
+            g = (1 - w) * g0 + w * g1  # (n, Vd)
+        return total, (g if grad else None), z.argmax(-1)
+
+    return core
+
+
 def _ce_chunks(x, weight, p, chunk: int, cd, core, grad: bool):
     """The soft cross-entropy of lm_head(x) against p, chunked: the (rows, Vd) logits exist one chunk at a time.
 
@@ -145,7 +200,8 @@ class _SoftCE(torch.autograd.Function):
 def soft_ce(x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, chunk: int = 4096, compute_dtype=None, core=None):
     """x (n, H) normed drafter states, weight (Vd, H) drafter lm_head, p (n, Vd) -> (sum of losses (), argmax (n,)).
 
-    Training: differentiable in x and weight. `core` is `ce_core` or a compiled copy of it."""
+    Training: differentiable in x and weight. `core` is a `loss_core` objective (default `ce_core`, the soft
+    cross-entropy) or a compiled copy of one."""
     return _SoftCE.apply(x, weight, p, chunk, compute_dtype or x.dtype, core or ce_core)
 
 
@@ -190,28 +246,45 @@ def ttt_attention(requested: str, device: str, head_dim: int) -> tuple[str, str]
                     " with the sparse exact TTT mask; SDPA with the exact mask if compiling it ever fails")
 
 
+def plan_rows(tb: dict, T: int, K: int) -> list[float]:
+    """The counted rows of TTT steps 0..K-1 (`step_rows(tb, T, k)`, the same tensors) at once, with two host syncs in
+    all instead of one per step inside the forward. Adds tb["rows"] = [(rows_t, rows_c)] per step and tb["counted"]
+    (K,) float64 on the device (read by `TTTModel` in training); returns the counted rows per step as floats."""
+    s = tb["s"]  # (R,)
+    keep = ((s % T)[None] >= torch.arange(1, K + 1, device=s.device)[:, None]) & tb["inv"][None]  # (K, R)
+    counts = keep.sum(1)  # (K,)
+    sizes = counts.tolist()
+    rows_c = keep.nonzero()[:, 1].contiguous().split(sizes)  # k-major, ascending within a step: step_rows' order
+    tb["rows"] = [(s[rc] - (1 + k), rc) for k, rc in enumerate(rows_c)]
+    tb["counted"] = counts.double()  # (K,)
+    return [float(c) for c in sizes]
+
+
 class TTTModel(nn.Module):
     """The training-time test of a drafter over one batch as a single forward (the module DDP/FSDP wrap).
 
     attn: "sdpa" (exact bool mask, any device), "flex" (BlockMask; compiled on CUDA), "causal" (approximate: each step
-    attends causally to its own keys only, no cache; a cheaper baseline, not the EAGLE-3 objective). If compiling
-    flex_attention fails for a batch (`FlexCompileError`), the batch is recomputed with "sdpa", which is exact too, and
-    so is every later one; `attn_fallback` then holds the reason (the trainer logs it)."""
+    attends causally to its own keys only, no cache; a cheaper baseline, not the EAGLE-3 objective). loss, loss_mix,
+    lk_decay: the per-row objective (`loss_core`; "ce" = the soft cross-entropy). A deeper drafter (num_layers > 1)
+    keeps one cache per layer over the TTT steps, every layer with the same TTT mask. If compiling flex_attention fails
+    for a batch (`FlexCompileError`), the batch is recomputed with "sdpa", which is exact too, and so is every later
+    one; `attn_fallback` then holds the reason (the trainer logs it)."""
 
     def __init__(self, drafter: Eagle3Drafter, ttt: int = 7, decay: float = 0.8, attn: str = "sdpa",
-                 ce_chunk: int = 4096, compile: bool = False):
+                 ce_chunk: int = 4096, compile: bool = False, loss: str = "ce", loss_mix: float = 0.5,
+                 lk_decay: float = 3.0):
         super().__init__()
         if attn not in ("sdpa", "flex", "causal"):
             raise ValueError(f"attn: expected sdpa, flex or causal, got {attn!r}")
         self.drafter, self.ttt, self.decay, self.attn, self.ce_chunk = drafter, ttt, decay, attn, ce_chunk
         self._masks: dict = {}
         self.attn_fallback: str | None = None
-        self.ce_core = ce_core  # the cross-entropy of `soft_ce` (compiled with compile=True)
+        self.ce_core = loss_core(loss, loss_mix, lk_decay)  # the objective of `soft_ce` (compiled with compile=True)
         if compile:
-            mid = drafter.midlayer
-            mid.pre = compile_region(mid.pre)  # norms + q/k/v + RoPE fused
-            mid.post = compile_region(mid.post)  # o_proj + residual + norm + SwiGLU MLP + residual fused
-            self.ce_core = compile_region(ce_core, dynamic=True)  # one pass over the (chunk, Vd) logits
+            for layer in drafter.decoder_layers():
+                layer.pre = compile_region(layer.pre)  # norms + q/k/v + RoPE fused
+                layer.post = compile_region(layer.post)  # o_proj + residual + norm + SwiGLU MLP + residual fused
+            self.ce_core = compile_region(self.ce_core, dynamic=True)  # one pass over the (chunk, Vd) logits
 
     def _mask(self, T: int, k: int, device):
         if self.attn == "causal":
@@ -219,7 +292,8 @@ class TTTModel(nn.Module):
         key = (T, k, str(device))
         m = self._masks.get(key)
         if m is None:
-            if len(self._masks) >= 128:  # batches of many different lengths: keep memory bounded
+            # batches of many different lengths: keep memory bounded (a BlockMask is small, a bool mask (T, (k+1)T))
+            if len(self._masks) >= (4096 if self.attn == "flex" else 128):
                 self._masks.clear()
             m = self._masks[key] = (ttt_block_mask if self.attn == "flex" else ttt_mask)(T, k, device=device)
         return m
@@ -252,7 +326,7 @@ class TTTModel(nn.Module):
         dev = input_ids.device
         hidden = d.project(feats)  # (B, T, H)
         cd = torch.get_autocast_dtype("cuda") if hidden.is_cuda and torch.is_autocast_enabled("cuda") else hidden.dtype
-        cache = None if self.attn == "causal" else DrafterCache()
+        cache = None if self.attn == "causal" else new_drafter_cache(d)
         loss = torch.zeros((), dtype=torch.float32, device=dev)
         stats = torch.zeros(self.ttt, 3, dtype=torch.float64, device=dev)  # (K, 3)
         countable = torch.ones(B * T, dtype=torch.bool, device=dev)  # (B*T,) evaluate: countable at every step
@@ -261,7 +335,8 @@ class TTTModel(nn.Module):
             ids = F.pad(input_ids[:, 1 + k:], (0, 1 + k))  # (B, T): x[t+1+k], 0 past the end
             pos = (torch.arange(T, device=dev) + k).expand(B, T)  # (B, T): draft step k sits at t+k
             h = d(ids, hidden, pos, cache, self._mask(T, k, dev))  # (B, T, H)
-            rows_t, rows_c = step_rows(tb, T, k, counted_only=not evaluate)
+            planned = not evaluate and "rows" in tb  # `plan_rows` ran (Feed): no host sync here
+            rows_t, rows_c = tb["rows"][k] if planned else step_rows(tb, T, k, counted_only=not evaluate)
             x = d.norm(h.reshape(B * T, -1).index_select(0, rows_t))  # (n, H)
             p, tgt = tb["p"].index_select(0, rows_c), tb["tgt"].index_select(0, rows_c)  # (n, Vd), (n,)
             if evaluate:
@@ -276,8 +351,9 @@ class TTTModel(nn.Module):
             else:
                 ce, pred = soft_ce(x, d.lm_head.weight, p, self.ce_chunk, cd, self.ce_core)
                 loss = loss + (scale * self.decay ** k) * ce / denom[k].clamp_min(1)
-                stats[k] = torch.stack([ce.detach().double(), (pred == tgt).sum().double(),
-                                        torch.tensor(float(rows_c.numel()), dtype=torch.float64, device=dev)])
+                n_k = tb["counted"][k] if planned else torch.tensor(float(rows_c.numel()), dtype=torch.float64,
+                                                                     device=dev)
+                stats[k] = torch.stack([ce.detach().double(), (pred == tgt).sum().double(), n_k])
             hidden = h
         if not evaluate:
             return loss, stats
@@ -319,12 +395,16 @@ def ttt_flops(cfg: DrafterConfig, lengths: torch.Tensor, counted: list[float], r
     fc 4*N*K*Ht*H (forward + weight gradient; its input needs none) + 6*ttt*N*P_mid (q,k,v,o,gate,up,down weights)
     + 6*sum_k counted_k*H*Vd (the drafter lm_head runs on counted rows only) + 12*nh*hd*sum_k sum_t (t+1+k)
     (attention QK^T and PV: 4 FLOPs per query, key and dim forward, 8 backward; keys of the exact TTT mask, t+1 for
-    the causal-only approximation) + 2*rows*H*V (target lm_head, forward only)."""
+    the causal-only approximation) + 2*rows*H*V (target lm_head, forward only). A deeper drafter adds, per layer
+    beyond the midlayer, its weights (q/k/v over H inputs) and its attention."""
     H, hd, nh = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
     L = lengths.double().cpu()
     N = float(L.sum())
-    p_mid = 2 * H * (nh + 2 * cfg.num_key_value_heads) * hd + nh * hd * H + 3 * H * cfg.intermediate_size
+    depth = getattr(cfg, "num_layers", 1)  # decoder layers of the drafter
+    p_rest = nh * hd * H + 3 * H * cfg.intermediate_size  # o_proj + MLP
+    p_mid = 2 * H * (nh + 2 * cfg.num_key_value_heads) * hd + p_rest
+    p_mid += (depth - 1) * (H * (nh + 2 * cfg.num_key_value_heads) * hd + p_rest)
     f = 4 * N * cfg.num_aux * cfg.target_hidden_size * H + 6 * ttt * N * p_mid
     f += 6 * sum(counted) * H * cfg.draft_vocab_size + 2 * rows * H * cfg.vocab_size
     keys = float((L * (L + 1) / 2).sum())  # sum over tokens of (t+1)
-    return f + 12 * nh * hd * sum(keys + (k * N if exact_attn else 0.0) for k in range(ttt))
+    return f + 12 * nh * hd * depth * sum(keys + (k * N if exact_attn else 0.0) for k in range(ttt))

@@ -12,12 +12,13 @@ from hstap.drafter import DrafterConfig, Eagle3Drafter
 V, VD, H, KA = 24, 6, 16, 2
 
 
-def tiny_setup(seed=0, B=2, T=10, lengths=(10, 7)):
+def tiny_setup(seed=0, B=2, T=10, lengths=(10, 7), num_layers=1):
     """-> (drafter, target head W (V, H), hot ids (VD,), t2d (V,), ids (B, T), loss_mask (B, T), lengths (B,),
     aux (B, T, KA, H), final (B, T, H))."""
     g = torch.Generator().manual_seed(seed)
     cfg = DrafterConfig(hidden_size=H, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=32,
-                        vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, num_aux=KA, rope_theta=500.0)
+                        vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, num_aux=KA, rope_theta=500.0,
+                        num_layers=num_layers)
     torch.manual_seed(seed)
     d = Eagle3Drafter(cfg)
     with torch.no_grad():  # norms away from 1 so that every weight matters; a larger init so outputs differ per token

@@ -38,13 +38,14 @@ def random_prompts(V: int, n: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(6, V, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def random_drafter(target, aux_layers=(1, 2, 3), draft_vocab: int | None = None, seed: int = 0) -> Eagle3Drafter:
+def random_drafter(target, aux_layers=(1, 2, 3), draft_vocab: int | None = None, seed: int = 0,
+                   num_layers: int = 1) -> Eagle3Drafter:
     """A random-init EAGLE-3 drafter for `target`, with a draft vocabulary that is a random subset of the target's."""
     g = torch.Generator().manual_seed(seed)
     V = target.vocab_size
     Vd = draft_vocab or V
     cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=Vd, num_aux=fc_slots(aux_layers),
-                                           aux_layers=list(aux_layers))
+                                           aux_layers=list(aux_layers), num_layers=num_layers)
     torch.manual_seed(seed)
     d = Eagle3Drafter(cfg)
     hot = torch.randperm(V, generator=g)[:Vd].sort().values
@@ -79,10 +80,10 @@ class OracleDrafter(Eagle3Drafter):
         return logits
 
 
-def oracle_drafter(target, seq, second=(), aux_layers=(1, 2, 3)) -> OracleDrafter:
+def oracle_drafter(target, seq, second=(), aux_layers=(1, 2, 3), num_layers: int = 1) -> OracleDrafter:
     V = target.vocab_size
     cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=V, num_aux=len(aux_layers),
-                                           aux_layers=list(aux_layers))
+                                           aux_layers=list(aux_layers), num_layers=num_layers)
     torch.manual_seed(0)
     d = OracleDrafter(cfg, seq, second)
     d.init_from_target(target.embed_tokens.weight)

@@ -51,25 +51,26 @@ def test_gpu_capture_matches_cpu_fp32(tiny_llama, tmp_path, dtype):
         torch.testing.assert_close(c[c.index_of(b.ids[i])]["aux"], b[i]["aux"], rtol=1e-4, atol=1e-4)
 
 
-def test_flex_ttt_matches_sdpa_with_grads(monkeypatch):
+@pytest.mark.parametrize("num_layers,loss,compile_", [(1, "ce", False), (2, "lk", False), (3, "ce+tv", True)])
+def test_flex_ttt_matches_sdpa_with_grads(monkeypatch, num_layers, loss, compile_):
     import _drafter_fixtures as td
 
-    from hstap.ttt import TTTModel, step_rows, target_distribution
+    from hstap.ttt import TTTModel, plan_rows, target_distribution
 
     # flex_attention's CUDA kernels need head_dim >= 16: a wider copy of the CPU test's fixture
     monkeypatch.setattr(td, "DrafterConfig", _wide)
-    d, W, hot, t2d, ids, lm, L, aux, final = td.tiny_setup(seed=3, B=2, T=40, lengths=(40, 29))
+    d, W, hot, t2d, ids, lm, L, aux, final = td.tiny_setup(seed=3, B=2, T=40, lengths=(40, 29), num_layers=num_layers)
     d = d.cuda()
     W, hot, t2d, ids, lm, L, aux, final = (x.cuda() for x in (W, hot, t2d, ids, lm, L, aux, final))
     tb = target_distribution(final, lm, L, W, hot, t2d, chunk=5)
     K, T = 4, ids.shape[1]
-    denom = torch.tensor([float(step_rows(tb, T, k)[0].numel()) for k in range(K)], device="cuda")
+    denom = torch.tensor(plan_rows(tb, T, K), device="cuda")
     res = {}
-    for attn in ("sdpa", "flex"):
+    for attn in ("sdpa", "flex"):  # sdpa first: compile (flex's model only) wraps the drafter's layers in place
         d.zero_grad(set_to_none=True)
-        loss, _ = TTTModel(d, ttt=K, attn=attn)(ids, aux, tb, denom)
-        loss.backward()
-        res[attn] = (loss.detach(), [p.grad.clone() for p in d.parameters() if p.requires_grad])
+        loss_v, _ = TTTModel(d, ttt=K, attn=attn, loss=loss, compile=compile_ and attn == "flex")(ids, aux, tb, denom)
+        loss_v.backward()
+        res[attn] = (loss_v.detach(), [p.grad.clone() for p in d.parameters() if p.requires_grad])
     torch.testing.assert_close(res["flex"][0], res["sdpa"][0], rtol=1e-4, atol=1e-4)
     for g1, g2 in zip(res["flex"][1], res["sdpa"][1]):
         torch.testing.assert_close(g1, g2, rtol=1e-3, atol=1e-4)
@@ -89,11 +90,12 @@ def test_gpu_speculative_greedy_equals_target(tiny_llama):
     from hstap.speculate import speculative_generate, target_generate
 
     target, _ = load_target(tiny_llama, device="cuda", dtype="fp32")
-    drafter = random_drafter(target, (1, 2, 3)).cuda()
     prompt = [1, 3, 50, 60, 70, 2, 4]
     ref, _ = target_generate(target, prompt, 40)
-    for kw in (dict(mode="chain", k=4), dict(mode="tree", topk=3, depth=4, tokens=10)):
-        assert speculative_generate(target, drafter, prompt, 40, **kw)[0] == ref, kw
+    for n in (1, 2):
+        drafter = random_drafter(target, (1, 2, 3), num_layers=n).cuda()
+        for kw in (dict(mode="chain", k=4), dict(mode="tree", topk=3, depth=4, tokens=10)):
+            assert speculative_generate(target, drafter, prompt, 40, **kw)[0] == ref, (n, kw)
 
 
 def test_gpu_training_bf16_runs(tiny_llama, tmp_path):

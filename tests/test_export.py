@@ -241,6 +241,73 @@ def test_round_trip_identical_logits(trained, tiny_llama, tmp_path):
     assert not torch.equal(_logits(back, ids, aux, pos), ref)
 
 
+def _deep_run(tiny_llama, root: Path, header: dict, num_layers: int = 2) -> tuple[Path, Eagle3Drafter]:
+    """A trained-looking drafter with num_layers decoder layers, saved as train.py saves it."""
+    from transformers import AutoConfig
+
+    cfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(tiny_llama), draft_vocab_size=VD, num_aux=3,
+                                           aux_layers=AUX, num_layers=num_layers)
+    torch.manual_seed(1)
+    m = Eagle3Drafter(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.3 if p.dim() > 1 else 1.0)
+    m.init_from_target(_target_embed(tiny_llama))
+    m.set_vocab_map(*_vocab_map(cfg.vocab_size, seed=1))
+    save_drafter(root / "best", m.eval(), extra={"store": {**header, "captured_layers": AUX, "path": "STORE"},
+                                                 "vocab_map_sha256": vocab_map_sha256(m.d2t, m.t2d)})
+    return root, m
+
+
+def test_deeper_drafter_exports_to_vllm_and_reads_back(trained, tiny_llama, tmp_path):
+    """N = 2: speculators' names (layers.0 = the midlayer, layers.1 a plain Llama layer with H-wide q/k/v), every tensor
+    landing on a parameter of vLLM's Eagle3 model (layers 1.. have an unused hidden_norm there, left unfilled, as
+    speculators' own N-layer checkpoints leave it), num_hidden_layers 2, and identical logits read back; one-layer
+    drafter.json files keep their old keys."""
+    run, m = _deep_run(tiny_llama, tmp_path / "run", trained[2])
+    assert "num_layers" in json.loads((run / "best" / "drafter.json").read_text())["config"]
+    assert "num_layers" not in json.loads((trained[0] / "best" / "drafter.json").read_text())["config"]
+    out = tmp_path / "vl"
+    summary = export(ExportConfig(run=str(run), to="vllm", out=str(out), dtype="fp32", target=str(tiny_llama)))
+    c = json.loads((out / "config.json").read_text())
+    assert c["transformer_layer_config"]["num_hidden_layers"] == 2
+    state = load_file(str(out / "model.safetensors"))
+    assert summary["tensors"] == len(state) and not any(k.startswith("midlayer.") or "embed" in k for k in state)
+    H, nq = m.config.hidden_size, m.config.num_attention_heads * m.config.head_dim
+    assert state["layers.0.self_attn.q_proj.weight"].shape == (nq, 2 * H)
+    assert state["layers.1.self_attn.q_proj.weight"].shape == (nq, H) and "layers.1.hidden_norm.weight" not in state
+    layer_params = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "input_layernorm",
+                    "post_attention_layernorm", "hidden_norm")
+    params = {"model.fc.weight", "model.norm.weight", "lm_head.weight", "draft_id_to_target_id"} | {
+        f"model.layers.{i}.{n}.weight" for i in range(2) for n in layer_params}
+    fuse = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj", ".gate_proj": ".gate_up_proj",
+            ".up_proj": ".gate_up_proj"}
+    filled = set()
+    for name in state:  # vLLM's load_weights name handling, as in test_vllm_weight_names_map_onto_eagle3_llama
+        if name == "t2d":
+            continue
+        name = "draft_id_to_target_id" if name == "d2t" else (name if "lm_head" in name else "model." + name)
+        for w, fused in fuse.items():
+            name = name.replace(w, fused) if w + "." in name else name
+        assert name in params, name
+        filled.add(name)
+    assert params - filled == {"model.layers.1.hidden_norm.weight"}
+    back, _ = load_exported(out, embed_weight=_target_embed(tiny_llama))
+    assert back.config.num_layers == 2
+    ids, aux, pos = _inputs(m.config.vocab_size)
+    assert torch.equal(_logits(back, ids, aux, pos), _logits(m, ids, aux, pos))
+    export(ExportConfig(run=str(run), to="hf", out=str(tmp_path / "hf")))
+    assert torch.equal(_logits(load_drafter(tmp_path / "hf")[0], ids, aux, pos), _logits(m, ids, aux, pos))
+
+
+def test_deeper_drafter_refused_by_sglang(trained, tiny_llama, tmp_path):
+    run, _ = _deep_run(tiny_llama, tmp_path / "run", trained[2], num_layers=3)
+    with pytest.raises(HstapError, match="loads one decoder layer and this drafter has 3") as e:
+        export(ExportConfig(run=str(run), to="sglang", out=str(tmp_path / "sg")))
+    assert "\n" not in str(e.value) and not (tmp_path / "sg").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".sg")]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # SGLang fidelity
 

@@ -57,6 +57,41 @@ def test_kv_rollback_equals_fresh_prefill(tiny):
     assert moved > 0  # at least one rollback had to gather a non-contiguous path
 
 
+def test_deeper_drafter_rollback_keeps_every_layer_cache_exact(tiny):
+    """A 2-layer drafter: after rounds with non-contiguous tree paths, each layer's cache plus the pending extend equals
+    an extend over the whole sequence from scratch."""
+    from hstap.drafter import LayerCaches
+    prompt = random_prompts(tiny.vocab_size, 1, 12, seed=7)[0]
+    ref, _ = target_generate(tiny, prompt, 24)
+    seq = prompt + ref
+    drafter = oracle_drafter(tiny, seq, second=range(len(prompt) + 2, len(seq), 3), num_layers=2)
+    st = prefill(tiny, drafter, prompt)
+    assert isinstance(st.dcache, LayerCaches) and len(st.dcache.layers) == 2
+    for _ in range(4):
+        spec_step(tiny, drafter, st, topk=2, depth=3, tokens=7)
+        assert st.ids == seq[:len(st.ids)]
+    _, aux = target_forward(tiny, torch.tensor([st.ids[:-1]]), [1, 2, 3], new_cache())
+    drafter_extend(drafter, st.dcache, *st.pending)
+    fresh = LayerCaches(2)
+    drafter_extend(drafter, fresh, st.ids[1:], aux, 0)
+    for a, b in zip(st.dcache.layers, fresh.layers):
+        torch.testing.assert_close(a.k, b.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.v, b.v, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_layers", [2, 3])
+def test_greedy_equals_target_deeper_drafter(tiny, num_layers):
+    drafter = random_drafter(tiny, (1, 2, 3), draft_vocab=300, num_layers=num_layers)
+    prompt = random_prompts(tiny.vocab_size, 1, 10, seed=8)[0]
+    ref, _ = target_generate(tiny, prompt, 16)
+    for kw in (dict(mode="chain", k=3), dict(mode="tree", topk=2, depth=3, tokens=6)):
+        out, stats = speculative_generate(tiny, drafter, prompt, 16, **kw)
+        assert out == ref, kw
+    oracle = oracle_drafter(tiny, prompt + ref, num_layers=num_layers)
+    out, stats = speculative_generate(tiny, oracle, prompt, 16, mode="chain", k=4)
+    assert out == ref and stats["tau"] == pytest.approx(15 / 3)  # 1 + rounds of 5, 5, 5: every draft accepted
+
+
 # --- greedy losslessness on real models -------------------------------------------------------------------------------
 @pytest.mark.parametrize("aux_layers", [(1, 2, 3), ()], ids=["eagle3", "final-only"])
 def test_greedy_equals_target_random_drafter(tiny, aux_layers):

@@ -193,3 +193,26 @@ def test_a_flex_compile_failure_is_one_log_line_and_the_run_trains_as_sdpa(asset
     (a, ea), (b, eb) = metrics(tmp_path / "sdpa"), metrics(tmp_path / "flex")
     assert [(r["loss"], r["acc"], r["grad_norm"]) for r in b] == [(r["loss"], r["acc"], r["grad_norm"]) for r in a]
     assert [e["sim_tau"] for e in eb] == [e["sim_tau"] for e in ea] and len(eb) == 1
+
+
+def test_deeper_drafter_with_another_objective_trains_and_exports(assets, tmp_path):
+    """--draft-layers 2 --loss ce+tv through the CLI: metrics only at log steps (the logged figures are that step's),
+    a checkpoint with two decoder layers that evaluates and exports to vLLM; a bad --loss is one clear line."""
+    from hstap.cli import COMMANDS, make_config
+    from hstap.export import ExportConfig, export, load_drafter
+
+    run = tmp_path / "run"
+    cfg = make_config("train", TrainConfig, _argv(assets, run, steps=6, lr=3e-3, log_every=3, eval_frac=0.2,
+                                                  draft_layers=2, loss="ce+tv", loss_mix=0.3, data=assets["prepared"]))
+    assert "train" in COMMANDS and cfg.draft_layers == 2 and cfg.loss == "ce+tv"
+    out = train(cfg)
+    rows, evals = metrics(run)
+    assert [r["step"] for r in rows] == [3, 6] and evals and evals[-1]["sim_tau"] >= 0
+    assert rows[-1]["loss"] == pytest.approx(sum(0.8 ** k * x for k, x in enumerate(rows[-1]["loss_k"])))
+    d, _ = load_drafter(run)
+    assert d.config.num_layers == 2 and out["steps"] == 6
+    export(ExportConfig(run=str(run), to="vllm", out=str(tmp_path / "vl"), target=str(assets["target"])))
+    conf = json.loads((tmp_path / "vl" / "config.json").read_text())
+    assert conf["transformer_layer_config"]["num_hidden_layers"] == 2
+    with pytest.raises(HstapError, match=r"train: --loss: expected one of"):
+        _cfg(assets, tmp_path / "x", steps=1, loss="ce+kl")

@@ -26,3 +26,37 @@ def test_eval_split_is_a_stable_hash_of_the_id():
     assert ev == [s for s in ids if is_eval(s, 0.1)]  # the same every time (no RNG)
     assert set(ev) <= {s for s in ids if is_eval(s, 0.2)}  # a larger fraction keeps the smaller split
     assert not any(is_eval(s, 0.0) for s in ids)
+
+
+def test_feed_padding_changes_no_figure():
+    """Feed(pad_to=16) right-pads T (what train does on CUDA): the same counted rows, loss, gradients and simulated
+    chain as the unpadded batch."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from _drafter_fixtures import tiny_setup
+    from hstap.train_data import Feed
+    from hstap.ttt import TTTModel
+
+    d, W, hot, t2d, ids, lm, L, aux, final = tiny_setup(seed=3, num_layers=2)
+    data = SimpleNamespace(target=None, layers=[1, 2], sel=[0, 1], d2t=hot - torch.arange(hot.numel()), t2d=t2d)
+    b = {"input_ids": ids, "loss_mask": lm, "lengths": L, "aux": aux, "final": final}
+    out = []
+    for pad in (1, 16):
+        i2, feats, tb, counted, _ = Feed(data, W, torch.device("cpu"), torch.float32, 4, 3, pad_to=pad)(b)
+        assert i2.shape[1] == (10 if pad == 1 else 16) and feats.shape[1] == i2.shape[1]
+        model = TTTModel(d, ttt=3, attn="sdpa", ce_chunk=4)
+        d.zero_grad()
+        loss, stats = model(i2, feats, tb, torch.tensor(counted))
+        loss.backward()
+        with torch.no_grad():
+            _, sim, runs = model(i2, feats, tb, evaluate=True)
+        out.append((counted, loss.detach(), stats, [p.grad.clone() for p in d.parameters() if p.requires_grad],
+                    sim, runs[:, :10]))
+    (c1, l1, s1, g1, m1, r1), (c2, l2, s2, g2, m2, r2) = out
+    assert c1 == c2 and torch.equal(m1, m2) and torch.equal(r1, r2)
+    torch.testing.assert_close(l2, l1)
+    torch.testing.assert_close(s2, s1, rtol=1e-6, atol=1e-5)  # float32 sums over other kernel shapes
+    for a, b_ in zip(g1, g2):
+        torch.testing.assert_close(b_, a, rtol=1e-4, atol=1e-6)

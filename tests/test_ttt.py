@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from _drafter_fixtures import tiny_setup
-from hstap.ttt import (TTTModel, replay_chain, soft_ce, soft_ce_rows, step_rows, target_distribution, ttt_block_mask,
-                       ttt_flops, ttt_mask)
+from hstap.ttt import (TTTModel, ce_core, loss_core, plan_rows, replay_chain, soft_ce, soft_ce_rows, step_rows,
+                       target_distribution, ttt_block_mask, ttt_flops, ttt_mask)
 
 
 def _rms(x, w, eps=1e-5):
@@ -323,3 +323,124 @@ def test_a_flex_compile_failure_recomputes_the_batch_with_sdpa_exactly(monkeypat
     x = torch.zeros(1, 1, 1, 8)
     with pytest.raises(ValueError, match="not a compile failure"):  # passed through unchanged, no SDPA rerun
         guard_flex_compile(broken)(x, x, x)
+
+
+# --- objectives --------------------------------------------------------------------------------------------------------
+def _ref_rows(loss, z, p, mix, decay):
+    """Straightforward per-row objectives (autograd reference): z (n, Vd) logits, p (n, Vd) target probabilities."""
+    logq = torch.log_softmax(z, -1)
+    q = logq.exp()
+    terms = {"ce": -(p * logq).sum(-1), "tv": 0.5 * (q - p).abs().sum(-1),
+             "rkl": (q * (logq - p.clamp_min(1e-30).log())).sum(-1),
+             "hard": -logq.gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)}
+    if loss == "lk":
+        w = torch.exp(-decay * (1 - terms["tv"].detach()))  # the cross-entropy's weight, held constant
+        return w * terms["ce"] + (1 - w) * terms["tv"]
+    a, _, b = loss.partition("+")
+    return terms[a] if not b else (1 - mix) * terms[a] + mix * terms[b]
+
+
+@pytest.mark.parametrize("loss", ["ce", "tv", "rkl", "hard", "ce+tv", "tv+rkl", "ce+hard", "lk"])
+def test_objectives_equal_autograd_of_a_reference(loss):
+    """The closed-form chunked objectives (value, argmax, gradients in x and in the lm_head) against autograd of a
+    plain implementation, across chunk borders."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(13, 8, generator=g, requires_grad=True)
+    w = torch.randn(7, 8, generator=g, requires_grad=True)
+    p = torch.softmax(2 * torch.randn(13, 7, generator=g), -1)
+    total, pred = soft_ce(x, w, p, chunk=4, core=loss_core(loss, mix=0.3, lk_decay=2.0))
+    (2.0 * total).backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = _ref_rows(loss, x2 @ w2.t(), p, 0.3, 2.0).sum()
+    (2.0 * ref).backward()
+    torch.testing.assert_close(total, ref)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+    assert torch.equal(pred, (x2 @ w2.t()).argmax(-1))
+
+
+def test_objective_names():
+    assert loss_core("ce") is ce_core  # the default is today's function itself: same bits
+    for bad in ("foo", "ce+ce", "ce+tv+rkl", "lk+ce", ""):
+        with pytest.raises(ValueError, match="loss"):
+            loss_core(bad)
+
+
+def test_plan_rows_equals_step_rows():
+    d, W, hot, t2d, ids, lm, L, aux, final = tiny_setup(seed=2)
+    tb = target_distribution(final, lm, L, W, hot, t2d, chunk=4)
+    T = ids.shape[1]
+    counted = plan_rows(tb, T, 4)
+    for k in range(4):
+        rows_t, rows_c = step_rows(tb, T, k)
+        assert torch.equal(tb["rows"][k][0], rows_t) and torch.equal(tb["rows"][k][1], rows_c)
+        assert counted[k] == float(rows_c.numel()) == float(tb["counted"][k])
+
+
+# --- deeper drafters: TTT equals step-by-step decoding ---------------------------------------------------------------
+def decoded_ttt(d, W, hot, t2d, ids, lm, L, aux, K, final, decay, loss):
+    """TTT re-derived by decoding, position by position, as `hstap.speculate` runs the drafter: a fresh cache per
+    position t, an extend over x[1..t+1] with fc(aux[0..t]) (step 0 at t), then draft steps k = 1..K-1 feeding x[t+1+k]
+    and the previous output at rotary position t+k, each attending to the whole cache. -> (loss, table (k, b, t) ->
+    right)."""
+    from hstap.drafter import new_drafter_cache
+    B, T = ids.shape
+    hidden = d.project(aux)  # (B, T, H)
+    terms, counts, table = [[] for _ in range(K)], [0] * K, {}
+    for b in range(B):
+        for t in range(T):
+            cache = new_drafter_cache(d)
+            tok = [int(ids[b, j + 1]) if j + 1 < T else 0 for j in range(t + 1)]
+            h = d(torch.tensor([tok]), hidden[b:b + 1, :t + 1], torch.arange(t + 1)[None], cache)[:, -1:]  # (1, 1, H)
+            for k in range(K):
+                if k:
+                    x = int(ids[b, t + 1 + k]) if t + 1 + k < T else 0
+                    h = d(torch.tensor([[x]]), h, torch.tensor([[t + k]]), cache)  # (1, 1, H)
+                s = t + 1 + k
+                if s + 1 >= int(L[b]) or int(lm[b, s + 1]) != 1:
+                    continue
+                zt = W @ final[b, s]
+                inv = bool(t2d[zt.argmax()])
+                p = torch.softmax(zt[hot], 0)
+                logits = d.compute_logits(h)[0, 0]  # (Vd,)
+                table[(k, b, t)] = inv and int(logits.argmax()) == int(p.argmax())
+                if inv:
+                    terms[k].append(_ref_rows(loss, logits[None], p[None], 0.5, 3.0)[0])
+                    counts[k] += 1
+    total = sum(decay ** k * torch.stack(terms[k]).sum() / counts[k] for k in range(K) if counts[k])
+    return total, table
+
+
+@pytest.mark.parametrize("num_layers,loss", [(2, "ce"), (3, "lk")])
+def test_deeper_ttt_equals_step_by_step_decoding(num_layers, loss):
+    d, W, hot, t2d, ids, lm, L, aux, final = tiny_setup(seed=4, num_layers=num_layers)
+    K, T = 3, ids.shape[1]
+    assert len(d.decoder_layers()) == num_layers
+    ref, table = decoded_ttt(d, W, hot, t2d, ids, lm, L, aux, K, final, 0.8, loss)
+    params = [p for p in d.parameters() if p.requires_grad]
+    ref_grads = torch.autograd.grad(ref, params)
+    tb = target_distribution(final, lm, L, W, hot, t2d, chunk=5)
+    denom = torch.tensor(plan_rows(tb, T, K))
+    model = TTTModel(d, ttt=K, attn="sdpa", ce_chunk=3, loss=loss)
+    out, _ = model(ids, aux, tb, denom)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    out.backward()
+    names = [n for n, p in d.named_parameters() if p.requires_grad]
+    assert any(n.startswith(f"layers.{num_layers - 1}.") for n in names)
+    for n, p, g in zip(names, params, ref_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    with torch.no_grad():
+        _, sim, runs = model(ids, aux, tb, evaluate=True)
+    full = [(b, t) for b in range(ids.shape[0]) for t in range(T) if all((k, b, t) in table for k in range(K))]
+    assert sim.tolist() == [float(len(full))] + [float(sum(all(table[(i, b, t)] for i in range(k + 1))
+                                                           for b, t in full)) for k in range(K)]
+
+
+def test_ttt_flops_of_a_deeper_drafter():
+    """Each layer beyond the midlayer adds its weights (q/k/v over H inputs, not 2H) and its attention keys."""
+    one, two = tiny_setup()[0].config, tiny_setup(num_layers=2)[0].config
+    L, Hd, nh, hd = torch.tensor([3, 2]), one.hidden_size, one.num_attention_heads, one.head_dim
+    p_layer = Hd * (nh + 2 * one.num_key_value_heads) * hd + nh * hd * Hd + 3 * Hd * one.intermediate_size
+    keys = (1 + 2 + 3) + (1 + 2)
+    extra = 6 * 2 * 5 * p_layer + 12 * nh * hd * (keys + keys + 5)  # ttt 2, N = 5 tokens
+    assert ttt_flops(two, L, [4.0, 3.0], 4.0, 2) == ttt_flops(one, L, [4.0, 3.0], 4.0, 2) + extra

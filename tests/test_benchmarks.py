@@ -1,0 +1,42 @@
+"""The GPU benchmarks' CPU smoke modes run end to end: bench_train.py --tiny (both shapes, profile) and
+quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_bench_train_tiny_both_shapes():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_train
+    finally:
+        sys.path.pop(0)
+    out = bench_train.main(["--tiny", "--steps", "1", "--warmup", "1", "--ref-configs", "eager,eager-chunk16k",
+                            "--profile"])
+    assert set(out["shapes"]) == {"8b", "ref"} and set(out["shapes"]["ref"]["runs"]) == {"eager", "eager-chunk16k"}
+    for shape in out["shapes"].values():
+        for r in shape["runs"].values():
+            assert r["tok_s"] > 0 and 0 < r["mfu"] < 1 and r["host_syncs_per_step"] is None  # counted on CUDA only
+            assert r["profile_top5"]["cpu"] and r["tokens_per_step"] > 0
+
+
+def test_quality_variants_tiny(tmp_path):
+    env = {**os.environ, "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"), "VARIANTS": "base,n2",
+           "MEASURE": "n2", "NP": "1", "EP": "1", "STEPS": "1", "PAR": "2", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(["bash", str(REPO / "benchmarks" / "quality_variants.sh"), "--tiny"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["bench"] == "quality_variants" and set(summary["variants"]) == {"base", "n2"}
+    n2 = summary["variants"]["n2"]
+    assert n2["rc"] == 0 and n2["steps"] == 1 and n2["val_chain5"] >= 1.0 and n2["eval_chain5"] >= 1.0
+    assert n2["lossless"] is True and n2["measured_prompts"] == 1 and n2["measured_tau"] >= 1.0
+    assert summary["variants"]["base"]["eval_ratio"] == 1.0
+    assert (tmp_path / "out" / "variants.json").is_file()
