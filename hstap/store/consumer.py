@@ -103,4 +103,4 @@ def wait_for_room(path: str | os.PathLike, rank: int, world_size: int, poll_s: f
             noted = time.monotonic()
         time.sleep(delay)
         delay = min(delay * 1.5, max_poll_s)
-    return time.monotonic() - t0
+    return 0.0 if noted is None else time.monotonic() - t0

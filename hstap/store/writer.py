@@ -169,11 +169,9 @@ class StoreWriter:
     from the store rank 0 is about to wipe), and rank 0's `close()` merges whatever is committed at that time (readers
     see the rest through the part files; `merge_manifest` can be re-run).
 
-    Back-pressure: before writing a shard the writer waits while a consuming trainer's window is full for its rank
-    (`hstap.store.consumer.wait_for_room`); without an active consumer record it never waits.
-
-    `claim=False`: create or check the store (header, `new`, `writers` = world_size on rank 0) without taking rank
-    `rank`: no part file is written and none closed (the SGLang driver: the server's hook writers own the ranks).
+    Before writing a shard it waits while a consuming trainer's window is full for its rank (`wait_for_room`; never
+    without an active consumer record). `claim=False`: create or check the store only, writing no part file of rank
+    `rank` (the SGLang driver: the server's hook writers own the ranks).
     """
 
     def __init__(self, path: str | os.PathLike, header: dict, rank: int = 0, world_size: int = 1,
@@ -258,14 +256,11 @@ class StoreWriter:
             (p / "parts").mkdir(exist_ok=True)
             now = datetime.datetime.now(datetime.timezone.utc)
             write_json(p / "manifest.json", {"format": FORMAT, "version": VERSION, **self.header,
-                                              "writers": self.world_size,
-                                              "created": now.isoformat(timespec="seconds"),
+                                              "writers": self.world_size, "created": now.isoformat(timespec="seconds"),
                                               "created_unix": now.timestamp(), "checksum": CHECKSUM,
                                               "shards": []})
-        else:
-            m = load_manifest(p)
-            if m.get("writers") != self.world_size and header_diff(m, self.header) is None:
-                write_json(p / "manifest.json", {**m, "writers": self.world_size})  # a resume with another world
+        elif (m := load_manifest(p)).get("writers") != self.world_size and header_diff(m, self.header) is None:
+            write_json(p / "manifest.json", {**m, "writers": self.world_size})  # a resume with another world size
 
     def _wait_for_rank0(self, started: float, wait_s: float) -> None:
         deadline, delay = started + wait_s, 0.02
