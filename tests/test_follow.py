@@ -181,3 +181,47 @@ def test_two_gloo_ranks_follow_a_growing_store_like_one_process(assets, tmp_path
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5) and x["acc"] == pytest.approx(y["acc"], abs=1e-9)
     assert not list((store / "shards").iterdir())  # both ranks used every shard, rank 0 consumed them
     assert json.loads((store / "consumer.json").read_bytes())["active"] is False
+
+
+def test_two_writer_ranks_give_the_canonical_order_whatever_the_arrival(assets, tmp_path):
+    """Rank 1 commits first and rank 0 starts late: the trainer waits for rank 0, takes the shards round robin, skips
+    rank 1 once it closed; a run over the finished store takes the same stream and the same losses."""
+    import threading
+
+    import torch
+
+    from hstap.cli import make_config
+    from hstap.model_dir import target_fingerprint
+    from hstap.store.writer import StoreWriter
+    from hstap.train import TrainConfig, train
+
+    store = tmp_path / "store"
+    hdr = {"target": target_fingerprint(assets["target"]), "engine": {"name": "test"}, "dtype": "fp32",
+           "layers": [1, 3, 4], "hidden_size": 64}
+    w0, w1 = (StoreWriter(store, hdr, rank=r, world_size=2, shard_tokens=1) for r in (0, 1))
+    gen = torch.Generator().manual_seed(0)
+
+    def add(w, name):  # one sample per shard (shard_tokens=1): random states, tokens of the target's vocabulary
+        T = int(torch.randint(20, 120, (1,), generator=gen))
+        w.add(name, torch.randint(0, 90, (T,), generator=gen), torch.ones(T, dtype=torch.long),
+              torch.randn(T, 3, 64, generator=gen), torch.randn(T, 64, generator=gen))
+
+    def follow(out):
+        train(make_config("train", TrainConfig, _argv(_train_opts(assets, store, out, skip_verify=True)) + []))
+
+    t = threading.Thread(target=follow, args=(tmp_path / "live",))
+    t.start()
+    add(w1, "b0")
+    add(w1, "b1")
+    time.sleep(0.5)  # the trainer waits for rank 0's first shard meanwhile
+    assert not (tmp_path / "live" / "follow.jsonl").exists()
+    add(w0, "a0")
+    w1.close()
+    add(w0, "a1")
+    add(w0, "a2")
+    w0.close()
+    t.join(120)
+    assert [row["ids"] for row in _ids_log(tmp_path / "live")] == [["a0"], ["b0"], ["a1"], ["b1"], ["a2"]]
+    follow(tmp_path / "after")
+    assert _ids_log(tmp_path / "after") == _ids_log(tmp_path / "live")
+    assert _train_lines(tmp_path / "after") == _train_lines(tmp_path / "live")
