@@ -18,9 +18,9 @@ and resumed run reproduces an uninterrupted one (bitwise on CPU fp32):
   one all-reduce gives its answer to all, so ranks agree on which shards each takes and on every wait.
 - End: when writing has ended and the last shard had its E passes, or at --steps. With --steps the LR schedule is
   warmup + cosine over --steps; without, the learning rate is constant (--lr): the total is not known in advance.
-- Replay (--replay-fraction F): slot t also draws round(n F / (1 - F)) samples (n: its own), without replacement,
-  seeded by (--seed, t, 1), from the shards kept beyond their passes: t-R+1..t-E, where R = --keep-shards // W - 1
-  with --consume (every earlier shard without --consume).
+- Replay (--replay-fraction F, with --consume): slot t also draws round(n F / (1 - F)) samples (n: its own), without
+  replacement, seeded by (--seed, t, 1), from the shards kept beyond their passes, t-R+1..t-E, where R = --keep-shards
+  // W - 1: the retained window less one shard of write-ahead per writer rank.
 - Consumption (--consume --keep-shards N): a shard is deleted once every slot that uses it (its E passes, its replay
   slots) is trained and a checkpoint that records it is committed: after each checkpoint rank 0 replaces
   STORE/consumer.json (the consumed shards, a prefix of the stream: the commit point), then deletes their files.
@@ -75,8 +75,8 @@ class StreamSpec:
 
     epochs: int
     """E: passes over each shard."""
-    retain: int | None
-    """R >= E: a shard is used in R consecutive slots (E passes, then as a replay source); None = forever."""
+    retain: int
+    """R >= E: a shard is used in R consecutive slots (E passes, then as a replay source)."""
     replay: float
     """Fraction of a slot's samples drawn from the replay pool."""
     seed: int
@@ -107,7 +107,7 @@ def slot_units(t: int, spec: StreamSpec, final: int | None) -> tuple[list[int], 
     """(units trained in slot t: their passes, newest first; units of its replay pool)."""
     hi = final if final is not None else t + 1
     regular = [u for u in range(t, t - spec.epochs, -1) if 0 <= u < hi]
-    lo = 0 if spec.retain is None else max(0, t - spec.retain + 1)
+    lo = max(0, t - spec.retain + 1)
     return regular, (list(range(lo, min(t - spec.epochs + 1, hi))) if spec.replay > 0 else [])
 
 
@@ -227,11 +227,11 @@ class FollowBatches:
             self._consume()  # binds the record to this store; a resume redoes what a kill interrupted (idempotent)
         D.barrier()
 
-    def _retain(self, cfg) -> int | None:
+    def _retain(self, cfg) -> int:
         """R: how many consecutive slots use a shard (see StreamSpec), checked against the window."""
         E, W = cfg.epochs or 1, self.ranks
         if not cfg.consume:
-            return E if cfg.replay_fraction == 0 else None
+            return E  # replay needs --consume (TrainConfig): its pool is the retained window
         quota = cfg.keep_shards // W
         need, R = (E, E) if cfg.replay_fraction == 0 else (E + 2, quota - 1)
         if quota < need:
@@ -294,37 +294,41 @@ class FollowBatches:
                 time.sleep(POLL_S)
         return self.entries[key]
 
-    def _poll(self) -> tuple[int, int, int, int]:
-        """Rank 0: (code, rank, seq, writer blocked?) of the next shard of the canonical order."""
+    def _poll(self) -> tuple[int, int, int]:
+        """Rank 0: (code, rank, seq) of the next shard of the canonical order."""
         by_rank, finished = self._refresh()
         taken: dict[int, int] = {}
         for r, _ in self.units:
             taken[r] = taken.get(r, 0) + 1
         pointer = (self.units[-1][0] + 1) % self.ranks if self.units else 0
         code, r = next_unit(by_rank, self.ranks, finished, taken, pointer)
-        if code == _TAKE:
-            return code, r, by_rank[r][taken.get(r, 0)]["seq"], 0
-        blocked = 0
-        if code == _WAIT and self.consume:
-            rec = read_consumer(self.path, self.manifest)
-            blocked = int(rec is not None and own_shard_files(self.path / "shards", r) >=
-                          max(1, rec["keep_shards"] // self.ranks))
-        return code, r, -1, blocked
+        return code, r, (by_rank[r][taken.get(r, 0)]["seq"] if code == _TAKE else -1)
 
-    def _agree(self) -> tuple[int, int, int, int]:
+    def _agree(self) -> tuple[int, int, int]:
         """Rank 0's `_poll`, given to every rank (one all-reduce): ranks take the same decisions."""
-        vec, err = torch.zeros(5, dtype=torch.int64, device=self.dev), None  # (5,)
+        vec, err = torch.zeros(4, dtype=torch.int64, device=self.dev), None  # (4,)
         if self.rank == 0:
             try:
-                code, r, s, blocked = self._poll()
+                code, r, s = self._poll()
             except HstapError as e:
-                err, (code, r, s, blocked) = e, (_ERROR, 0, 0, 0)
-            vec += torch.tensor([code, r, s, blocked, self.available], device=self.dev)
-        code, r, s, blocked, avail = (int(x) for x in D.all_reduce_sum(vec).tolist())
+                err, (code, r, s) = e, (_ERROR, 0, 0)
+            vec += torch.tensor([code, r, s, self.available], device=self.dev)
+        code, r, s, avail = (int(x) for x in D.all_reduce_sum(vec).tolist())
         if code == _ERROR:
             raise err or HstapError(f"{self.path}: rank 0 stopped following the store (see its output)")
         self.available = avail
-        return code, r, s, blocked
+        return code, r, s
+
+    def _writers_full(self) -> bool:
+        """Whether a writer rank has its whole share of the window on disk (it waits for room), rank 0's view given
+        to every rank."""
+        full = False
+        if self.rank == 0:
+            rec = read_consumer(self.path, self.manifest)
+            if rec is not None and rec["active"]:
+                quota = max(1, rec["keep_shards"] // self.ranks)
+                full = any(own_shard_files(self.path / "shards", r) >= quota for r in range(self.ranks))
+        return bool(D.all_reduce_sum(torch.tensor([int(full)], device=self.dev)).item())
 
     # -- the stream ----------------------------------------------------------------------------------------------------
 
@@ -349,17 +353,21 @@ class FollowBatches:
 
     def wait(self, save: Callable[[], object]) -> bool:
         """Before a step: plan the next slot when the current one is used up, waiting for its shard (True), or tell
-        that the stream ended (False). While it waits on a writer whose window is full, `save()` (a checkpoint; every
-        rank calls this together) lets `committed` consume the shards whose last use is done."""
+        that the stream ended (False). At a slot's end, when some shard's last use is done and a writer has its whole
+        share of the window on disk, `save()` (a checkpoint; every rank calls this together) lets `committed` consume
+        the done shards first: a writer that waits for room gets it at the next slot, not at the next --save-every."""
         noted = time.monotonic()
         while self.done >= len(self.plan):
             t = self.slot + 1
             if self.final is not None and t >= self.spec.slots(self.final):
                 return False
+            if self.consume and self._done_units() > self.consumed_units and self._writers_full():
+                save()
+                continue
             if t < len(self.units) or self.final is not None:
                 self._plan(t)
                 continue
-            code, r, s, blocked = self._agree()
+            code, r, s = self._agree()
             if code == _TAKE:
                 self.units.append((r, s))
                 self.taken_samples += len(self._lengths(len(self.units) - 1))
@@ -367,8 +375,6 @@ class FollowBatches:
                 self.final = len(self.units)
                 if self.final == 0:
                     raise HstapError(f"{self.path}: every writer closed the store without a sample")
-            elif blocked and self._done_units() > self.consumed_units:
-                save()
             else:
                 if self.rank == 0 and time.monotonic() - noted > NOTE_S:
                     print(f"follow: waiting for rank {r}'s next shard ({self.available} samples committed, "
@@ -416,8 +422,6 @@ class FollowBatches:
         finished = self.slot + (1 if self.done >= len(self.plan) else 0)  # slots fully trained
         if self.final is not None and finished >= self.spec.slots(self.final):
             return self.final
-        if self.spec.retain is None:
-            return 0
         return min(len(self.units), max(0, finished - self.spec.retain + 1))  # slot t uses units t-R+1..t
 
     def committed(self, step: int) -> None:
@@ -443,6 +447,9 @@ class FollowBatches:
         delete_consumed(self.path, rec)
 
     def finish(self) -> None:
-        """A normal end: the window is released (writers stop waiting for this trainer)."""
-        if self.rank == 0 and self.consume:
-            self._consume(active=False)
+        """A normal end (the newest checkpoint is at this position): consume what it makes done (the stream's end may
+        be known only now) and release the window (writers stop waiting for this trainer)."""
+        if self.consume:
+            self.consumed_units = max(self.consumed_units, self._done_units())
+            if self.rank == 0:
+                self._consume(active=False)

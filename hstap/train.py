@@ -173,7 +173,7 @@ class TrainConfig:
     keep_shards: int | None = None
     """--consume: shard files the store may hold at once (all writer ranks together; each writer rank gets N // W)."""
     replay_fraction: float = 0.0
-    """--follow: fraction of each slot's samples drawn again from earlier shards still kept (seeded)."""
+    """--consume: fraction of each slot's samples drawn again from the earlier shards it still keeps (seeded)."""
 
     def __post_init__(self):
         w = "train"
@@ -215,6 +215,9 @@ class TrainConfig:
             raise HstapError(f"{w}: --keep-shards: must be >= 1, got {self.keep_shards}")
         if not 0.0 <= self.replay_fraction < 1.0:
             raise HstapError(f"{w}: --replay-fraction: must be in [0, 1), got {self.replay_fraction}")
+        if self.replay_fraction and not self.consume:
+            raise HstapError(f"{w}: --replay-fraction draws from the shards --consume keeps: pass --consume "
+                             f"--keep-shards N")
         if not (self.vocab_map or self.data):
             raise HstapError(f"{w}: --follow: the draft vocabulary must be fixed before the store is complete: pass "
                              f"--vocab-map (or --data PREPARED, whose vocab map is used)")

@@ -157,6 +157,7 @@ def test_follow_config_errors_are_one_line_each(tmp_path):
              ({"keep_shards": 2}, "--consume and --keep-shards go together"),
              ({"consume": True, "keep_shards": 0}, "--keep-shards: must be >= 1"),
              ({"replay_fraction": 1.0}, "--replay-fraction: must be in"),
+             ({"replay_fraction": 0.2}, "draws from the shards --consume keeps"),
              ({"vocab_map": None}, "the draft vocabulary must be fixed"),
              ({"eval_frac": 0.05}, "evaluation needs a fixed held-out set"),
              ({"online": True, "data": str(tmp_path), "store": None}, "no --online mode")]

@@ -159,7 +159,7 @@ def test_two_gloo_ranks_follow_a_growing_store_like_one_process(assets, tmp_path
     from hstap.train import TrainConfig, train
 
     store, ref = tmp_path / "store", tmp_path / "ref-store"
-    common = dict(save_every=3, ttt=2)
+    common = dict(save_every=5, ttt=2)  # 10 steps: the last checkpoint comes before the stream's end is known
     # two FSDP2 ranks wait for the store, then follow it while a capture child writes it
     fsdp = ranks(_argv(_train_opts(assets, store, tmp_path / "fsdp", consume=True, keep_shards=2, fsdp=True,
                                    **common)), tmp_path / "fsdp_logs")
