@@ -81,8 +81,8 @@ def _tiny_reference(w: Path) -> tuple[Path, Path, Path]:
         model.lm_head.weight.mul_(6.0)
     model.save_pretrained(str(w / "target"))
     convs = stdlib_conversations()
-    (w / "train.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs[:240]))
-    (w / "eval.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs[240:280]))
+    (w / "train.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs[:160]))
+    (w / "eval.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs[160:200]))
     return w / "target", w / "train.jsonl", w / "eval.jsonl"
 
 
@@ -133,8 +133,9 @@ def main() -> None:
     t_start = time.monotonic()
     if a.tiny:
         target, train_src, eval_src = _tiny_reference(work)
-        a.samples, a.batch_tokens, a.num_prompts, a.max_new_tokens = 240, 2048, 4, 24
-        shard = ["--shard-tokens", "2000"]  # ~10 shards
+        a.samples, a.batch_tokens, a.num_prompts, a.max_new_tokens = 160, 1024, 2, 16
+        shard = ["--shard-tokens", "1200"]  # ~20 shards
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # 3-4 processes side by side on a small CPU
         vocab, cap_extra, extra = 96, ["--layers", "1,3,4"], ["--ttt", "3"]
     else:
         ref = Path(a.ref)

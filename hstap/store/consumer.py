@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from hstap.common import HstapError
-from hstap.store.format import SHARD_RE, TEMP_RE, read_json, write_json
+from hstap.store.format import SHARD_RE, TEMP_RE, load_manifest, read_json, write_json
 
 CONSUMER_FORMAT = "hstap-store-consumer"
 CONSUMER_VERSION = 1
@@ -87,10 +87,12 @@ def wait_for_room(path: str | os.PathLike, rank: int, world_size: int, poll_s: f
     max(1, keep_shards // world_size) of its shard files are on disk. Returns the seconds waited (0.0 without an
     active record: a writer alone never waits)."""
     path = Path(path)
+    if not (path / RECORD).is_file():
+        return 0.0  # the common case, a capture alone: no record, nothing else read
     t0, noted = time.monotonic(), None
-    delay = poll_s
+    delay, manifest = poll_s, load_manifest(path)  # a record made for an earlier store at this path does not count
     while True:
-        rec = read_consumer(path)
+        rec = read_consumer(path, manifest)
         if rec is None or not rec["active"]:
             break
         quota = max(1, rec["keep_shards"] // world_size)
