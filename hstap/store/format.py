@@ -111,7 +111,8 @@ Consumed shards and back-pressure (`hstap.store.consumer`; `hstap train --follow
  "store_created_unix": the manifest's created_unix (null while the store did not exist yet), "active": bool,
  "keep_shards": N, "consumed": {"<rank>": c, ...}, "updated_unix": ...}
  - Written only by the consuming trainer (its rank 0), atomically (temp + fsync + rename); one consuming trainer per
-   store. Writers and readers only read it: no file of a store is written by two processes.
+   store. Writers and readers only read it, and the trainer writes no other file of the store (it deletes consumed
+   shard files; their entries stay in the part files, which only their writer rank writes).
  - Shard (r, s) is consumed iff s < consumed[r]. The trainer consumes shards in its stream order, which takes each
    rank's shards in seq order, so a rank's consumed shards are always a seq prefix.
  - Order: the trainer's checkpoint that covers the shard's last use is committed, then consumer.json is replaced
@@ -122,8 +123,11 @@ Consumed shards and back-pressure (`hstap.store.consumer`; `hstap train --follow
  - Back-pressure: while the record is active, writer rank r of a world of W writes a shard only when fewer than
    max(1, N // W) of its own shard files (`rRRR-*.safetensors`, committed or consumed-but-not-yet-deleted) are on
    disk; otherwise it waits, re-reading the record (`wait_for_room`), before it creates the temp file. Its temp file
-   is then the only one it has, so the store never holds more than N shard files (peak bytes <= N * (the writer's
-   shard limit + one sample)). No record, or an inactive one (the trainer ended normally): writers never wait.
+   is then the only one it has, so from the moment the record exists the store never holds more than N shard files
+   (peak bytes <= N * (the writer's shard limit + one sample)). No record, or an inactive one (the trainer ended
+   normally): writers never wait.
+ - `writers` and consumer.json were added within version 1; a reader that predates them sees a consumed shard as a
+   missing file (its verify() reports it), so read a consumed store with an hstap that knows consumer.json.
 """
 
 from __future__ import annotations
