@@ -25,9 +25,11 @@ and resumed run reproduces an uninterrupted one (bitwise on CPU fp32):
   slots) is trained and a checkpoint that records it is committed: after each checkpoint rank 0 replaces
   STORE/consumer.json (the consumed shards, a prefix of the stream: the commit point), then deletes their files.
   Writer rank r of W then holds at most N // W shard files (it waits for room, `hstap.store.consumer`), so the store
-  never holds more than N shards; N // W must be >= E (>= E + 2 with replay). When the trainer waits on a writer whose
-  share is full and some shard's last use is done, it checkpoints right there (no evaluation) to free the room. A
-  normal end releases the window (`active: false`); after a crash or kill -9 the writers wait for the --resume.
+  never holds more than N shards; N // W must be >= E (>= E + 2 with replay). At the end of a slot, when some shard's
+  last use is done and a writer has its whole share on disk (it waits for room), the trainer checkpoints right there
+  (no evaluation) to consume it: a consumption costs a checkpoint, so make shards large against the drafter's
+  checkpoint. A normal end releases the window (`active: false`); after a crash or kill -9 the writers wait for the
+  --resume.
   Without --consume nothing is deleted and writers never wait.
 - Exactly once: a checkpoint records the stream position (the shards taken, the slot, the micro-batches done in it);
   --resume continues from it and completes an interrupted consumption. RUN/follow.jsonl has one line per step with the
@@ -91,9 +93,10 @@ class StreamSpec:
 
 def next_unit(by_rank: dict[int, list[dict]], ranks: int, finished: set[int], taken: dict[int, int],
               pointer: int) -> tuple[int, int]:
-    """The next shard of the canonical order -> (_TAKE, entry index of rank r) as (code, r); (_WAIT, r) while rank r
-    may still write its next shard; (_END, -1) once every rank is finished and fully taken. `pointer` is the rank after
-    the last shard taken; `taken[r]` the shards of rank r taken so far; by_rank[r] its committed entries by seq."""
+    """The next shard of the canonical order: (_TAKE, r) when it is rank r's next committed one,
+    by_rank[r][taken[r]]; (_WAIT, r) while rank r may still write it; (_END, -1) once every rank is finished and fully
+    taken. `pointer`: the rank after the last shard taken; `taken[r]`: shards of rank r taken so far; `by_rank[r]`:
+    rank r's committed entries in seq order."""
     for k in range(ranks):
         r = (pointer + k) % ranks
         if len(by_rank.get(r, ())) > taken.get(r, 0):
@@ -128,9 +131,9 @@ def plan_slot(t: int, lengths: Callable[[int], list[int]], spec: StreamSpec, fin
         refs += [cand[i] for i in sorted(pick.tolist())]
     if not refs:
         return []
-    lens = np.asarray([lengths(u)[j] for u, j, _ in refs], dtype=np.int64)
+    lens = np.asarray([lengths(u)[j] for u, j, _ in refs], dtype=np.int64)  # (n,)
     rng = np.random.default_rng([spec.seed, t])
-    order = np.lexsort((rng.permutation(len(refs)), lens))
+    order = np.lexsort((rng.permutation(len(refs)), lens))  # (n,) by length, seeded among equal lengths
     batches = pack_by_tokens(lens, spec.batch_tokens, order.tolist())
     batches = [[refs[i] for i in batches[j]] for j in rng.permutation(len(batches))]
     if len(batches) % spec.group:
@@ -161,7 +164,7 @@ def claim_store(cfg, run: Path, resuming: bool) -> None:
     rec = read_consumer(path, m)
     if rec is not None and rec["run"] != str(run):
         raise HstapError(f"{path / 'consumer.json'}:1: run: the store is consumed by {rec['run']}; one consuming "
-                         f"trainer per store (follow it without --consume, or resume that run)")
+                         f"trainer per store (resume that run)")
     if rec is not None and any(rec["consumed"].values()) and not resuming:
         raise HstapError(f"{path / 'consumer.json'}:1: consumed: {run} consumed shards of this store already: pass "
                          f"--resume")
@@ -328,7 +331,7 @@ class FollowBatches:
             if rec is not None and rec["active"]:
                 quota = max(1, rec["keep_shards"] // self.ranks)
                 full = any(own_shard_files(self.path / "shards", r) >= quota for r in range(self.ranks))
-        return bool(D.all_reduce_sum(torch.tensor([int(full)], device=self.dev)).item())
+        return bool(D.all_reduce_sum(torch.tensor([int(full)], device=self.dev)).item())  # (1,)
 
     # -- the stream ----------------------------------------------------------------------------------------------------
 
