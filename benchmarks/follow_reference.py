@@ -23,8 +23,9 @@ The window's bound: the store never holds more than K shard files, so its bytes 
 
 Expected on one H200 with the defaults (4000 conversations, ~1.8 M tokens, ~5.6 GB of bf16 states in 128 MiB
 shards, window 4 = 512 MiB, 2 epochs): about 3 minutes (prepare ~15 s, the follow and the offline pipelines side by
-side ~60-90 s including flex-attention compilation, the two evals side by side ~60 s). Ends with a table and one JSON
-line; bulky outputs (logs, store size series, eval reports) go under $OUT (default: the work dir).
+side ~60-90 s including flex-attention compilation, the two evals side by side ~60 s); not measured yet. It needs
+~7 GB of disk for the work dir (the offline store). Ends with a table and one JSON line; with $OUT set, the logs, the
+store size series (store_size.jsonl), the metrics and id logs and the eval reports are copied there.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import gzip
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -116,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a random toy target (no REF needed)")
     ap.add_argument("--ref", default=os.environ.get("REF", str(HERE.parent / ".carry" / "reference")))
-    ap.add_argument("--work", default=None, help="work dir (default: a temp dir; $OUT when set)")
+    ap.add_argument("--work", default=None, help="work dir for the stores and runs (default: a temp dir)")
     ap.add_argument("--device", default=None, help="cuda (default) or cpu (default with --tiny)")
     ap.add_argument("--samples", type=int, default=4000, help="training conversations (first N of train.jsonl.gz)")
     ap.add_argument("--keep-shards", type=int, default=4)
@@ -128,7 +130,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     a = ap.parse_args()
     dev = a.device or ("cpu" if a.tiny else "cuda")
-    work = Path(a.work or os.environ.get("OUT") or tempfile.mkdtemp(prefix="hstap-follow-"))
+    work = Path(a.work or tempfile.mkdtemp(prefix="hstap-follow-"))
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     if a.tiny:
@@ -219,6 +221,13 @@ def main() -> None:
     print(f"store: {len(entries)} shards, {res['store_bytes_total'] / 1e9:.2f} GB captured; peak on disk "
           f"{sampler.peak_files} files / {sampler.peak_bytes / 1e6:.1f} MB (bound {a.keep_shards} x "
           f"{biggest / 1e6:.1f} MB = {a.keep_shards * biggest / 1e6:.1f} MB); {res['left_on_disk']} left at the end")
+    if os.environ.get("OUT"):  # the small outputs only: logs, the store size series, metrics, id logs, eval reports
+        out = Path(os.environ["OUT"])
+        for f in [*work.glob("*.log"), work / "store_size.jsonl", *work.glob("run-*/metrics.jsonl"),
+                  *work.glob("run-*/follow.jsonl"), *work.glob("eval-*/report.json")]:
+            dst = out / f.relative_to(work)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dst)
     print(json.dumps(res))
 
 
