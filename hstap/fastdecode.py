@@ -52,6 +52,7 @@ from hstap.fast_steps import (
     spec_bodies,
     spec_buffers,
 )
+from hstap.layers import last_layer
 from hstap.static_kv import DrafterStaticCache, StaticUnsupported, additive, causal_rows, seek, target_cache
 
 SLOT_QUANTUM = 256  # cache lengths are rounded up to this (aligned masks, fewer re-allocations)
@@ -167,7 +168,7 @@ class FastDecoder:
         """run_target through the static cache must reproduce Target.capture (the model's own forward)."""
         T = 5
         ids = (torch.arange(1, T + 1, device=self.dev)[None] * 7) % self.target.vocab_size  # (1, T)
-        layers = tuple(sorted({0, self.target.num_layers - 1}))
+        layers = tuple(sorted({0, last_layer(self.target.num_layers)}))
         logits, aux = self._prefill(ids[0].tolist(), layers)
         ref_aux, final, _ = self.target.capture(ids, list(layers))
         ref = self.target.logits(final[0]).float()  # (T, V)

@@ -5,6 +5,8 @@
     hstap train --online --data PREPARED --target MODEL_DIR --out RUN --steps 2000      # no disk: target in-process
     hstap train --store STORE --target MODEL_DIR --out RUN --aux-layers final --ttt 1   # EAGLE-1-style baseline
     hstap train --store STORE --target MODEL_DIR --out RUN --resume                     # after a crash / kill -9
+    hstap train --store STORE --target MODEL_DIR --out RUN --vocab-map PREPARED --eval-frac 0 \
+        --follow --consume --keep-shards 4                                            # while capture writes STORE
 
 Objective (`hstap.ttt`): step k of --ttt at position t feeds x[t+1+k] and the step k-1 output, and predicts x[t+2+k]
 against the target's distribution at t+1+k over the draft vocabulary (the frozen target lm_head, read from the target
@@ -48,6 +50,14 @@ renamed into place; the newest --keep are kept. --resume restores weights, optim
 batches consumed) and RNG: a run killed with kill -9 and resumed logs the uninterrupted run's losses (bitwise on CPU
 fp32, tests/test_train.py). All ranks must see RUN (shared filesystem).
 
+Following a growing store (--follow): train on each shard as soon as it is committed (by any writer rank), wait when
+caught up, end at --steps or once every writer closed the store and every sample was used --epochs times; with
+--consume --keep-shards N, delete each shard once its last use is trained and checkpointed, the store's writers keeping
+to N shard files. The order (canonical, not the order of arrival: a resumed run reproduces an uninterrupted one,
+bitwise on CPU fp32), slots and epochs, replay, consumption, exactly-once resume and the per-step sample-id log
+RUN/follow.jsonl are specified in `hstap.follow`'s docstring; the store side (writer ranks and the end of writing,
+consumer.json, the writers' back-pressure) in hstap/store/format.py. Without --steps the learning rate is constant.
+
 Layout: this module holds the stage's config, its entry and the loop; `hstap.train_data` the sources, layers, vocab
 map, split and batches; `hstap.trainer` the drafter's init, wrapping, optimizer, schedule, step and evaluation;
 `hstap.checkpoint` the checkpoint files.
@@ -59,7 +69,6 @@ import json
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,11 +78,12 @@ from hstap import checkpoint
 from hstap import dist as D
 from hstap.batching import TrainBatches
 from hstap.common import HstapError, write_run_config
-from hstap.drafter import DrafterConfig
+from hstap.follow import FollowBatches, open_followed_store
 from hstap.model_dir import load_config, target_head
 from hstap.train_data import Feed, TrainData, build_data
 from hstap.trainer import Schedule, Trainer, init_drafter
-from hstap.ttt import ttt_attention, ttt_flops
+from hstap.train_log import MetricsLog, Throughput, train_line
+from hstap.ttt import ttt_attention
 
 STATE_FORMAT = "hstap-trainer-state"
 
@@ -168,6 +178,15 @@ class TrainConfig:
     """Peak bf16 TFLOP/s of one device for the MFU estimate (H200: 790)."""
     tensorboard: bool = True
     """Also log to RUN/tb when tensorboard is installed."""
+    follow: bool = False
+    """Train on --store while it is written: each shard once committed, waiting when caught up; ends at --steps or
+    when every writer closed the store and every sample was used --epochs times (module docstring)."""
+    consume: bool = False
+    """--follow: delete each shard once its last use is trained and checkpointed; the writers keep to --keep-shards."""
+    keep_shards: int | None = None
+    """--consume: shard files the store may hold at once (all writer ranks together; each writer rank gets N // W)."""
+    replay_fraction: float = 0.0
+    """--consume: fraction of each slot's samples drawn again from the earlier shards it still keeps (seeded)."""
 
     def __post_init__(self):
         w = "train"
@@ -177,8 +196,10 @@ class TrainConfig:
             raise HstapError(f"{w}: --store: required (or --online --data PREPARED)")
         if self.online and self.eval_store:
             raise HstapError(f"{w}: --eval-store: offline only (online mode evaluates on an --eval-frac split)")
-        if self.steps is not None and self.epochs is not None:
+        if self.steps is not None and self.epochs is not None and not self.follow:
             raise HstapError(f"{w}: give --steps or --epochs, not both")
+        if self.follow or self.consume or self.keep_shards is not None or self.replay_fraction:
+            self._check_follow()
         for name in ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "draft_vocab", "ce_chunk",
                      "draft_layers"):
             if getattr(self, name) < 1:
@@ -202,6 +223,28 @@ class TrainConfig:
         for name in ("out", "target", "store", "data", "vocab_map", "eval_store"):
             if getattr(self, name):
                 setattr(self, name, os.path.abspath(getattr(self, name)))
+
+    def _check_follow(self) -> None:
+        w = "train"
+        if not self.follow:
+            raise HstapError(f"{w}: --consume, --keep-shards and --replay-fraction need --follow")
+        if self.online:
+            raise HstapError(f"{w}: --follow follows a --store; it has no --online mode")
+        if self.consume != (self.keep_shards is not None):
+            raise HstapError(f"{w}: --consume and --keep-shards go together (the window the store's writers keep to)")
+        if self.keep_shards is not None and (isinstance(self.keep_shards, bool) or self.keep_shards < 1):
+            raise HstapError(f"{w}: --keep-shards: must be >= 1, got {self.keep_shards}")
+        if not 0.0 <= self.replay_fraction < 1.0:
+            raise HstapError(f"{w}: --replay-fraction: must be in [0, 1), got {self.replay_fraction}")
+        if self.replay_fraction and not self.consume:
+            raise HstapError(f"{w}: --replay-fraction draws from the shards --consume keeps: pass --consume "
+                             f"--keep-shards N")
+        if not (self.vocab_map or self.data):
+            raise HstapError(f"{w}: --follow: the draft vocabulary must be fixed before the store is complete: pass "
+                             f"--vocab-map (or --data PREPARED, whose vocab map is used)")
+        if self.eval_frac > 0 and not self.eval_store:
+            raise HstapError(f"{w}: --follow: evaluation needs a fixed held-out set: pass --eval-store STORE, or "
+                             f"--eval-frac 0")
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -227,6 +270,12 @@ class TrainState:
     """The latest train metrics line."""
     ev_last: dict = field(default_factory=dict)
     """The latest eval metrics line."""
+    logged: int = -1
+    """The step of the latest metrics line written."""
+    saved: int = -1
+    """The step of the latest checkpoint written."""
+    raw: tuple | None = None
+    """(step, epoch, stats, lr, grad norm) of the latest step, on the device until a metrics line reads them."""
 
 
 @dataclass
@@ -241,7 +290,8 @@ class _Run:
     data: TrainData
     feed: Feed
     trainer: Trainer
-    batches: TrainBatches
+    batches: TrainBatches | FollowBatches
+    """Offline: epochs over the training split; --follow: the follow stream."""
     schedule: Schedule
     run_config: dict
     """trainer_state.json's "config": {"world_size": world, **the TrainConfig fields}."""
@@ -250,6 +300,8 @@ class _Run:
 def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
     r, st = _build(cfg, rank, world, dev)
     _loop(r, st)
+    if cfg.follow:
+        r.batches.finish()  # a normal end: the store's writers no longer wait for this trainer
     c = checkpoint.complete(r.run)
     summary = {"run": str(r.run), "steps": st.step, "loss": st.last.get("loss"), "acc": st.last.get("acc"),
                "tok_s": st.last.get("tok_s"), "mfu": st.last.get("mfu"), "sim_tau": st.ev_last.get("sim_tau"),
@@ -277,6 +329,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     if bf16 and not cuda:
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
     _open_run(cfg, run, rank)
+    if cfg.follow:
+        open_followed_store(cfg, run, rank)
     hf_cfg = load_config(cfg.target)
     data = build_data(cfg, hf_cfg, rank, world, dev, bf16)
     embed, head = target_head(cfg.target)
@@ -294,17 +348,26 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     trainer = Trainer(cfg, drafter, world, dev, attn, bf16)
     st = TrainState(step=state.get("step", 0), best=state.get("best_sim_tau", -1.0),
                     tokens_seen=state.get("tokens_seen", 0))
+    if ckpt and "follow" in state and not cfg.follow:
+        raise HstapError(f"{ckpt}/trainer_state.json: a --follow run; resume it with --follow")
     if ckpt:
         trainer.load_rest(ckpt, state, rank)
-        if rank == 0:
-            checkpoint.truncate_metrics(run / "metrics.jsonl", st.step)
-    batches = TrainBatches(data.train_rows, data.train_lengths, cfg.batch_tokens, cfg.seed, rank, world,
-                           state.get("epoch", 0), state.get("batches_done", 0), cuda,
-                           cfg.workers if cfg.workers >= 0 else (4 if cuda else 0))
-    per_epoch = math.ceil(len(batches.sampler) / cfg.grad_accum)
-    total = cfg.steps or (cfg.epochs or 1) * per_epoch
-    D.print0(f"hstap train: {len(data.train_rows)} train / {len(data.eval_rows)} eval samples, "
-             f"{per_epoch} steps/epoch, {total} steps, world {world}{' fsdp' if trainer.fsdp else ''}, "
+    if rank == 0 and (ckpt or cfg.follow):  # follow: also a restart before the first checkpoint starts clean
+        checkpoint.truncate_metrics(run / "metrics.jsonl", st.step)
+        if cfg.follow:
+            checkpoint.truncate_metrics(run / "follow.jsonl", st.step)
+    workers = cfg.workers if cfg.workers >= 0 else (4 if cuda else 0)
+    if cfg.follow:
+        batches = FollowBatches(cfg, run, rank, world, dev, state if ckpt else None, cuda, workers)
+        total, plan = cfg.steps, (f"following {cfg.store} ({batches.ranks} writer rank(s)), {cfg.epochs or 1} "
+                                  f"epoch(s), {f'{cfg.steps} steps' if cfg.steps else 'until writing ends'}")
+    else:
+        batches = TrainBatches(data.train_rows, data.train_lengths, cfg.batch_tokens, cfg.seed, rank, world,
+                               state.get("epoch", 0), state.get("batches_done", 0), cuda, workers)
+        per_epoch = math.ceil(len(batches.sampler) / cfg.grad_accum)
+        total = cfg.steps or (cfg.epochs or 1) * per_epoch
+        plan = f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} steps/epoch, {total} steps"
+    D.print0(f"hstap train: {plan}, world {world}{' fsdp' if trainer.fsdp else ''}, "
              f"{dev.type} {'bf16' if bf16 else 'fp32'}, attn {attn}, ttt {cfg.ttt}, draft vocab {data.d2t.numel()}, "
              f"aux layers {data.layers or 'final'}"
              + (f", resumed from {ckpt.name}" if ckpt else ""))
@@ -314,118 +377,93 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
 
 
 def _loop(r: _Run, st: TrainState) -> None:
-    """Optimizer steps until the schedule's total: metrics lines, evaluations and checkpoints on the way."""
+    """Optimizer steps until the schedule's total (--follow: or the stream's end): metrics lines, evaluations and
+    checkpoints on the way."""
     cfg, cuda, total, tr = r.cfg, r.dev.type == "cuda", r.schedule.total, r.trainer
+    fol = r.batches if cfg.follow else None  # waits for shards; its stream may end before any total
     eval_every = cfg.eval_every or cfg.save_every
-    log = _Log(r.run, r.rank, cfg.tensorboard)
+    log = MetricsLog(r.run, r.rank, cfg.tensorboard)
     from tqdm import tqdm
     bar = tqdm(total=total, initial=st.step, disable=r.rank != 0, desc="train", dynamic_ncols=True, file=sys.stderr)
     it = iter(r.batches)
-    meter = _Throughput(tr.drafter.config, cfg.ttt, tr.model.attn != "causal", cfg.peak_tflops * 1e12 * r.world)
+    meter = Throughput(tr.drafter.config, cfg.ttt, tr.model.attn != "causal", cfg.peak_tflops * 1e12 * r.world)
     if cuda:
         torch.cuda.reset_peak_memory_stats(r.dev)
     tr.wrapped.train()
-    while st.step < total:
+    pos = None
+    while total is None or st.step < total:
+        if fol is not None and not fol.wait(lambda: _save(r, st, pos, False)):
+            if st.raw is not None:  # the stream ended: the end's metrics line, evaluation and checkpoint, where not done yet
+                _after_step(r, st, log, meter, bar, pos, eval_every, last=True)
+            break
         micro = [r.feed(next(it)) for _ in range(cfg.grad_accum)]  # targets of the whole step first: exact N_k
-        pos = (r.batches.epoch, r.batches.done)
+        pos = (r.batches.epoch, r.batches.done) if fol is None else None
         lr = r.schedule.lr_at(st.step)
         stats, gn = tr.step(micro, lr)
         meter.add(micro)
         del micro
         st.step += 1
+        if fol is not None:
+            fol.step_done(st.step)
+        epoch = fol.epochs_done() if fol is not None else pos[0] + pos[1] / len(r.batches.sampler)
+        st.raw = (st.step, epoch, stats, lr, gn)  # read (a host sync) only when a metrics line is due
         bar.update(1)
-        if st.step % cfg.log_every == 0 or st.step == total:  # read the step's figures only here: a host sync
-            st.last = _train_line(st.step, pos[0] + pos[1] / len(r.batches.sampler), stats, cfg.ttt_decay, lr, gn)
-            bar.set_postfix(loss=f"{st.last['loss']:.3f}", acc0=f"{st.last['acc'][0]:.3f}", refresh=False)
-            tokens, tok_s, mfu = meter.window(r.dev)
-            st.tokens_seen += tokens
-            st.last |= {"tokens": st.tokens_seen, "tok_s": tok_s, "mfu": mfu}
-            if cuda:
-                st.last["peak_mem_gb"] = torch.cuda.max_memory_allocated(r.dev) / 1e9
-            log(st.last)
-            meter.reset()
-        if r.data.eval_batches and (st.step % eval_every == 0 or st.step == total):
-            st.ev_last = tr.evaluate(r.feed, r.data, st.step)
-            log(st.ev_last)
-            if r.rank == 0:
-                bar.write(f"step {st.step}: sim_tau {st.ev_last['sim_tau']:.3f}  acc_cond "
-                          f"{[round(a, 3) for a in st.ev_last['acc_cond']]}")
-        is_best = bool(st.ev_last) and st.ev_last["step"] == st.step and st.ev_last["sim_tau"] > st.best
-        st.best = st.ev_last["sim_tau"] if is_best else st.best
-        if st.step % cfg.save_every == 0 or st.step == total or is_best:
-            _save(r, st, pos, is_best)
+        if st.step % cfg.log_every == 0 or st.step == total:
+            _read_line(st, cfg.ttt_decay)
+            bar.set_postfix(loss=f"{st.last['loss']:.3f}", acc0=f"{st.last['acc'][0]:.3f}",
+                            **(fol.progress() if fol is not None else {}), refresh=False)
+        _after_step(r, st, log, meter, bar, pos, eval_every, last=st.step == total)
     bar.close()
     log.close()
 
 
-def _train_line(step: int, epoch: float, stats: torch.Tensor, decay: float, lr: float, gn: torch.Tensor) -> dict:
-    """The train metrics line of a step from its stats (K, 3) = [sum CE_k, correct_k, counted_k] over all ranks."""
-    n = stats[:, 2].clamp_min(1)
-    loss_k = (stats[:, 0] / n).tolist()
-    return {"step": step, "epoch": epoch, "loss": float(sum(decay ** k * x for k, x in enumerate(loss_k))),
-            "loss_k": loss_k, "acc": (stats[:, 1] / n).tolist(), "lr": lr, "grad_norm": float(D.full_tensor(gn))}
+def _after_step(r: _Run, st: TrainState, log: MetricsLog, meter: Throughput, bar, pos: tuple[int, int] | None,
+                eval_every: int, last: bool) -> None:
+    """The metrics line, evaluation and checkpoint of step st.step where due (all three when `last`), each once."""
+    cfg, tr = r.cfg, r.trainer
+    if (st.step % cfg.log_every == 0 or last) and st.logged != st.step:
+        _read_line(st, cfg.ttt_decay)
+        tokens, tok_s, mfu = meter.window(r.dev)
+        st.tokens_seen += tokens
+        st.last |= {"tokens": st.tokens_seen, "tok_s": tok_s, "mfu": mfu}
+        if r.dev.type == "cuda":
+            st.last["peak_mem_gb"] = torch.cuda.max_memory_allocated(r.dev) / 1e9
+        log(st.last)
+        meter.reset()
+        st.logged = st.step
+    if r.data.eval_batches and (st.step % eval_every == 0 or last) and st.ev_last.get("step") != st.step:
+        st.ev_last = tr.evaluate(r.feed, r.data, st.step)
+        log(st.ev_last)
+        if r.rank == 0:
+            bar.write(f"step {st.step}: sim_tau {st.ev_last['sim_tau']:.3f}  acc_cond "
+                      f"{[round(a, 3) for a in st.ev_last['acc_cond']]}")
+    is_best = bool(st.ev_last) and st.ev_last["step"] == st.step and st.ev_last["sim_tau"] > st.best
+    st.best = st.ev_last["sim_tau"] if is_best else st.best
+    if (st.step % cfg.save_every == 0 or last or is_best) and (st.saved != st.step or is_best):
+        _save(r, st, pos, is_best)
 
 
-def _save(r: _Run, st: TrainState, pos: tuple[int, int], is_best: bool) -> None:
-    """Checkpoint after st.step steps; pos = (epoch, batches done) of the data after them."""
-    ep, dn = pos if pos[1] < len(r.batches.sampler) else (pos[0] + 1, 0)
-    tstate = {"format": STATE_FORMAT, "version": 1, "step": st.step, "epoch": ep, "batches_done": dn,
+def _read_line(st: TrainState, decay: float) -> None:
+    """st.last = the train metrics line of the latest step (st.raw), once per step."""
+    if st.raw is not None and st.last.get("step") != st.raw[0]:
+        step, epoch, stats, lr, gn = st.raw
+        st.last = train_line(step, epoch, stats, decay, lr, gn)
+
+
+def _save(r: _Run, st: TrainState, pos: tuple[int, int] | None, is_best: bool) -> None:
+    """Checkpoint after st.step steps; pos = (epoch, batches done) of the data after them (--follow: the stream's
+    position, which then consumes the shards whose last use the checkpoint covers)."""
+    if r.cfg.follow:
+        where = r.batches.state()
+    else:
+        ep, dn = pos if pos[1] < len(r.batches.sampler) else (pos[0] + 1, 0)
+        where = {"epoch": ep, "batches_done": dn}
+    tstate = {"format": STATE_FORMAT, "version": 1, "step": st.step, **where,
               "total_steps": r.schedule.total, "best_sim_tau": st.best, "tokens_seen": st.tokens_seen,
               "scheduler": r.schedule.state(st.step), "param_names": r.trainer.names, "config": r.run_config}
     tr = r.trainer
     checkpoint.save(r.run, st.step, tr.drafter, tr.params, tr.opt, tstate, r.data.meta, r.cfg.keep, r.rank, tr.fsdp,
                     is_best)
-
-
-class _Throughput:
-    """Real tokens and model FLOPs (`hstap.ttt.ttt_flops`) of this rank since the last metrics line."""
-
-    def __init__(self, dcfg: DrafterConfig, ttt: int, exact_attn: bool, peak_flops: float):
-        """peak_flops: the peak FLOP/s of all ranks together (the MFU denominator)."""
-        self.dcfg, self.ttt, self.exact_attn, self.peak_flops = dcfg, ttt, exact_attn, peak_flops
-        self.reset()
-
-    def reset(self) -> None:
-        self.t, self.win = time.perf_counter(), torch.zeros(2, dtype=torch.float64)  # tokens, FLOPs
-
-    def add(self, micro: list[tuple]) -> None:
-        """Count a step's micro-batches (`Feed` outputs)."""
-        for _, _, tb, counted, lengths in micro:
-            self.win += torch.tensor([float(lengths.sum()), ttt_flops(self.dcfg, lengths, counted,
-                                                                      float(tb["s"].numel()), self.ttt,
-                                                                      self.exact_attn)], dtype=torch.float64)
-
-    def window(self, dev: torch.device) -> tuple[int, float, float]:
-        """-> (tokens, tokens/s, MFU) of the window, all ranks (a collective)."""
-        el, agg = max(time.perf_counter() - self.t, 1e-9), D.all_reduce_sum(self.win.to(dev)).cpu()
-        return int(agg[0]), float(agg[0]) / el, float(agg[1]) / el / self.peak_flops
-
-
-class _Log:
-    """metrics.jsonl (rank 0) and TensorBoard when installed."""
-
-    def __init__(self, run: Path, rank: int, tensorboard: bool):
-        self.f = open(run / "metrics.jsonl", "a") if rank == 0 else None
-        self.tb = None
-        if rank == 0 and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(run / "tb"))
-            except ImportError:
-                pass
-
-    def __call__(self, obj: dict) -> None:
-        if self.f is not None:
-            self.f.write(json.dumps(obj) + "\n")
-            self.f.flush()
-        if self.tb is not None:
-            tag = "eval/" if obj.get("eval") else "train/"
-            for k, v in obj.items():
-                for i, x in (enumerate(v) if isinstance(v, list) else [(None, v)]):
-                    if isinstance(x, (int, float)) and not isinstance(x, bool) and k != "step":
-                        self.tb.add_scalar(tag + k + ("" if i is None else f"_{i}"), x, obj["step"])
-
-    def close(self):
-        for h in (self.f, self.tb):
-            if h is not None:
-                h.close()
+    st.saved = st.step
+    if r.cfg.follow:
+        r.batches.committed(st.step)

@@ -88,9 +88,13 @@ def preflight(cfg, rank: int, dev: torch.device) -> None:
     """hstap.verify.quick_check (the store matches the target) on rank 0; its failure stops every rank."""
     err = None
     if rank == 0 and not cfg.skip_verify:
+        from hstap.follow import check_store_target
         from hstap.verify import quick_check
         try:
-            quick_check(cfg.store, cfg.target, samples=2, device=dev.type)
+            if cfg.follow:  # the store may hold no sample yet: its header's target fingerprints
+                check_store_target(cfg.store, cfg.target)
+            else:
+                quick_check(cfg.store, cfg.target, samples=2, device=dev.type)
         except HstapError as e:
             err = e
         if dev.type == "cuda":

@@ -27,15 +27,18 @@ from hstap.ttt import TTTModel, replay_chain
 class Schedule:
     """Linear warmup over warmup_ratio of `total` steps, then cosine from lr down to min_lr_ratio * lr at `total`.
 
-    A resumed run with a larger total lays the cosine out over the new total."""
+    A resumed run with a larger total lays the cosine out over the new total. total None (a --follow run without
+    --steps: the total is not known): lr throughout."""
 
     lr: float
     warmup_ratio: float
     min_lr_ratio: float
-    total: int
+    total: int | None
 
     def lr_at(self, step: int) -> float:
         """The learning rate of the optimizer step that follows `step` completed steps."""
+        if self.total is None:
+            return self.lr
         warm = math.ceil(self.warmup_ratio * self.total) if self.warmup_ratio > 0 else 0
         if step < warm:
             return self.lr * (step + 1) / warm

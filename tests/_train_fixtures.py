@@ -21,8 +21,8 @@ from pathlib import Path
 import _procs
 from _procs import free_port, redirect_output, start_forkserver  # noqa: F401 (re-exported)
 
-def build_assets(root: Path, tokenizer, n: int = 28) -> dict:
-    """target/, prepared/ and store/ (fp32) under root; returns their paths."""
+def build_assets(root: Path, tokenizer, n: int = 28, with_store: bool = True) -> dict:
+    """target/, prepared/ and (with_store) store/ (fp32) under root; returns their paths."""
     import torch
 
     from hstap.capture import CaptureConfig, capture
@@ -46,6 +46,9 @@ def build_assets(root: Path, tokenizer, n: int = 28) -> dict:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         prepare(PrepareConfig(tokenizer=str(target), data=[str(root / "chats.jsonl")], out=str(root / "prepared"),
                               draft_vocab=96))
+    if not with_store:
+        return {"target": target, "prepared": root / "prepared"}
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         capture(CaptureConfig(target=str(target), data=str(root / "prepared"), out=str(root / "store"), layers="1,3,4",
                               dtype="fp32", device="cpu", batch_tokens=4096))
     return {"target": target, "prepared": root / "prepared", "store": root / "store"}

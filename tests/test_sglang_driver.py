@@ -84,6 +84,9 @@ def test_capture_through_server_equals_hf_and_resumes(setup, tiny_llama):
     store = open_store(setup["store"])
     assert sorted(store.ids) == sorted(ds["id"]) and store.verify() == []
     assert store.manifest["engine"]["name"] == "sglang" and store.manifest["layers"] == LAYERS
+    # the session's end closed the hook's store rank: a trainer following the store sees that writing has ended
+    parts = [json.loads(f.read_text()) for f in sorted((setup["store"] / "parts").glob("rank*.json"))]
+    assert s["writers_closed"] and store.manifest["writers"] == 1 and [q["closed"] for q in parts] == [True]
     target, _ = load_target(tiny_llama, "cpu", "fp32")
     want = capture_batch(target, [torch.tensor(x) for x in ds["input_ids"]], LAYERS)
     for i, (aux, final) in enumerate(want):
@@ -92,7 +95,7 @@ def test_capture_through_server_equals_hf_and_resumes(setup, tiny_llama):
         torch.testing.assert_close(got["aux"], aux, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got["final"], final, rtol=1e-4, atol=1e-4)
     again = _run(_cfg(setup, tiny_llama))  # resume: everything is committed, nothing is sent
-    assert again["samples"] == 0 and again["skipped_committed"] == len(ds)
+    assert again["samples"] == 0 and again["skipped_committed"] == len(ds) and again["writers_closed"]
     assert (setup["store"] / "config.json").is_file()
 
 

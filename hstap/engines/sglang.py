@@ -212,6 +212,7 @@ class CaptureHook:
     def _forward(self, inputs) -> None:
         if self._disabled or self.ranks()[0] != 0:  # TP ranks replicate the residual stream: attention-TP rank 0 writes
             return
+        self._start_writer()  # now, not at the first sample: a DP rank without samples must still see a session end
         if len(inputs) < 4:
             self._note("signature", f"logits_processor got {len(inputs)} positional inputs, expected >= 4 "
                                     "(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)")
@@ -368,12 +369,15 @@ class CaptureHook:
             done.record(self._side)
         return {"done": done, "buf": buf, "layout": layout}
 
-    def _put(self, item: dict) -> None:
+    def _start_writer(self) -> None:
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._writer_loop, name="hstap-sglang-writer", daemon=True)
                     self._thread.start()
+
+    def _put(self, item: dict) -> None:
+        self._start_writer()
         while True:  # blocks only while queue_size batches wait for storage (backpressure)
             try:
                 self._q.put(item, timeout=1.0)
@@ -398,6 +402,7 @@ class CaptureHook:
                 item = self._q.get(timeout=self.cfg.flush_s)
             except queue.Empty:
                 w.flush()
+                w.check_end()
                 continue
             if item is None:
                 w.flush()

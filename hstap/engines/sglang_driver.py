@@ -23,13 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hstap.capture import check_tokenizer, short_id, store_header
-from hstap.common import HstapError, write_run_config
+from hstap.common import HstapError, atomic_write_json, write_run_config
 from hstap.data import load_prepared, prepared_columns, read_meta
-from hstap.engines.sglang_protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, encode_rid, hook_spec
+from hstap.engines.sglang_protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, encode_rid, end_marker, hook_spec
 from hstap.layers import parse_layers, to_sglang
 from hstap.model_dir import target_fingerprint
-from hstap.store.format import merge_manifest
-from hstap.store.reader import open_store
+from hstap.store.format import committed_ids_of, load_manifest, load_parts, merge_manifest, writing_state
 from hstap.store.writer import StoreWriter
 
 
@@ -144,12 +143,14 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     engine = {"name": "sglang", "version": str(info.get("version")), "device": f"server {server}",
               "compute_dtype": str(info.get("dtype")), "model_path": info.get("model_path")}
     header = store_header(target_block, engine, cfg.dtype, layers, cfg, meta)
-    StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens).close()  # create / check; the hook writes
+    # create / check only: the hook's writers own the ranks (one per attention-DP rank) and write the shards
+    writers = int(info.get("dp_size") or 1) if info.get("enable_dp_attention") else 1
+    StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens, world_size=writers, claim=False).close()
     lock = _lock_events(cfg.out, cfg.new)
     session = uuid.uuid4().hex[:12]
     t_wall0 = time.time() - 1.0  # events older than this run belong to earlier runs
 
-    committed = set(open_store(cfg.out).ids)
+    committed = committed_ids_of(cfg.out)  # consumed shards included: a following trainer may have deleted some
     ids, lens = prepared_columns(ds, n)
     too_long = [i for i in range(n) if ctx and lens[i] > ctx]
     todo = [i for i in range(n) if ids[i] not in committed and lens[i] > 0 and not (ctx and lens[i] > ctx)]
@@ -157,6 +158,8 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     run = _Requests(server, cfg.out, session, ids, t_wall0, cfg.concurrency, poll_s, request_timeout_s)
     run.send_all(todo, lambda i: list(ds[i]["input_ids"]))
     run.wait_for_commits(commit_timeout_s)
+    closed = _end_session(cfg.out, session, poll_s, min(commit_timeout_s, 60.0)) if not (run.errors or run.pending) \
+        else False
     fcntl.flock(lock, fcntl.LOCK_UN)
     lock.close()
     summary_store = merge_manifest(cfg.out)
@@ -173,13 +176,31 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     summary = {"samples": len(todo) - len(dropped), "tokens": sum(lens[i] for i in todo if ids[i] not in dropped),
                "skipped_committed": skipped, "skipped_too_long": len(too_long), "dropped": dict(reasons),
                "seconds": round(time.perf_counter() - t0, 3), "layers": layers, "dtype": cfg.dtype, "out": cfg.out,
-               "store_samples": summary_store["samples"], "server": server, "session": session}
+               "store_samples": summary_store["samples"], "server": server, "session": session,
+               "writers_closed": closed}
     print(f"capture: {summary['samples']} samples via SGLang {engine['version']} at {server} in "
           f"{summary['seconds']:.1f} s; {skipped} already in the store, {len(too_long)} longer than the context, "
           f"dropped {dict(reasons) or 0}")
     for sid, why in list(dropped.items())[:5]:
         print(f"capture: dropped {short_id(sid)}: {why}")
+    if not closed:
+        print(f"capture: the server's hook did not close every store rank (writers {writers}); a trainer following "
+              f"{cfg.out} will keep waiting for it")
     return summary
+
+
+def _end_session(out: str, session: str, poll_s: float, timeout_s: float) -> bool:
+    """Tell the hook that this session wrote everything (`end_marker`) and wait until every store rank is closed
+    (the end of writing a `hstap train --follow` waits on). Returns whether they all closed within `timeout_s`."""
+    atomic_write_json(Path(out) / EVENTS_DIR / end_marker(session), {"session": session, "t": time.time()})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ranks, finished = writing_state(load_manifest(Path(out)), load_parts(Path(out)))
+        if len(finished) == ranks:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
 
 
 def _lock_events(out: str, new: bool):
@@ -272,7 +293,7 @@ class _Requests:
                 msg = f"server hook: {e.get('kind')}: {e.get('message')}"
                 if msg not in self.errors:
                     self.errors.append(msg)
-        done = self.pending & set(open_store(self.store).ids)
+        done = self.pending & committed_ids_of(self.store)  # consumed shards too: their samples were committed
         if done:
             self.pending.difference_update(done)
             self.last_progress = time.monotonic()

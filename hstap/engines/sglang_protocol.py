@@ -6,7 +6,9 @@ never each other.
 - `HOOK_FACTORY` and `hook_spec(...)`: the `--forward-hooks` entry that loads the hook;
 - request ids `hstap:<session>:<row>:<sha256(id)[:16]>:<attempt>` (`encode_rid` / `decode_rid`): ASCII, so that sample
   ids (any string) never travel to the server and are never used in paths;
-- `EVENTS_DIR`: where in the store the hook writes the events (drops, errors) the driver reads.
+- `EVENTS_DIR`: where in the store the hook writes the events (drops, errors) the driver reads;
+- `end_marker(session)`: the file in EVENTS_DIR by which the driver ends a session: every DP rank's hook then closes
+  its store rank (the end of writing that `hstap train --follow` waits on; spec in hstap/store/format.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ ENV_LAYERS = "HSTAP_CAPTURE_LAYERS"
 HOOK_FACTORY = "hstap.engines.sglang:make_hook"
 RID_PREFIX = "hstap:"
 EVENTS_DIR = "sglang-events"  # inside the store; the store's reader ignores other files
+END_PREFIX = "end-"
+
+
+def end_marker(session: str) -> str:
+    """The name, in EVENTS_DIR, of the file that ends a driver session."""
+    return f"{END_PREFIX}{session}.json"
 
 
 def sample_digest(sample_id: str) -> str:

@@ -3,7 +3,9 @@ are stitched into samples, checked against the prepared set and added to a `Stor
 files in STORE/sglang-events/ (one per DP rank and process), which the driver (engines/sglang_driver.py) reads.
 
 Only this thread touches the store. It opens it lazily, on the first finished sample of a driver session, with the
-header the driver wrote (the hook's layers must equal the store's), as store rank = the attention-DP rank.
+header the driver wrote (the hook's layers must equal the store's), as store rank = the attention-DP rank. When the
+driver ends its session (`sglang_protocol.end_marker`), the thread closes its rank (`closed: true` in its part file,
+opening it first if it wrote nothing), so that a trainer following the store knows that writing has ended.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError
-from hstap.engines.sglang_protocol import EVENTS_DIR
+from hstap.engines.sglang_protocol import END_PREFIX, EVENTS_DIR
 from hstap.engines.staging import staging_nbytes, staging_views
 
 log = logging.getLogger("hstap.sglang")
@@ -35,6 +37,13 @@ class HookWriter:
         self.writer = None
         self.added: set[str] = set()
         self.dirty = False
+        self.ends = self.end_markers()  # sessions that ended before this thread started are not ours to close
+
+    def end_markers(self) -> set[str]:
+        try:
+            return {f.name for f in (Path(self.hook.cfg.store) / EVENTS_DIR).iterdir() if f.name.startswith(END_PREFIX)}
+        except OSError:
+            return set()
 
     def event(self, obj: dict) -> None:
         rank = self.hook.ranks()[1]
@@ -66,6 +75,21 @@ class HookWriter:
         if self.writer is not None and self.dirty:
             self.writer.flush()
             self.dirty = False
+
+    def check_end(self) -> None:
+        """Close this rank when a driver session ended since the last check (called when idle)."""
+        now = self.end_markers()
+        if now <= self.ends:
+            return
+        self.ends |= now
+        try:
+            if self.writer is None:
+                self.open()  # a rank that wrote nothing this session closes too: the follower waits on every rank
+            self.writer.close()
+        except Exception as e:  # noqa: BLE001 - keep serving; the driver reports ranks that did not close
+            log.exception("hstap: closing the store rank failed")
+            self.event({"event": "error", "kind": "close", "message": f"{type(e).__name__}: {e}"})
+        self.writer = None  # the next session's first sample re-opens the rank
 
     def handle(self, item: dict) -> None:
         tensors = item.get("tensors")

@@ -12,6 +12,7 @@ Layout: a store is a directory::
     STORE/parts/rank{rank:03d}.json                      per-rank list of committed shards (the commit record)
     STORE/shards/r{rank:03d}-{seq:06d}.safetensors       one shard: many samples concatenated along tokens
     STORE/shards/.r{rank:03d}-{seq:06d}.safetensors.tmp  a shard being written (never read; deleted on resume)
+    STORE/consumer.json                                  optional: shards a trainer consumed, its window (below)
 
 Other files in STORE (e.g. the capture run's `config.json`) are ignored. Sample ids are strings, unique in a store.
 
@@ -49,6 +50,8 @@ Nothing is ever padded.
     dtype         "bf16" | "fp8" | "fp32"
     layers        canonical layer ids of `aux` (K = len(layers))
     hidden_size   H
+    writers       W, set by the writer: the writer ranks of the session that created the store, or that last
+                  resumed it with another world size ("Writers and the end of writing"); absent in older stores
     capture_config, git_commit, ...   any other keys of the writer's header, stored as given
     created       ISO-8601 UTC creation time; created_unix: the same in seconds since the epoch
     checksum      "sha256-chunked-16MiB": how the shard entries' `sha256` field is computed (see below)
@@ -69,23 +72,62 @@ Commit protocol (one writer per rank; ranks never touch each other's files):
  3. `merge_manifest` (rank 0 at `close()`, or by hand) folds all part files into manifest.json, atomically and
     idempotently. Part files are kept; they stay consistent with the manifest.
 
-Creation: rank 0 creates STORE, `shards/`, `parts/` and writes manifest.json with the header and `shards: []`.
-Ranks > 0 never create or wipe anything; they wait for manifest.json (or a `barrier` callable given by the caller).
+Creation: rank 0 creates STORE, `shards/`, `parts/` and writes manifest.json with the header, `writers` = its world
+size and `shards: []`. Ranks > 0 never create or wipe anything; they wait for manifest.json (or a `barrier` callable
+given by the caller). A rank-0 writer that resumes a store with another world size rewrites `writers` (atomically).
 
 Resume rules (a `StoreWriter` on an existing store):
  - The header must match in target.{config_sha256, weights_fingerprint, tokenizer_sha256, chat_template_sha256},
    layers, dtype and hidden_size, else HstapError naming the field; `new=True` removes manifest.json, parts/ and
    shards/ first. Other keys (engine, capture_config, paths) may differ; the store keeps those it was created with.
  - Committed ids = the ids of all entries of manifest.json and of every part file. The caller skips them
-   (`committed_ids()`); adding one raises.
+   (`committed_ids()`, `committed_ids_of`); adding one raises. Consumed shards (below) keep their entries, so their
+   samples stay committed: a resumed capture never captures them again.
  - At open, rank r deletes its own temp files and its own shard files that no entry names (a kill between rename
-   and part-file write); its sequence numbers continue after its highest committed seq.
+   and part-file write); its sequence numbers continue after its highest committed seq. `new=True` also deletes
+   consumer.json (it describes the store being replaced).
 
 Reader guarantees (`open_store`): the store is the union of manifest.json's and the part files' entries, so the
 shards of a killed run are visible before any merge. Sample order is shard order (rank, seq), then file order. If two
 entries claim one sample id (the protocol never does that), the later entry is ignored and reported by
 `merge_manifest` and `Store.verify()`. Shards are read memory-mapped through the safetensors library. ENOSPC or any
-other OSError while writing a shard removes the temp file and leaves every committed shard intact.
+other OSError while writing a shard removes the temp file and leaves every committed shard intact. Consumed shards
+are gone for a reader: `open_store` drops their entries (so `verify()` checks what remains).
+
+Writers and the end of writing (`writing_state`; what `hstap train --follow` waits on):
+ - The store's ranks are 0..max(W, 1 + the highest rank with a part file) - 1, W = manifest `writers`.
+ - Rank r is finished when its part file says `closed: true`, or when r >= W and its part file exists (a rank of an
+   earlier, wider session that the current one does not run). A rank r < W without a part file has not started: not
+   finished. A writer that resumes its rank re-opens it (`closed: false`).
+ - Writing has ended when every rank is finished. Stores without `writers`: the ranks with part files, each finished
+   iff closed.
+ - The SGLang hook's writers live in the server, beyond one capture: the driver creates the store with `writers` = the
+   server's attention-DP size and no part file of its own; at the end of its session (every sample committed or
+   dropped) it writes `sglang-events/end-<session>.json`, and each DP rank's hook closes its rank (opening it first
+   if it wrote nothing), then re-opens it on the next session's first sample.
+
+Consumed shards and back-pressure (`hstap.store.consumer`; `hstap train --follow --consume --keep-shards N`):
+ `consumer.json` = {"format": "hstap-store-consumer", "version": 1, "run": the trainer's run directory,
+ "store_created_unix": the manifest's created_unix (null while the store did not exist yet), "active": bool,
+ "keep_shards": N, "consumed": {"<rank>": c, ...}, "updated_unix": ...}
+ - Written only by the consuming trainer (its rank 0), atomically (temp + fsync + rename); one consuming trainer per
+   store. Writers and readers only read it, and the trainer writes no other file of the store (it deletes consumed
+   shard files; their entries stay in the part files, which only their writer rank writes).
+ - Shard (r, s) is consumed iff s < consumed[r]. The trainer consumes shards in its stream order, which takes each
+   rank's shards in seq order, so a rank's consumed shards are always a seq prefix.
+ - Order: the trainer's checkpoint that covers the shard's last use is committed, then consumer.json is replaced
+   (the commit point of consumption), then the shard files are deleted. A consumed shard's file still on disk (a kill
+   between the last two) is ignored by readers and deleted by the trainer's next start.
+ - A record whose store_created_unix is neither null nor the manifest's created_unix was made for an earlier store at
+   this path: ignored.
+ - Back-pressure: while the record is active, writer rank r of a world of W writes a shard only when fewer than
+   max(1, N // W) of its own shard files (`rRRR-*.safetensors`, committed or consumed-but-not-yet-deleted) are on
+   disk; otherwise it waits, re-reading the record (`wait_for_room`), before it creates the temp file. Its temp file
+   is then the only one it has, so from the moment the record exists the store never holds more than N shard files
+   (peak bytes <= N * (the writer's shard limit + one sample)). No record, or an inactive one (the trainer ended
+   normally): writers never wait.
+ - `writers` and consumer.json were added within version 1; a reader that predates them sees a consumed shard as a
+   missing file (its verify() reports it), so read a consumed store with an hstap that knows consumer.json.
 """
 
 from __future__ import annotations
@@ -186,7 +228,8 @@ def write_json(path: Path, obj: dict) -> None:
     atomic_write_bytes(path, ("{\n" + ",\n".join(lines) + "\n}\n").encode())
 
 
-def _read_json(path: Path, what: str) -> dict:
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from path; HstapError naming file:line when it is not one."""
     try:
         with open(path, "rb") as f:
             obj = json.loads(f.read())
@@ -201,7 +244,7 @@ def load_manifest(path: Path) -> dict:
     mpath = path / "manifest.json"
     if not mpath.is_file():
         raise HstapError(f"{path}: not an hstap store (no manifest.json)")
-    m = _read_json(mpath, "manifest")
+    m = read_json(mpath, "manifest")
     if m.get("format") != FORMAT:
         raise HstapError(f"{mpath}:1: format: expected {FORMAT!r}, got {m.get('format')!r}")
     if not isinstance(m.get("version"), int) or m["version"] > VERSION:
@@ -216,7 +259,7 @@ def load_parts(path: Path) -> list[tuple[Path, dict]]:
     pdir = path / "parts"
     if pdir.is_dir():
         for p in sorted(pdir.glob("rank*.json")):
-            part = _read_json(p, "part file")
+            part = read_json(p, "part file")
             if part.get("format") != PART_FORMAT or not isinstance(part.get("shards"), list):
                 raise HstapError(f"{p}:1: not an hstap store part file (format {part.get('format')!r})")
             out.append((p, part))
@@ -266,6 +309,23 @@ def merge_manifest(path: str | os.PathLike) -> dict:
         log.warning("%s: %s", path, p)
     return {"shards": len(entries), "samples": sum(len(e["ids"]) for e in entries),
             "tokens": sum(int(e["tokens"]) for e in entries), "problems": problems}
+
+
+def writing_state(manifest: dict, parts: list[tuple[Path, dict]]) -> tuple[int, set[int]]:
+    """(number of ranks, the finished ones) by the rules of "Writers and the end of writing" in the spec above; writing
+    has ended when every rank is finished."""
+    closed = {int(q.get("rank", -1)): bool(q.get("closed")) for _, q in parts}
+    W = manifest.get("writers")
+    if not isinstance(W, int) or W < 1:  # a store made before `writers` existed: the ranks that wrote a part file
+        return max(closed, default=-1) + 1, {r for r, c in closed.items() if c}
+    return max(W, max(closed, default=-1) + 1), {r for r, c in closed.items() if c or r >= W}
+
+
+def committed_ids_of(path: str | os.PathLike) -> set[str]:
+    """Every committed sample id of a store: manifest.json ∪ part files, consumed shards included (what a resumed
+    capture must skip)."""
+    entries, _, _ = union_entries(load_manifest(Path(path)), load_parts(Path(path)))
+    return {i for e in entries for i in e["ids"]}
 
 
 CHECKSUM = "sha256-chunked-16MiB"

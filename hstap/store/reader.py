@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from hstap.common import HstapError
+from hstap.store.consumer import is_consumed, read_consumer
 from hstap.store.format import (DTYPES, FORMAT, ST_NAMES, TORCH_DTYPES, dequantize_fp8, file_checksum, load_manifest,
                                 load_parts, union_entries)
 
@@ -166,7 +167,8 @@ class Store(torch.utils.data.Dataset):
 
 
 def open_store(path: str | os.PathLike) -> Store:
-    """Open a store for reading: manifest.json ∪ part files (see `hstap.store.format`). HstapError if not a store."""
+    """Open a store for reading: manifest.json ∪ part files, less the consumed shards (see `hstap.store.format`).
+    HstapError if not a store."""
     path = Path(path)
     m = load_manifest(path)
     for k in ("dtype", "layers", "hidden_size"):
@@ -175,4 +177,5 @@ def open_store(path: str | os.PathLike) -> Store:
     if m["dtype"] not in DTYPES:
         raise HstapError(f"{path / 'manifest.json'}:1: dtype: {m['dtype']!r} is not one of {', '.join(DTYPES)}")
     entries, problems, _ = union_entries(m, load_parts(path))
-    return Store(path, m, entries, problems)
+    rec = read_consumer(path, m)
+    return Store(path, m, [e for e in entries if not is_consumed(e, rec)], problems)

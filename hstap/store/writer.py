@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError, fsync_dir
+from hstap.store.consumer import RECORD, wait_for_room
 from hstap.store.format import (CHECKSUM, CHUNK_BYTES, FORMAT, PART_FORMAT, SHARD_RE, ST_NAMES, TEMP_RE, TORCH_DTYPES,
                                 VERSION, check_header, combine_digests, header_diff, io_pool, load_manifest, load_parts,
                                 merge_manifest, quantize_fp8, store_bytes_per_token, union_entries, write_json)
@@ -167,11 +168,15 @@ class StoreWriter:
     with new=True they additionally wait for a manifest created at most 60 s before they started (so they never resume
     from the store rank 0 is about to wipe), and rank 0's `close()` merges whatever is committed at that time (readers
     see the rest through the part files; `merge_manifest` can be re-run).
+
+    Before writing a shard it waits while a consuming trainer's window is full for its rank (`wait_for_room`; never
+    without an active consumer record). `claim=False`: create or check the store only, writing no part file of rank
+    `rank` (the SGLang driver: the server's hook writers own the ranks).
     """
 
     def __init__(self, path: str | os.PathLike, header: dict, rank: int = 0, world_size: int = 1,
                  shard_tokens: int = 1 << 20, new: bool = False, *, shard_bytes: int | None = None,
-                 barrier: Callable[[], object] | None = None, wait_s: float = 600.0):
+                 barrier: Callable[[], object] | None = None, wait_s: float = 600.0, claim: bool = True):
         if not 0 <= rank < world_size:
             raise HstapError(f"store: rank {rank} is out of range for world_size {world_size}")
         if shard_tokens < 1 or (shard_bytes is not None and shard_bytes < 1):
@@ -179,7 +184,7 @@ class StoreWriter:
         started = time.time()
         self.path = Path(path)
         self.header = check_header(header)
-        self.rank, self.world_size, self.new = rank, world_size, new
+        self.rank, self.world_size, self.new, self.claim = rank, world_size, new, claim
         self.shard_tokens, self.shard_bytes = shard_tokens, shard_bytes
         self.dtype: str = self.header["dtype"]
         self.num_aux, self.hidden_size = len(self.header["layers"]), self.header["hidden_size"]
@@ -221,8 +226,9 @@ class StoreWriter:
                 own.setdefault(e["file"], e)
         self._entries = sorted(own.values(), key=lambda e: e["seq"])
         self._next_seq = max((e["seq"] for e in self._entries), default=-1) + 1
-        self._remove_orphans(referenced)
-        self._write_part(closed=False)
+        if claim:
+            self._remove_orphans(referenced)
+            self._write_part(closed=False)
 
     # -- setup ---------------------------------------------------------------------------------------------------------
 
@@ -233,7 +239,7 @@ class StoreWriter:
             raise HstapError(f"{p}: exists and is not a directory")
         has_manifest = (p / "manifest.json").is_file()
         if new:
-            for name in ("manifest.json", "parts", "shards"):  # only the store's own files, never the whole directory
+            for name in ("manifest.json", "parts", "shards", RECORD):  # only the store's own files, never the whole directory
                 q = p / name
                 if q.is_dir():
                     shutil.rmtree(q)
@@ -250,9 +256,11 @@ class StoreWriter:
             (p / "parts").mkdir(exist_ok=True)
             now = datetime.datetime.now(datetime.timezone.utc)
             write_json(p / "manifest.json", {"format": FORMAT, "version": VERSION, **self.header,
-                                              "created": now.isoformat(timespec="seconds"),
+                                              "writers": self.world_size, "created": now.isoformat(timespec="seconds"),
                                               "created_unix": now.timestamp(), "checksum": CHECKSUM,
                                               "shards": []})
+        elif (m := load_manifest(p)).get("writers") != self.world_size and header_diff(m, self.header) is None:
+            write_json(p / "manifest.json", {**m, "writers": self.world_size})  # a resume with another world size
 
     def _wait_for_rank0(self, started: float, wait_s: float) -> None:
         deadline, delay = started + wait_s, 0.02
@@ -309,8 +317,8 @@ class StoreWriter:
         with self._lock:
             if self._failed:
                 raise HstapError(f"{self.path}: writer stopped after an error ({self._failed})")
-            if self._closed:
-                raise HstapError(f"{self.path}: add() after close()")
+            if self._closed or not self.claim:
+                raise HstapError(f"{self.path}: add() after close() (or on a claim=False writer)")
             if sample_id in self._committed:
                 raise HstapError(f"{self.path}: sample id {sample_id!r} is already committed (skip committed_ids())")
             if sample_id in self._open.id_set:
@@ -436,6 +444,7 @@ class StoreWriter:
                     ("loss_mask", sh.parts["loss_mask"], [T])]
         meta = {"format": FORMAT, "version": str(VERSION), "ids": json.dumps(sh.ids), "dtype": self.dtype,
                 "layers": json.dumps(self.header["layers"]), "rank": str(self.rank)}
+        wait_for_room(self.path, self.rank, self.world_size)  # a consuming trainer's window (no-op without one)
         try:
             sha, size = _write_safetensors(tmp, tensors, meta)
             os.replace(tmp, final_path)
@@ -471,7 +480,8 @@ class StoreWriter:
             if self._failed:
                 raise HstapError(f"{self.path}: writer stopped after an error ({self._failed})")
             self._flush_locked()
-            self._write_part(closed=True)
+            if self.claim:
+                self._write_part(closed=True)
             self._closed = True
         if self._barrier is not None:
             self._barrier()
