@@ -1,9 +1,11 @@
 """CUDA-graph capture of fixed-shape steps, with an honest fallback, and a clock that needs no host sync.
 
 A `Step` wraps a function of no arguments that reads and writes preallocated tensors only (static buffers updated
-in place). On CUDA, its first call warms it up twice on a side stream (lazy initialisation, cuBLAS handles,
-torch.compile's compilation) and captures it into a `torch.cuda.CUDAGraph`; later calls replay the graph. The warm-up
-runs change the buffers a step advances (its `state`), so those are saved before and restored after. One of the
+in place). On CUDA, `prepare()` (or else its first call) warms it up twice on a side stream (lazy initialisation,
+cuBLAS handles, torch.compile's compilation) and captures it into a `torch.cuda.CUDAGraph`; calls replay the graph.
+The warm-up runs change the buffers a step advances (its `state`), so those are saved before and restored after:
+`prepare()` leaves every buffer it was given as it found it (scratch outputs aside), so a decoding loop prepares its
+steps before its clock starts and no one-time cost lands inside a timed round. One of the
 warm-ups runs under `torch.cuda.set_sync_debug_mode("error")`: a step that synchronises with the host (`.item()`,
 `nonzero`, data-dependent shapes such as a MoE's routing loop) raises there, cleanly, instead of breaking a capture.
 Then, or when the capture itself fails, the policy prints ONE line and every later step runs eagerly (steps already
@@ -44,6 +46,7 @@ class Step:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tried = False
         self.capture_s = 0.0  # warm-up + compile + capture, spent once; excluded from every timing
+        self.kernels: int | None = None  # device kernels one run launches (count_kernels)
 
     def __call__(self) -> None:
         if self.graph is not None:
@@ -52,7 +55,52 @@ class Step:
             if (self.tried or not self.compiled) or not self._first_run():
                 self.run()
         else:
-            self._capture_and_run()
+            self._capture()
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.run()
+
+    def prepare(self) -> None:
+        """The one-time work (compilation, warm-up, capture) now, without a run: the buffers keep their values."""
+        if self.tried:
+            return
+        if self.policy.enabled:
+            self._capture()
+        elif self.compiled:
+            t0 = time.perf_counter()
+            saved = [t.clone() for t in self.state]
+            if self._first_run():
+                for t, v in zip(self.state, saved):
+                    t.copy_(v)
+            self.capture_s += time.perf_counter() - t0
+
+    def count_kernels(self, cuda: bool) -> int | None:
+        """What one run of the step launches, from torch.profiler over the step run outside its graph (the graph
+        replays exactly that) with the state restored: on CUDA the device kernels (memcpy/memset included), on the
+        CPU the top-level aten ops (each at least one kernel when run eagerly; a proxy for comparing step bodies)."""
+        if self.kernels is not None:
+            return self.kernels
+        from torch.profiler import ProfilerActivity, profile
+
+        t0 = time.perf_counter()
+        saved = [t.clone() for t in self.state]
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            self.run()
+            if cuda:
+                torch.cuda.synchronize()
+        for t, v in zip(self.state, saved):
+            t.copy_(v)
+        ev = prof.events()
+        if cuda:
+            self.kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in ev)
+        else:
+            self.kernels = sum(e.name.startswith("aten::") and not (e.cpu_parent and e.cpu_parent.name.startswith(
+                "aten::")) for e in ev)
+        self.capture_s += time.perf_counter() - t0
+        return self.kernels
 
     def _first_run(self) -> bool:
         """Run the compiled step once (this compiles it): True; on failure say so and fall back to the plain step,
@@ -67,7 +115,8 @@ class Step:
             self.run, self.compiled = self.fn, False
             return False
 
-    def _capture_and_run(self) -> None:
+    def _capture(self) -> None:
+        """Warm up (compiling first), capture: self.graph, or None after the policy said why (buffers restored)."""
         t0 = time.perf_counter()
         saved = [t.clone() for t in self.state]
 
@@ -98,13 +147,12 @@ class Step:
             torch.cuda.synchronize()
             restore()
             self.policy.disable(f"{self.name}: {_first_line(e)}")
-            self.run()
-            self.capture_s = time.perf_counter() - t0
+            self.capture_s += time.perf_counter() - t0
             return
         torch.cuda.synchronize()
+        restore()  # the capture itself ran nothing, but be exact: the state is as it was before the warm-ups
         self.graph = graph
-        self.capture_s = time.perf_counter() - t0
-        graph.replay()
+        self.capture_s += time.perf_counter() - t0
 
 
 def _first_line(e: BaseException) -> str:

@@ -139,6 +139,26 @@ def draft(drafter, dcache, h_last: torch.Tensor, root: torch.Tensor, start: torc
                    torch.cat(qs) if temperature > 0 else None)
 
 
+@torch.no_grad()
+def draft_chain(drafter, dcache, h_last: torch.Tensor, root: torch.Tensor, start: torch.Tensor, col: torch.Tensor,
+                depth: int, hot: torch.Tensor) -> torch.Tensor:
+    """A greedy chain (T = 0) of `depth` drafts from h_last (1, H): draft()'s chain with argmax alone (no scores, no
+    log-softmax, no top-k: a chain keeps every draft) and its mask as a plain causal row. Returns tok (depth+1,),
+    the root first; the chain's depth/parent/ancestor arrays are constants (spec_buffers).
+
+    Level d+1 (d = 0..depth-2) writes drafter slot start+d at rotary position start+d and sees the committed slots
+    and the chain's own slots start..start+d, as draft() does with one node per level."""
+    toks = []
+    h = h_last  # (1, H)
+    for d in range(depth):
+        t = hot.index_select(0, drafter.compute_logits(h).argmax(-1))  # (1,) target id of the level-(d+1) draft
+        toks.append(t)
+        if d + 1 < depth:
+            slot = (start + d).view(1)  # (1,)
+            h = drafter(t[None], h[None], slot[None], dcache.at(slot), causal_rows(col, slot))[0]  # (1, H)
+    return torch.cat([root.view(1)] + toks)  # (depth+1,)
+
+
 def _select(shape: TreeShape, root, tok, score, par, dep, q) -> dict:
     """Keep the best N-1 candidates (C,) by score, in number order, and build the node arrays and ancestor matrix."""
     N, C, dev = shape.N, shape.C, tok.device

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from hstap.device_tree import TreeShape, accept_greedy, accept_sampled_chain, draft, extend, gumbel, next_pending
+from hstap.device_tree import (
+    TreeShape,
+    accept_greedy,
+    accept_sampled_chain,
+    draft,
+    draft_chain,
+    extend,
+    gumbel,
+    next_pending,
+)
 from hstap.static_kv import additive, block_mask, causal_rows, keep_path, seek
 
 
@@ -104,6 +113,11 @@ def spec_buffers(dev, shape: TreeShape, n_aux: int, width: int, vocab: int, draf
          "parent": torch.zeros(N, dtype=torch.long, device=dev),
          "anc": torch.eye(N, dtype=torch.bool, device=dev),  # (N, N)
          "out": torch.zeros(P + 2, dtype=torch.long, device=dev)}  # [accepted, moved, new tokens right-aligned (P,)]
+    if shape.chain:  # a chain's node arrays are constants (draft_chain writes the tokens only)
+        ar = torch.arange(N, device=dev)
+        b["depth"].copy_(ar)
+        b["parent"].copy_((ar - 1).clamp_min(0))
+        b["anc"].copy_(torch.ones(N, N, dtype=torch.bool, device=dev).tril())
     if sampling:
         b["q"] = torch.zeros(N - 1, draft_vocab, device=dev)  # (N-1, Vd)
         b["u"] = torch.zeros(D * draft_vocab + (N - 1) + vocab, device=dev)  # drafting, acceptance, final draw
@@ -117,10 +131,15 @@ def _noise(b: dict, shape: TreeShape, draft_vocab: int):
 
 
 def spec_bodies(b: dict, drafter, dcache, hot: torch.Tensor, fwd, cache, col: torch.Tensor, dtype, shape: TreeShape,
-                temperature: float):
-    """(draft body, verify body) of one round; temperature > 0 only for chains (TreeShape.chain)."""
+                temperature: float, lean: bool = False):
+    """(draft body, verify body) of one round; temperature > 0 only for chains (TreeShape.chain). lean: a greedy
+    chain drafts with device_tree.draft_chain (argmax alone; the constant node arrays are not rewritten)."""
     N, P = shape.N, shape.P
     sampling = temperature > 0
+
+    def chain_body():
+        h_last = extend(drafter, dcache, b["pend_ids"], b["pend_aux"], b["pend_n"], b["start"], col)  # (1, H)
+        b["tok"].copy_(draft_chain(drafter, dcache, h_last, b["root"], b["start"], col, shape.depth, hot))
 
     def draft_body():
         u_draft = _noise(b, shape, hot.shape[0])[0] if sampling else None
@@ -152,7 +171,7 @@ def spec_bodies(b: dict, drafter, dcache, hot: torch.Tensor, fwd, cache, col: to
         b["root"].copy_(y)
         start.add_(a + 1)
 
-    return draft_body, verify_body
+    return (chain_body if lean and shape.chain and not sampling else draft_body), verify_body
 
 
 # --- n-gram -----------------------------------------------------------------------------------------------------------

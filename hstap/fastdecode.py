@@ -25,9 +25,18 @@ disagree, or the cache cannot be static (a sliding window shorter than the seque
 4-D mask, every method runs speculate.py's eager decoder instead, after one printed line. Temperature > 0 in tree mode
 also runs speculate.py (one line): EAGLE-2's sampling rules (a)/(b) are not implemented on the device.
 
-Timings per round: draft_s / verify_s are device time between CUDA events around the steps (perf_counter on the CPU),
-host_s the rest of the loop's wall time (launches, the one read, Python); latency_model() turns them into the
-predicted speedup tau / (1 + k c_draft / c_verify).
+Timings (seconds, summed over the rounds of a call; the steps are compiled and captured before the loop's clock
+starts, so no one-time cost is inside them):
+    draft_s   device time of the draft steps: CUDA events recorded on the stream right before and after each draft
+              replay (perf_counter around the call on the CPU, where kernels are synchronous). n-gram: the host
+              clock around ngram_propose (its drafting runs on the host).
+    verify_s  device time of the verify steps (target-only decoding: decode_s, its one-token step), the same way.
+    host_s    the loop's wall time (host clock, start to the final synchronize) minus those device spans: time the
+              device sat idle waiting for the host (Python, launches, the one read per round). Device spans of
+              different rounds never overlap and all lie inside the loop, so host_s >= 0 up to the events'
+              resolution (~1 us per round).
+latency_model() turns them into the issue's predicted speedup tau / (1 + k c_draft / c_verify); round_model() into
+the refined one that also counts the verify forward's growth with its token count and the host time per round.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from hstap import speculate
 from hstap.common import HstapError
 from hstap.cudagraph import Clock, GraphPolicy, Step
 from hstap.device_tree import TreeShape
+from hstap.lean_drafter import LeanDrafter
 from hstap.fast_steps import (
     decode_body,
     decode_buffers,
@@ -56,6 +66,12 @@ from hstap.layers import last_layer
 from hstap.static_kv import DrafterStaticCache, StaticUnsupported, additive, causal_rows, seek, target_cache
 
 SLOT_QUANTUM = 256  # cache lengths are rounded up to this (aligned masks, fewer re-allocations)
+
+INDUCTOR_CDT = {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True, "fx_graph_cache": True}
+"""gpt-fast's inductor settings (its generate.py), as per-compilation options (FastDecoder(inductor=...)): with
+coordinate-descent tuning inductor also turns every matrix-vector product (a GEMM with one row) into a Triton reduction
+that it tunes and fuses with its neighbours, instead of a cuBLAS call ("our matrix vector multiplies only achieve peak
+bandwidth with coordinate descent tuning": torch/_inductor/decomposition.py). Tuning costs compile time."""
 
 
 def choose(logits: torch.Tensor, temperature: float, gen) -> int:
@@ -85,7 +101,20 @@ def latency_model(stats: dict) -> dict:
            for k, v in (("draft", stats.get("draft_s")), ("verify", verify), ("host", stats.get("host_s")))}
     if stats.get("draft_s") is not None:
         out["predicted_speedup"] = stats["tau"] / (1 + stats["draft_s"] / verify)
+        if stats.get("depth"):  # drafter forwards per round (a chain's k; a tree's levels): c_draft per forward
+            out["draft_ms_per_step"] = out["draft_ms_per_round"] / stats["depth"]
     return out
+
+
+def round_model(spec: dict, target: dict) -> float | None:
+    """Refined latency model: tau c_token / (D c_draft + c_verify + c_host), per-round costs of the speculative method
+    and c_token = the target-only cost per token (its decode step + its host time, per round), all measured. Unlike
+    the issue's tau / (1 + k c_draft / c_verify) it does not assume that verifying N tokens costs one decode step and
+    that the host costs nothing; it leaves out only the prefill and the first token."""
+    n, m = spec.get("verify_forwards") or 0, target.get("verify_forwards") or 0
+    c_tok = ((target.get("decode_s") or target.get("verify_s") or 0.0) + (target.get("host_s") or 0.0)) / m if m else 0
+    c_round = sum(spec.get(k) or 0.0 for k in ("draft_s", "verify_s", "host_s")) / n if n else 0
+    return spec["tau"] * c_tok / c_round if c_tok > 0 and c_round > 0 else None
 
 
 def _ids(prompt_ids) -> list[int]:
@@ -112,10 +141,14 @@ class FastDecoder:
     graphs: capture CUDA graphs (default: on CUDA); compile: torch.compile each decoding step (target layers, drafter
     levels, masks, acceptance; not the prefill buckets) before capturing it (default: on CUDA; it fuses the hundreds
     of small kernels a step is made of, at a one-time cost of seconds to minutes per step, excluded from timings);
-    max_len: cache slots (grown, and every graph recaptured, when a request needs more)."""
+    max_len: cache slots (grown, and every graph recaptured, when a request needs more); inductor: inductor options
+    for every step's compilation (torch.compile's `options`: per compilation, nothing global; e.g. INDUCTOR_CDT);
+    lean: the drafter runs as hstap.lean_drafter.LeanDrafter (fused weights, one attention kernel, rotary tables)
+    and a greedy chain drafts with argmax alone (same drafts up to rounding; the default off keeps the reference
+    path)."""
 
     def __init__(self, target, drafter=None, max_len: int = 1024, graphs: bool | None = None,
-                 compile: bool | None = None, log=None):
+                 compile: bool | None = None, log=None, inductor: dict | None = None, lean: bool = False):
         self.target, self.drafter, self.dev = target, drafter, target.device
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         if graphs and self.dev.type != "cuda":
@@ -123,6 +156,7 @@ class FastDecoder:
         self.policy = GraphPolicy(self.dev.type == "cuda" if graphs is None else graphs,
                                   f"a {target.config.model_type} decoding step", self.log)
         self.compile = self.dev.type == "cuda" if compile is None else compile
+        self.inductor, self.lean = dict(inductor or {}), lean
         self.unsupported: str | None = None
         self._said: set[str] = set()
         self.host_reads = 0  # device -> host reads inside decoding loops: the host syncs
@@ -152,6 +186,7 @@ class FastDecoder:
             c = self.drafter.config
             self.dcache = DrafterStaticCache(c.num_key_value_heads, c.head_dim, S, self.drafter.fc.weight.dtype,
                                              self.hot.device)
+            self.dstep = LeanDrafter(self.drafter, S) if self.lean else self.drafter  # what the steps call
         self.steps: dict = {}
 
     def _forward(self, layers: tuple):
@@ -210,7 +245,7 @@ class FastDecoder:
             b = prefill_buffers(self.dev, L, self.target.vocab_size, max(1, len(layers)), self.target.hidden_size,
                                 self.target.dtype)
             body = prefill_body(b, self._forward(layers), self.cache, self.col, self.target.dtype,
-                                self.drafter if spec else None, self.dcache if spec else None)
+                                self.dstep if spec else None, self.dcache if spec else None)
             self._step(key, "prefill", body, [], compile=False).buf = b  # one compilation per bucket: not worth it
         b = self.steps[key].buf
         b["ids"][:P].copy_(torch.tensor(prompt))
@@ -236,7 +271,7 @@ class FastDecoder:
             cfg = torch._dynamo.config  # one code object per kind of step, many closures: room for them all
             limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
             setattr(cfg, limit, max(getattr(cfg, limit), 64))
-            compiled = torch.compile(body, dynamic=False)
+            compiled = torch.compile(body, dynamic=False, **({"options": self.inductor} if self.inductor else {}))
         self.steps[key] = Step(name, body, self.policy, state=state, compiled=compiled)
         return self.steps[key]
 
@@ -274,6 +309,7 @@ class FastDecoder:
         b["root"].fill_(x)
         out: list[int] = []
         done = finish(out, [x], max_new_tokens, eos)
+        step.prepare()  # compile + capture now: outside the loop's clock
         c.append(self._captures())
         t.append(time.perf_counter())
         marks = []
@@ -294,12 +330,13 @@ class FastDecoder:
     def _spec_steps(self, shape: TreeShape, temperature: float):
         key = ("spec", shape, temperature)
         if key not in self.steps:
-            d, layers = self.drafter, tuple(self.drafter.config.aux_layers)
+            layers = tuple(self.drafter.config.aux_layers)
             n_aux, width = max(1, len(layers)), self.target.hidden_size
             b = spec_buffers(self.dev, shape, n_aux, width, self.target.vocab_size, self.hot.shape[0],
                              self.target.dtype, temperature > 0)
-            draft_body, verify_body = spec_bodies(b, d, self.dcache, self.hot, self._forward(layers), self.cache,
-                                                  self.col, self.target.dtype, shape, temperature)
+            draft_body, verify_body = spec_bodies(b, self.dstep, self.dcache, self.hot, self._forward(layers),
+                                                  self.cache, self.col, self.target.dtype, shape, temperature,
+                                                  self.lean)
             self._step(key + ("draft",), "draft", draft_body, [])
             self._step(key, "verify", verify_body, [b[n] for n in ("start", "root", "pend_n", "pend_ids",
                                                                    "pend_aux")]).buf = b
@@ -349,6 +386,8 @@ class FastDecoder:
         x = self._spec_prefill(b, prompt, temperature, generator)
         out: list[int] = []
         done = finish(out, [x], max_new_tokens, eos)
+        draft_step.prepare()  # compile + capture now: outside the loop's clock
+        verify_step.prepare()
         c.append(self._captures())
         t.append(time.perf_counter())
         marks, counts, moved = [], [0] * depth, 0
@@ -404,6 +443,7 @@ class FastDecoder:
         b["start"].fill_(len(prompt))
         out: list[int] = []
         done = finish(out, ids[-1:], max_new_tokens, eos)
+        step.prepare()  # compile + capture now: outside the loop's clock
         c.append(self._captures())
         t.append(time.perf_counter())
         marks, counts, draft_s = [], [0] * k, 0.0

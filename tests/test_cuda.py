@@ -207,6 +207,12 @@ def test_gpu_fastdecode_graphs_equal_eager(which, tiny_llama, tiny_qwen3, tiny_d
         assert len(said) == 1 and "cannot be captured" in said[0] and which == "deepseek_v3"
     if which in ("llama", "qwen3", "vocab8"):
         assert st["graphs"]
+        lean = FastDecoder(target, drafter, max_len=128, compile=False, lean=True)  # the lean draft steps, captured
+        for kw in (dict(mode="chain", k=4), dict(mode="tree", topk=3, depth=4, tokens=10)):
+            out, st = lean.speculative_generate(prompt, 40, **kw)
+            eager, est = speculative_generate(target, drafter, prompt, 40, **kw)
+            assert out == ref and st["graphs"] and st["host_s"] >= 0, kw
+            assert st["accept_counts"] == est["accept_counts"], kw
 
 
 def test_gpu_fastdecode_one_host_sync_per_round(tiny_llama):

@@ -253,3 +253,49 @@ def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path):
     assert rep["predicted_speedup"] == pytest.approx(
         rep["tau"] / (1 + rep["methods"]["eagle"]["draft_s"] / rep["methods"]["eagle"]["verify_s"]))
     assert "latency model" in (tmp_path / "r" / "report.md").read_text()
+
+
+# --- the lean draft path (FastDecoder(lean=True)): fewer kernels, the same drafts ---------------------------------
+@pytest.mark.parametrize("mt", ["llama", "qwen3"])
+def test_lean_drafter_equals_drafter(tiny_models, mt):
+    """LeanDrafter (fused q/k/v and gate/up GEMMs, rotary tables, grouped SDPA) is the drafter's forward."""
+    from hstap.lean_drafter import LeanDrafter
+    from hstap.static_kv import causal_rows
+
+    target = tiny_models[mt]
+    drafter = random_drafter(target, (1, 2, 3), draft_vocab=300)
+    c = drafter.config
+    assert c.num_attention_heads > c.num_key_value_heads  # grouped heads: the stacked-query path is exercised
+    S, T = 64, 5
+    lean = LeanDrafter(drafter, S)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (1, T), generator=g)
+    hidden = torch.randn(1, T, c.hidden_size, generator=g)
+    pos = torch.tensor([[3, 9, 10, 11, 40]])
+    slots = torch.tensor([3, 9, 10, 11, 40])
+    caches = [DrafterStaticCache(c.num_key_value_heads, c.head_dim, S, torch.float32, "cpu") for _ in range(2)]
+    for dc in caches:  # the same earlier entries in both
+        dc.k.copy_(torch.randn(dc.k.shape, generator=torch.Generator().manual_seed(1)))
+        dc.v.copy_(torch.randn(dc.v.shape, generator=torch.Generator().manual_seed(2)))
+    mask = causal_rows(torch.arange(S), slots)  # (T, S)
+    want = drafter(ids, hidden, pos, caches[0].at(slots), mask)
+    got = lean(ids, hidden, pos, caches[1].at(slots), mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-6, rtol=1e-6)
+
+
+def test_lean_decoding_equals_eager(tiny_models):
+    """lean=True: chains draft with argmax alone, trees through LeanDrafter; tokens and acceptance as speculate.py."""
+    target = tiny_models["qwen3"]
+    prompt = _prompt(target.vocab_size, 8, seed=6)
+    ref, _ = target_generate(target, prompt, 32)
+    random_d = random_drafter(target, (1, 2, 3), draft_vocab=300)
+    oracle = oracle_drafter(target, prompt + ref, second=range(len(prompt) + 1, len(prompt) + 32, 2))
+    for drafter, kw in [(random_d, dict(mode="chain", k=3)), (random_d, dict(mode="tree", topk=3, depth=3, tokens=8)),
+                        (oracle, dict(mode="chain", k=4)), (oracle, dict(mode="tree", topk=2, depth=4, tokens=12))]:
+        fd = FastDecoder(target, drafter, max_len=64, lean=True)
+        out, st = fd.speculative_generate(prompt, 24, **kw)
+        eager, est = speculative_generate(target, drafter, prompt, 24, **kw)
+        assert out == eager == ref[:24], kw
+        assert st["accept_counts"] == est["accept_counts"] and st["kv_moves"] == est["kv_moves"], kw
+    assert st["tau"] > 2  # the oracle's drafts were accepted: the argmax chain and the lean tree ran for real
