@@ -369,6 +369,10 @@ class FastDecoder:
             raise HstapError(f"fastdecode.py: drafter (vocab {c.vocab_size}, aux_layers {list(c.aux_layers)}) does "
                              f"not fit a {self.target.num_layers}-layer target of vocab {self.target.vocab_size}")
         eager = self._eager(f"EAGLE {mode} decoding")
+        if not eager and getattr(c, "num_layers", 1) > 1:
+            self._say("deep-drafter", f"a {c.num_layers}-layer drafter runs on the eager decoder (speculate.py): the "
+                                      "static drafter cache holds one layer")
+            eager = True
         if not eager and mode == "tree" and temperature > 0:
             self._say("tree-sampling", "tree mode at temperature > 0 runs on the eager decoder (speculate.py): "
                                        "EAGLE-2's sampling rules are not implemented on the device")

@@ -217,6 +217,17 @@ def test_tree_sampling_falls_back_with_one_line(tiny_models):
     assert len(said) == 1 and "eager decoder" in said[0] and "temperature > 0" in said[0]
 
 
+def test_deeper_drafter_falls_back_with_one_line(tiny_models):
+    target = tiny_models["llama"]
+    drafter = random_drafter(target, (1, 2, 3), draft_vocab=300, num_layers=2)
+    said: list[str] = []
+    fd = FastDecoder(target, drafter, max_len=64, log=said.append)
+    prompt = _prompt(target.vocab_size, 8, seed=3)
+    for _ in range(2):
+        assert fd.speculative_generate(prompt, 10, k=3)[0] == speculative_generate(target, drafter, prompt, 10, k=3)[0]
+    assert len(said) == 1 and "2-layer drafter" in said[0] and "eager decoder" in said[0]
+
+
 def test_unsupported_cache_falls_back_with_one_line(tiny_tokenizer, tmp_path):
     from hstap.toy import build_random_target
 
