@@ -51,7 +51,8 @@ def _cli(*args, log: Path, wait: bool = True, timeout: float = 900):
     """`python -m hstap.cli ARGS` with stdout+stderr to log; waits (and checks) unless wait=False."""
     f = open(log, "w")
     p = subprocess.Popen([sys.executable, "-m", "hstap.cli", *map(str, args)], stdout=f, stderr=subprocess.STDOUT,
-                         cwd=HERE.parent, env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
+                         cwd=HERE.parent, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                             [str(HERE.parent)] + [x for x in [os.environ.get("PYTHONPATH")] if x])))
     _STARTED.append(p)
     if not wait:
         return p
