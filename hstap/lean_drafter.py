@@ -77,7 +77,7 @@ class LeanDrafter:
         qg = q.reshape(B, nkv, g * T, hd)  # query head i*g+j (kv head i) -> rows j*T..j*T+T-1 of group i
         mask = attn_mask.expand(g, T, attn_mask.shape[-1]).reshape(g * T, -1)  # (g*T, S)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (1, nkv, g*T, hd)
-        out = out.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
+        out = out.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)  # SDPA may return a strided layout
         r = m.self_attn.o_proj(out) + hidden  # (1, T, H)
         gate, up = F.linear(m.post_attention_layernorm(r), self.wgu).split(self.inter, dim=-1)  # (1, T, I) each
         return m.mlp.down_proj(F.silu(gate) * up) + r  # (1, T, H) pre-norm
