@@ -148,3 +148,18 @@ class StubDrafter(nn.Module):
 
     def compute_logits(self, h):
         return h
+
+
+def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
+    """Pearson chi-square goodness of fit; cells expected below 5 are pooled."""
+    stat, dof, pool_o, pool_e = 0.0, -1, 0.0, 0.0
+    for cell, p in probs.items():
+        e, o = p * n, counts.get(cell, 0)
+        if e < 5:
+            pool_o, pool_e = pool_o + o, pool_e + e
+            continue
+        stat, dof = stat + (o - e) ** 2 / e, dof + 1
+    if pool_e > 0:
+        stat, dof = stat + (pool_o - pool_e) ** 2 / pool_e, dof + 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))

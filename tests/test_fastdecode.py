@@ -26,7 +26,7 @@ from hstap.speculate import (
     target_generate,
 )
 from hstap.static_kv import DrafterStaticCache
-from _speculate_fixtures import load_tiny_target, oracle_drafter, random_drafter
+from _speculate_fixtures import chi2_pvalue, load_tiny_target, oracle_drafter, random_drafter
 
 TYPES = ["llama", "qwen2", "qwen3", "deepseek_v3"]
 
@@ -164,21 +164,6 @@ def _law(target, prompt: list[int], n: int, temperature: float) -> dict:
     return probs
 
 
-def _chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
-    """Pearson chi-square goodness of fit; cells expected below 5 are pooled."""
-    stat, dof, pool_o, pool_e = 0.0, -1, 0.0, 0.0
-    for cell, p in probs.items():
-        e, o = p * n, counts.get(cell, 0)
-        if e < 5:
-            pool_o, pool_e = pool_o + o, pool_e + e
-            continue
-        stat, dof = stat + (o - e) ** 2 / e, dof + 1
-    if pool_e > 0:
-        stat, dof = stat + (pool_o - pool_e) ** 2 / pool_e, dof + 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 @pytest.mark.parametrize("method,N", [("chain", 500), ("ngram", 400), ("target", 300)])
 def test_sampling_law_equals_target(vocab4, method, N):
     target, drafter = vocab4
@@ -197,8 +182,8 @@ def test_sampling_law_equals_target(vocab4, method, N):
         accepted += sum(st.get("accept_counts", [0]))
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     probs = _law(target, prompt, n, temp)
-    assert _chi2_pvalue(counts, probs, N) > 1e-3
-    assert _chi2_pvalue(counts, _law(target, prompt, n, temp / 3), N) < 1e-6  # the test tells close laws apart
+    assert chi2_pvalue(counts, probs, N) > 1e-3
+    assert chi2_pvalue(counts, _law(target, prompt, n, temp / 3), N) < 1e-6  # the test tells close laws apart
     assert method == "target" or accepted > N // 4  # drafts were accepted and rejected: both branches ran
 
 

@@ -14,8 +14,8 @@ from hstap.common import HstapError
 from hstap.drafter import DrafterCache
 from hstap.speculate import (drafter_extend, new_cache, ngram_generate, ngram_propose, prefill, spec_step,
                              speculative_generate, target_forward, target_generate)
-from tests._speculate_fixtures import (StubDrafter, StubTarget, load_tiny_target, oracle_drafter, random_drafter,
-                                       random_prompts)
+from tests._speculate_fixtures import (StubDrafter, StubTarget, chi2_pvalue, load_tiny_target, oracle_drafter,
+                                       random_drafter, random_prompts)
 
 
 @pytest.fixture(scope="module")
@@ -265,21 +265,6 @@ def _exact(prompt: list[int], n: int, temperature: float) -> dict:
     return probs
 
 
-def _chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
-    """Pearson chi-square goodness of fit; cells expected below 5 are pooled."""
-    stat, dof, pool_o, pool_e = 0.0, -1, 0.0, 0.0
-    for cell, p in probs.items():
-        e, o = p * n, counts.get(cell, 0)
-        if e < 5:
-            pool_o, pool_e = pool_o + o, pool_e + e
-            continue
-        stat, dof = stat + (o - e) ** 2 / e, dof + 1
-    if pool_e > 0:
-        stat, dof = stat + (pool_o - pool_e) ** 2 / pool_e, dof + 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 @pytest.mark.parametrize("kw,N", [(dict(mode="chain", k=2), 1000), (dict(mode="tree", topk=3, depth=2, tokens=5), 1000),
                                   ("ngram", 600)], ids=["chain", "tree", "ngram"])
 def test_sampling_distribution_equals_target(kw, N):
@@ -296,11 +281,11 @@ def test_sampling_distribution_equals_target(kw, N):
             out, _ = speculative_generate(target, drafter, prompt, n, temperature=temp, generator=gen, **kw)
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     probs = _exact(prompt, n, temp)
-    assert _chi2_pvalue(counts, probs, N) > 1e-3
+    assert chi2_pvalue(counts, probs, N) > 1e-3
     # Power check: the drafter's own distribution is far from the target's, so accepting drafts blindly would fail.
     q_probs = {c: math.prod(float(torch.softmax(_q(list(prompt[1:]) + list(c[:i])) / temp, -1)[c[i]])
                             for i in range(n)) for c in probs}
-    assert _chi2_pvalue({c: round(p * N) for c, p in q_probs.items()}, probs, N) < 1e-6
+    assert chi2_pvalue({c: round(p * N) for c, p in q_probs.items()}, probs, N) < 1e-6
 
 
 # --- small pieces and errors ------------------------------------------------------------------------------------------
