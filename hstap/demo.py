@@ -46,7 +46,7 @@ class DemoConfig:
     target_steps: int = 1200
     """Optimizer steps of the toy target (only without --target; 2,048 tokens a step)."""
     max_samples: int = 1200
-    """Conversations used (the demo's data budget); 5% of them (at least --eval-prompts) are held out as eval prompts."""
+    """Conversations used (the demo's data budget); 5% of them (at least --eval-prompts) are held out for eval."""
     generate: bool = True
     """Regenerate the training answers with the target (greedy) before capture: the drafter learns the target's own
     outputs, which is what it will be asked to predict (SpecForge / EAGLE practice; usually lifts acceptance a lot)."""
@@ -122,8 +122,8 @@ def check_toy_target(target: str, records: list[dict]) -> dict:
     chats = [tok.apply_chat_template(r["conversations"], tokenize=False) for r in records]
     acc = next_token_accuracy(tgt.model, tok, chats)
     r = {"accuracy": acc["accuracy"], "heldout_tokens": acc["tokens"], "weak": acc["accuracy"] < MIN_TOY_ACCURACY}
-    print(f"toy target check: greedy next-token accuracy {100 * r['accuracy']:.1f}% on {r['heldout_tokens']:,} tokens of "
-          f"{len(records)} held-out conversations (how often its top guess is the real next token; a drafter can "
+    print(f"toy target check: greedy next-token accuracy {100 * r['accuracy']:.1f}% on {r['heldout_tokens']:,} "
+          f"tokens of {len(records)} held-out conversations (how often its top guess is the real next token; a drafter can "
           f"only learn what the target predicts)", flush=True)
     if r["weak"]:
         print(f"toy target check: WARNING: below {100 * MIN_TOY_ACCURACY:.0f}%, this target is too weak to draft for: "

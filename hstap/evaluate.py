@@ -14,13 +14,13 @@ Methods, run one after the other over all prompts after one warm-up prompt each:
 cache: the baseline), `ngram` (prompt lookup, with --baseline ngram, k = --k) and `eagle` (the drafter, --mode chain or
 tree), each with a progress line (prompts done / total, tokens/s). Figures: tau = tokens per target forward = tokens
 produced by verify forwards / verify forwards, the bonus token included (the same definition as training's sim_tau;
-the prefill's first token is excluded; SGLang's accept length counts it); per-position acceptance = fraction of rounds whose accepted draft reached depth i;
-tokens/s = generated tokens / wall time including the prefill, summed over prompts; speedup = tokens/s over the
-target's. With --drafter RUN and --mode chain, the training run's simulated tau for a chain of --k drafts is reported
-next to the measured one: `sim_chain_tau[k-1]` of the checkpoint's eval line in RUN/metrics.jsonl (chain decoding
-replayed round by round on the teacher-forced eval split, `hstap.ttt.replay_chain`; older runs: 1 + sum_{j<k}
-prod_{i<=j} acc_cond_i). It predicts the measured tau when the eval split holds the target's own outputs
-(`hstap generate`) and --k <= the run's --ttt.
+the prefill's first token is excluded; SGLang's accept length counts it); per-position acceptance = fraction of rounds
+whose accepted draft reached depth i; tokens/s = generated tokens / wall time including the prefill, summed over
+prompts; speedup = tokens/s over the target's. With --drafter RUN and --mode chain, the training run's simulated tau
+for a chain of --k drafts is reported next to the measured one: `sim_chain_tau[k-1]` of the checkpoint's eval line in
+RUN/metrics.jsonl (chain decoding replayed round by round on the teacher-forced eval split, `hstap.ttt.replay_chain`;
+older runs: 1 + sum_{j<k} prod_{i<=j} acc_cond_i). It predicts the measured tau when the eval split holds the
+target's own outputs (`hstap generate`) and --k <= the run's --ttt.
 
 Losslessness: at temperature 0 every method's output must equal the target's, token for token. A mismatch is reported
 loudly and fails the command (exit status 2) unless the target's own logits (a fresh full forward) put both tokens
@@ -28,7 +28,7 @@ within --tie-tol of the top at the diverging position: a near-tie that low-preci
 
 Output (REPORT/): report.json (top-level tau, per_position_acceptance, timings, speedup, lossless, simulated_tau,
 methods, speedup_notes, prompts [{id, prompt_ids, output_ids}]), report.md (what tau and speedup mean, and why a
-speedup is not representative: a CPU, a target under 1e9 parameters), acceptance.png (per-position acceptance),
+speedup is not representative: a CPU, a target under TINY_TARGET parameters), acceptance.png (per-position acceptance),
 config.json. The console gets a table of the methods.
 """
 
@@ -394,15 +394,16 @@ TAU_MEANS = ("tau = tokens per target forward: the drafts the target accepted pl
              "no draft ever accepted, k+1 = every draft of a k-token chain accepted.")
 SPEEDUP_MEANS = ("speedup = generated tokens/s over target-only decoding's, same prompts, same hardware, same "
                  "process (tokens/s include the prefill).")
-TINY_TARGET = 1e9  # parameters: below this a target forward is overhead-bound, whatever the hardware
+TINY_TARGET = 1e8  # parameters: below this a target forward is overhead-bound (Python, launches), whatever the hardware
 
 
 def speedup_notes(r: dict) -> list[str]:
     """Why the report's speedup figures do not carry over to serving a large target on a GPU (empty when they do)."""
     notes = []
     if r["hardware"]["device"].startswith("cpu"):
-        notes.append("measured on a CPU: there a forward over k+1 tokens costs several times one over 1 token, while "
-                     "on a GPU decoding is memory-bound and verifying k+1 tokens costs about as much as decoding one")
+        notes.append("measured on a CPU: there a target large enough to be compute-bound pays about k+1 times a "
+                     "decoding step to verify k+1 tokens, while on a GPU decoding is memory-bound and verifying k+1 "
+                     "tokens costs about as much as decoding one")
     if r["target_params"] < TINY_TARGET:
         d = (r.get("drafter") or {}).get("params")
         notes.append(f"the target is tiny ({r['target_params'] / 1e6:.1f} M parameters"

@@ -89,36 +89,53 @@ DEMO_MODULES = ("json", "os", "os.path", "collections", "itertools", "functools"
                 "queue", "subprocess", "socket", "email", "decimal", "fractions", "array", "weakref", "types", "sqlite3")
 
 
-def stdlib_conversations(max_chars: int = 700) -> list[dict]:
+# `extended`: more modules, and the methods of every class (builtins' included): about twice the text
+MORE_MODULES = ("builtins", "asyncio", "concurrent.futures", "multiprocessing", "codecs", "locale", "signal",
+                "selectors", "pickle", "shelve", "configparser", "getopt", "platform", "sysconfig", "traceback",
+                "warnings", "timeit", "cmd", "shlex", "secrets", "hmac", "binascii", "mimetypes", "mailbox", "wave",
+                "colorsys", "graphlib", "numbers", "cmath", "zoneinfo", "sched", "contextvars", "linecache", "filecmp",
+                "stat", "pkgutil", "importlib", "runpy", "dis", "symtable", "keyword", "reprlib", "bz2", "lzma",
+                "plistlib", "netrc", "xml.dom.minidom", "xml.etree.ElementTree", "html.parser", "urllib.request",
+                "http.client", "http.server", "socketserver", "ipaddress", "unicodedata", "gettext", "optparse",
+                "collections.abc", "string.templatelib", "pdb", "trace", "ftplib", "smtplib", "imaplib", "poplib")
+
+
+def stdlib_conversations(max_chars: int = 700, extended: bool = False) -> list[dict]:
     """Deterministic chat data from text that ships with every Python: stdlib docstrings and pydoc topics.
 
     Each record is `{"id", "conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}`: the user asks what a
     documented object does (or asks about a language topic) and the assistant answers with its documentation.
+    `extended` appends MORE_MODULES' objects and the methods of every class (the records before them are the same).
     """
     import importlib
     import inspect
 
     out: list[dict] = []
     seen: set[str] = set()
-    for mod_name in DEMO_MODULES:
-        try:
-            mod = importlib.import_module(mod_name)
-        except Exception:  # noqa: BLE001 - a module missing from a minimal Python is simply skipped
-            continue
-        for name in sorted(dir(mod)):
-            if name.startswith("_"):
+
+    def add(key: str, obj) -> None:
+        doc = inspect.getdoc(obj)
+        if not doc or len(doc) < 40 or doc in seen:
+            return
+        seen.add(doc)
+        out.append({"id": key, "conversations": [
+            {"role": "user", "content": f"What does `{key}` do?"},
+            {"role": "assistant", "content": doc[:max_chars].strip()}]})
+
+    def objects(modules):
+        for mod_name in modules:
+            try:
+                mod = importlib.import_module(mod_name)
+            except Exception:  # noqa: BLE001 - a module missing from a minimal Python is simply skipped
                 continue
-            obj = getattr(mod, name, None)
-            if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
-                continue
-            doc = inspect.getdoc(obj)
-            key = f"{mod_name}.{name}"
-            if not doc or len(doc) < 40 or doc in seen:
-                continue
-            seen.add(doc)
-            out.append({"id": key, "conversations": [
-                {"role": "user", "content": f"What does `{key}` do?"},
-                {"role": "assistant", "content": doc[:max_chars].strip()}]})
+            for name in sorted(dir(mod)):
+                obj = getattr(mod, name, None)
+                if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)
+                                                 or inspect.isbuiltin(obj)):
+                    yield mod_name, f"{mod_name}.{name}", obj
+
+    for _, key, obj in objects(DEMO_MODULES):
+        add(key, obj)
     try:
         from pydoc_data.topics import topics
         for name in sorted(topics):
@@ -128,6 +145,14 @@ def stdlib_conversations(max_chars: int = 700) -> list[dict]:
                 {"role": "assistant", "content": text}]})
     except ImportError:
         pass
+    if extended:
+        for mod_name, key, obj in list(objects(DEMO_MODULES + MORE_MODULES)):
+            if mod_name in MORE_MODULES:
+                add(key, obj)
+            if inspect.isclass(obj):
+                for m in sorted(vars(obj)):
+                    if not m.startswith("_") and callable(getattr(obj, m, None)):
+                        add(f"{key}.{m}", getattr(obj, m))
     return out
 
 

@@ -50,3 +50,12 @@ def test_next_token_accuracy_tells_a_trained_target_from_a_random_one(tiny_token
     assert r["weak"] and "too weak to draft for" in out and "next-token accuracy" in out
     r = check_toy_target(str(tmp_path / "good"), records)
     assert not r["weak"] and "WARNING" not in capsys.readouterr().out
+
+
+def test_stdlib_conversations_extended_adds_methods_after_the_same_records():
+    from hstap.toy import stdlib_conversations
+
+    base, ext = stdlib_conversations(), stdlib_conversations(extended=True)
+    assert ext[:len(base)] == base and len(ext) > 1.5 * len(base)  # the default set (tests, benchmarks) is unchanged
+    assert len({r["id"] for r in ext}) == len(ext) and ext == stdlib_conversations(extended=True)  # deterministic
+    assert any(r["id"] == "json.JSONDecoder.decode" for r in ext)  # a method of a class

@@ -45,7 +45,8 @@ import torch
 
 from hstap import dist as D
 from hstap.batching import pack_by_tokens
-from hstap.capture import check_template, check_tokenizer, copy_vocab_map, progress_bar, store_header, store_totals
+from hstap.capture import (check_template, check_tokenizer, copy_vocab_map, progress_bar, store_header,
+                           store_totals)
 from hstap.common import HstapError, write_run_config
 from hstap.data import load_prepared, max_token_id, prepared_columns, read_meta
 from hstap.engines.staging import PinnedPool, staging_layout, staging_nbytes, staging_pack, staging_views, to_store_dtype
