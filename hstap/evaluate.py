@@ -460,7 +460,7 @@ def _markdown(cfg: EvalConfig, r: dict) -> str:
     if r["lossless"] is not None:
         lines.append(f"lossless (greedy outputs equal target-only): **{r['lossless']}**"
                      + (f", {len(r['mismatches'])} mismatch(es), see report.json" if r["mismatches"] else ""))
-    lines += ["", TAU_MEANS + " The prefill's first token is not counted.", SPEEDUP_MEANS]
+    lines += ["", "- " + TAU_MEANS + " The prefill's first token is not counted.", "- " + SPEEDUP_MEANS]
     if r["speedup_notes"]:
         lines += ["", "**These speedups are not representative** of serving a large target on a GPU:"]
         lines += [f"- {n}." for n in r["speedup_notes"]]
