@@ -201,8 +201,8 @@ def main() -> None:
     entries, _, _ = union_entries(load_manifest(sf), load_parts(sf))
     biggest = max(int(e["bytes"]) for e in entries)
     reports = {n: json.loads((work / f"eval-{n}" / "report.json").read_text()) for n in evals}
-    steps = {n: [json.loads(x) for x in (work / f"train-{n}.log").read_text().splitlines()
-                 if x.startswith('{"run"')][-1]["steps"] for n in evals}
+    steps = {n: [json.loads(x) for x in (work / f"run-{n}" / "metrics.jsonl").read_text().splitlines()
+                 if x.strip() and not json.loads(x).get("eval")][-1]["step"] for n in evals}
     with open(work / "store_size.jsonl", "w") as f:
         f.writelines(json.dumps({"t": s, "files": n, "bytes": b}) + "\n" for s, n, b in sampler.series)
     res = {"bench": "follow_reference", "tiny": a.tiny, "device": dev, "samples": sum(len(e["ids"]) for e in entries),

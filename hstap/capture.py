@@ -11,7 +11,9 @@ What is stored per sample (format: `hstap/store/format.py`): input_ids, loss_mas
 Resumable: a sample is written once its shard commits; killing the run (even with SIGKILL) loses at most the open
 shards, and re-running the same command skips every committed sample. A store made with another target, tokenizer,
 layer set or dtype is refused unless `--new` (which wipes it). Data prepared with another tokenizer than the target's
-is refused.
+is refused, and so is data rendered with another chat template than the target's (unless --allow-template-mismatch).
+The prepared set's draft vocabulary map is copied into the store (STORE/vocab_map.safetensors, its sha256 in the
+header), so that `hstap train --store STORE` uses the vocabulary chosen at prepare (--draft-vocab).
 
 Multi-GPU: under torchrun each rank takes samples rank::world_size, runs its own copy of the model on cuda:LOCAL_RANK
 and writes its own shards; rank 0 merges the manifest after a barrier (a gloo process group is used only for barriers
@@ -30,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hstap.common import HstapError, git_commit
+from hstap.common import HstapError, atomic_write_bytes, git_commit
 
 # --engine NAME -> "module:function" that runs it. Loaded on use: the config is checked before torch or any engine is
 # imported, and this module depends on no engine (each engine owns its capture loop and uses the pieces below).
@@ -81,6 +83,9 @@ class CaptureConfig:
     """vllm-import engine: the vLLM layer ids of the captured states (input of layer j), comma-separated."""
     concurrency: int = 8
     """sglang engine: requests in flight."""
+    allow_template_mismatch: bool = False
+    """Capture data rendered with another chat template than the target's (refused by default: the drafter would
+    learn from conversations laid out unlike the ones it will serve)."""
 
     def __post_init__(self):
         for name, allowed in (("dtype", DTYPES), ("engine", ENGINES), ("device", ("auto", "cpu", "cuda")),
@@ -142,9 +147,23 @@ def check_tokenizer(data: str, meta: dict, target_block: dict, max_token_id=None
                              "prepared with another tokenizer?")
 
 
+def check_template(data: str, meta: dict, target_block: dict, allow: bool = False) -> None:
+    """Refuse prepared data rendered with another chat template than the target's (both hashes known and different),
+    unless `allow` (--allow-template-mismatch). Data or a target without a template hash passes."""
+    want, got = target_block.get("chat_template_sha256"), meta.get("chat_template_sha256")
+    if want is None or got is None or want == got or allow:
+        return
+    raise HstapError(f"{Path(data) / 'meta.json'}:1: chat_template_sha256: the data was rendered with chat template "
+                     f"{got[:12]} ({meta.get('chat_template')}), the target's is {want[:12]} ({target_block['path']}); "
+                     f"re-run hstap prepare without --chat-template, or pass --allow-template-mismatch")
+
+
 def store_header(target_block: dict, engine: dict, dtype: str, layers: list[int], cfg,
                  data_meta: dict | None = None) -> dict:
-    """The StoreWriter header (see hstap/store/format.py). `data` records what the samples were rendered and tokenized with."""
+    """The StoreWriter header (see hstap/store/format.py). `data` records what the samples were rendered and tokenized
+    with; `vocab_map` the prepared set's draft vocabulary map (`hstap.vocab.vocab_map_record`), when it has one."""
+    from hstap.vocab import vocab_map_record
+
     h = {"target": target_block, "engine": engine, "dtype": dtype, "layers": list(layers),
          "hidden_size": int(target_block["hidden_size"]),
          "capture_config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg or {}),
@@ -152,7 +171,30 @@ def store_header(target_block: dict, engine: dict, dtype: str, layers: list[int]
     if data_meta is not None:
         keys = ("tokenizer", "tokenizer_sha256", "chat_template", "chat_template_sha256", "vocab_size", "max_len")
         h["data"] = {k: data_meta.get(k) for k in keys}
+        rec = vocab_map_record((cfg.get("data") if isinstance(cfg, dict) else getattr(cfg, "data", None)) or "")
+        if rec is not None:
+            h["vocab_map"] = rec
     return h
+
+
+def copy_vocab_map(data: str, out: str) -> None:
+    """Copy PREPARED/vocab_map.safetensors into the store (atomically) when the store's header records that very file
+    (same sha256) and the store lacks it: after the store is created, or on the resume of a run killed before.
+    A store created from another prepared set keeps its own map (with a note)."""
+    from hstap.store.format import load_manifest
+    from hstap.vocab import VOCAB_MAP_FILE, vocab_map_record
+
+    rec, stored = vocab_map_record(data), load_manifest(Path(out)).get("vocab_map")
+    if rec is None or stored is None:
+        return
+    if rec["sha256"] != stored.get("sha256"):
+        print(f"capture: note: {out} keeps the draft vocabulary map it was created with ({stored.get('size')} ids), "
+              f"not {data}'s ({rec['size']} ids)", file=sys.stderr)
+        return
+    dst = Path(out) / VOCAB_MAP_FILE
+    src_bytes = (Path(data) / VOCAB_MAP_FILE).read_bytes()
+    if not dst.is_file() or dst.read_bytes() != src_bytes:
+        atomic_write_bytes(dst, src_bytes)
 
 
 def short_id(sample_id: str, n: int = 60) -> str:

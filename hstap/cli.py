@@ -84,8 +84,9 @@ def _parse_bool(s: str) -> bool:
 def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParser:
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
+    # A one-line usage: an argparse error prints it and one `error:` line, not every option (`--help` lists them).
     p = argparse.ArgumentParser(prog=f"hstap {stage}", description=helptext,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+                                usage=f"hstap {stage} [options] (--help lists them)", formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--config", metavar="FILE", help="YAML/JSON with values for this stage (an artifact's config.json replays it)")
     for f in dataclasses.fields(cls):
         if not f.init:
@@ -117,7 +118,10 @@ def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParse
 
 
 def load_config_file(path: str, stage: str) -> dict:
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise HstapError(f"{path}: cannot read config: {e.strerror if isinstance(e, OSError) else e}") from None
     try:
         if path.endswith((".yaml", ".yml")):
             import yaml

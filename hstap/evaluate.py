@@ -12,26 +12,28 @@ is. Generation stops at an eos / end-of-turn id (kept in the output) or after --
 
 Methods, run one after the other over all prompts after one warm-up prompt each: `target` (plain decoding with a KV
 cache: the baseline), `ngram` (prompt lookup, with --baseline ngram, k = --k) and `eagle` (the drafter, --mode chain or
-tree). Figures: tau = tokens produced by verify forwards / verify forwards (the prefill's first token is excluded;
-SGLang's accept length counts it); per-position acceptance = fraction of rounds whose accepted draft reached depth i;
-tokens/s = generated tokens / wall time including the prefill, summed over prompts; speedup = tokens/s over the
-target's. With --drafter RUN and --mode chain, the training run's simulated tau for a chain of --k drafts is reported
-next to the measured one: `sim_chain_tau[k-1]` of the checkpoint's eval line in RUN/metrics.jsonl (chain decoding
-replayed round by round on the teacher-forced eval split, `hstap.ttt.replay_chain`; older runs: 1 + sum_{j<k}
-prod_{i<=j} acc_cond_i). It predicts the measured tau when the eval split holds the target's own outputs
-(`hstap generate`) and --k <= the run's --ttt.
+tree), each with a progress line (prompts done / total, tokens/s). Figures: tau = tokens per target forward = tokens
+produced by verify forwards / verify forwards, the bonus token included (the same definition as training's sim_tau;
+the prefill's first token is excluded; SGLang's accept length counts it); per-position acceptance = fraction of rounds
+whose accepted draft reached depth i; tokens/s = generated tokens / wall time including the prefill, summed over
+prompts; speedup = tokens/s over the target's. With --drafter RUN and --mode chain, the training run's simulated tau
+for a chain of --k drafts is reported next to the measured one: `sim_chain_tau[k-1]` of the checkpoint's eval line in
+RUN/metrics.jsonl (chain decoding replayed round by round on the teacher-forced eval split, `hstap.ttt.replay_chain`;
+older runs: 1 + sum_{j<k} prod_{i<=j} acc_cond_i). It predicts the measured tau when the eval split holds the
+target's own outputs (`hstap generate`) and --k <= the run's --ttt.
 
 Losslessness: at temperature 0 every method's output must equal the target's, token for token. A mismatch is reported
 loudly and fails the command (exit status 2) unless the target's own logits (a fresh full forward) put both tokens
 within --tie-tol of the top at the diverging position: a near-tie that low-precision kernels may break either way.
 
 Output (REPORT/): report.json (top-level tau, per_position_acceptance, timings, speedup, lossless, simulated_tau,
-methods, prompts [{id, prompt_ids, output_ids}]), report.md, acceptance.png (when matplotlib is installed), config.json.
+methods, speedup_notes, prompts [{id, prompt_ids, output_ids}]), report.md (what tau and speedup mean, and why a
+speedup is not representative: a CPU, a target under TINY_TARGET parameters), acceptance.png (per-position acceptance),
+config.json. The console gets a table of the methods.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import platform
@@ -42,8 +44,12 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, write_run_config
+from hstap.console import Progress
 from hstap.fastdecode import FastDecoder, latency_model
+from hstap.plots import acceptance_plot
 from hstap.speculate import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
+
+PLOT = "acceptance.png"
 
 
 @dataclass
@@ -226,14 +232,20 @@ def read_sim_tau(drafter_path: str) -> dict | None:
 
 
 # --- running and summing up -------------------------------------------------------------------------------------------
-def run_method(fn, prompts: list[tuple[str, list[int]]], seed: int, device) -> tuple[list[list[int]], dict]:
-    """fn(prompt, generator) -> (output, stats) on every prompt; returns the outputs and the summed figures."""
+def run_method(fn, prompts: list[tuple[str, list[int]]], seed: int, device,
+               progress=None) -> tuple[list[list[int]], dict]:
+    """fn(prompt, generator) -> (output, stats) on every prompt; returns the outputs and the summed figures.
+    `progress` (a `hstap.console.Progress`) is told after each prompt, with the tokens/s so far."""
     outs, per = [], []
+    new = wall = 0.0
     for i, (_, prompt) in enumerate(prompts):
         gen = torch.Generator(device=device).manual_seed(seed + i)
         out, s = fn(prompt, gen)
         outs.append(out)
         per.append(s)
+        new, wall = new + (s.get("new_tokens") or 0), wall + (s.get("total_s") or 0)
+        if progress is not None:
+            progress.update(1, f"{new / wall:.1f} tokens/s" if wall > 0 else "")
     return outs, aggregate(per)
 
 
@@ -313,10 +325,12 @@ def evaluate(cfg: EvalConfig) -> dict:
     outputs, results = {}, {}
     for name, fn in methods.items():
         fn(prompts[0][1], torch.Generator(device=dev).manual_seed(cfg.seed), min(n, 32))  # warm-up, not counted
-        outputs[name], results[name] = run_method(fn, prompts, cfg.seed, dev)
+        bar = Progress(f"hstap eval: {name}", len(prompts), "prompts")
+        outputs[name], results[name] = run_method(fn, prompts, cfg.seed, dev, bar)
+        bar.close()
         r = results[name]
-        print(f"hstap eval: {name:6s} tau {r['tau']:.3f}  {r['tokens_per_s']:.1f} tok/s  ({r['new_tokens']} tokens, "
-              f"{len(prompts)} prompts)", file=sys.stderr)
+        print(f"hstap eval: {name:6s} tau {r['tau']:.3f}  {r['tokens_per_s']:.1f} tokens/s  ({r['new_tokens']} "
+              f"tokens, {len(prompts)} prompts)", file=sys.stderr)
     base = results["target"]["tokens_per_s"]
     for r in results.values():
         r["speedup"] = r["tokens_per_s"] / base if base > 0 else 0.0
@@ -342,6 +356,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         "lossless": (not failed) if T == 0 else None, "mismatches": mismatches,
         "methods": results, "num_prompts": len(prompts), "eos_ids": eos,
         "hardware": _hardware(dev), "dtype": str(target.dtype).replace("torch.", ""),
+        "target_params": sum(p.numel() for p in target.model.parameters()),
         "drafter": {"path": cfg.drafter, "aux_layers": list(drafter.config.aux_layers),
                     "draft_vocab_size": drafter.config.draft_vocab_size} if drafter is not None else None,
         "prompts": [{"id": pid, "prompt_ids": pr, "output_ids": outputs[primary][i],
@@ -350,14 +365,18 @@ def evaluate(cfg: EvalConfig) -> dict:
     }
     if drafter is not None:
         report["drafter"]["trained_on_this_target"] = _same_target(cfg.target, meta)
-    report["plot"] = _plot(results, out_dir)
+        report["drafter"]["params"] = sum(p.numel() for p in drafter.parameters())
+    report["speedup_notes"] = speedup_notes(report)
+    acceptance_plot(results, cfg.mode, out_dir / PLOT)
+    report["plot"] = PLOT
     write_run_config(out_dir, "eval", cfg)
     atomic_write_bytes(out_dir / "report.md", _markdown(cfg, report).encode())
     atomic_write_json(out_dir / "report.json", report)
-    print(f"hstap eval: wrote {out_dir / 'report.json'}", file=sys.stderr)
     summary = {k: report[k] for k in ("method", "tau", "per_position_acceptance", "tokens_per_s", "target_tokens_per_s",
-                                      "speedup", "simulated_tau", "lossless", "num_prompts")}
-    print(json.dumps(summary))
+                                      "speedup", "simulated_tau", "lossless", "num_prompts", "methods",
+                                      "speedup_notes")}
+    summary["out"] = str(out_dir)
+    _print_summary(cfg, report)
     for m in mismatches:
         print(f"hstap eval: {'warning' if m['near_tie'] else 'LOSSLESSNESS VIOLATION'}: {m['method']} output of prompt "
               f"{m['id']} differs from the target's at token {m['position']}: {json.dumps(m)}", file=sys.stderr)
@@ -392,31 +411,50 @@ def _hardware(dev: torch.device) -> dict:
     return hw
 
 
-def _plot(results: dict, out_dir: Path) -> str | None:
-    """acceptance.png: per-position acceptance of each drafting method; None (and a note) without matplotlib."""
-    try:
-        import matplotlib
+TAU_MEANS = ("tau = tokens per target forward: the drafts the target accepted plus its own next (bonus) token; 1.0 = "
+             "no draft ever accepted, k+1 = every draft of a k-token chain accepted.")
+SPEEDUP_MEANS = ("speedup = generated tokens/s over target-only decoding's, same prompts, same hardware, same "
+                 "process (tokens/s include the prefill).")
+TINY_TARGET = 1e8  # parameters: below this a target forward is overhead-bound (Python, launches), whatever the hardware
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("hstap eval: matplotlib is not installed: no acceptance plot (pip install matplotlib)", file=sys.stderr)
-        return None
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, r in results.items():
-        acc = r.get("per_position_acceptance")
-        if acc:
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {r['tau']:.2f})")
-    ax.set_xlabel("draft position (tree: depth)")
-    ax.set_ylabel("fraction of rounds accepted")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    atomic_write_bytes(out_dir / "acceptance.png", buf.getvalue())
-    return "acceptance.png"
+
+def speedup_notes(r: dict) -> list[str]:
+    """Why the report's speedup figures do not carry over to serving a large target on a GPU (empty when they do)."""
+    notes = []
+    if r["hardware"]["device"].startswith("cpu"):
+        notes.append("measured on a CPU: there a target large enough to be compute-bound pays about k+1 times a "
+                     "decoding step to verify k+1 tokens, while on a GPU decoding is memory-bound and verifying k+1 "
+                     "tokens costs about as much as decoding one")
+    if r["target_params"] < TINY_TARGET:
+        d = (r.get("drafter") or {}).get("params")
+        notes.append(f"the target is tiny ({r['target_params'] / 1e6:.1f} M parameters"
+                     + (f", its drafter {d / 1e6:.1f} M" if d else "") + "): a forward's fixed cost (Python, kernel "
+                     "launches) dominates, so drafting costs about as much as the target forwards it saves; tau is the "
+                     "figure that carries over to a large target")
+    return notes
+
+
+def _print_summary(cfg: EvalConfig, r: dict) -> None:
+    from hstap.console import table
+
+    mode = f"chain k={cfg.k}" if cfg.mode == "chain" else f"tree topk={cfg.topk} depth={cfg.depth} tokens={cfg.tokens}"
+    rows = []
+    for name, m in r["methods"].items():
+        acc = " ".join(f"{a:.2f}" for a in m.get("per_position_acceptance", [])) or "-"
+        rows.append([name, f"{m['tau']:.3f}", f"{m['tokens_per_s']:.1f}", f"{m['speedup']:.2f}x", acc])
+    lines = [f"hstap eval: {r['num_prompts']} prompts, " + ("greedy" if cfg.temperature == 0 else
+                                                             f"temperature {cfg.temperature:g}")
+             + f", {mode}, {r['dtype']} on {r['hardware'].get('gpu', r['hardware']['device'])}",
+             table(["method", "tau", "tokens/s", "speedup", "acceptance by draft position"], rows)]
+    if r["simulated_tau"] is not None:
+        lines.append(f"  simulated tau of this chain (training, teacher-forced): {r['simulated_tau']:.3f}")
+    if r["lossless"] is not None:
+        lines.append("  lossless (greedy outputs equal target-only): " + ("yes" if r["lossless"] else "NO"))
+    lines.append("  " + TAU_MEANS)
+    for note in r["speedup_notes"]:
+        lines.append(f"  speedup not representative: {note}")
+    lines.append(f"  wrote {cfg.out}/report.md, report.json, {PLOT}")
+    print("\n".join(lines), flush=True)
 
 
 def _markdown(cfg: EvalConfig, r: dict) -> str:
@@ -449,11 +487,10 @@ def _markdown(cfg: EvalConfig, r: dict) -> str:
     if r["lossless"] is not None:
         lines.append(f"lossless (greedy outputs equal target-only): **{r['lossless']}**"
                      + (f", {len(r['mismatches'])} mismatch(es), see report.json" if r["mismatches"] else ""))
-    lines.append("tau = tokens from verify forwards / verify forwards (the prefill's token excluded); tokens/s include "
-                 "the prefill.")
-    if r.get("plot"):
-        lines += ["", f"![per-position acceptance]({r['plot']})"]
-    else:
-        lines += ["", "(no acceptance plot: matplotlib is not installed)"]
+    lines += ["", "- " + TAU_MEANS + " The prefill's first token is not counted.", "- " + SPEEDUP_MEANS]
+    if r["speedup_notes"]:
+        lines += ["", "**These speedups are not representative** of serving a large target on a GPU:"]
+        lines += [f"- {n}." for n in r["speedup_notes"]]
+    lines += ["", f"![per-position acceptance]({r['plot']})"]
     return "\n".join(lines) + "\n"
 

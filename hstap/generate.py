@@ -367,6 +367,9 @@ def generate(cfg: GenerateConfig) -> dict:
     summary = {"out": str(out), "engine": "embedded" if cfg.target is not None else "server", **stats,
                "seconds": round(secs, 3),
                "tokens_per_s": round(stats["generated_tokens"] / gen_s, 1) if gen_s > 0 else None}
-    print(json.dumps(summary))
+    tps = f", {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
+    print(f"hstap generate: {stats['conversations']} conversations written ({stats['assistant_turns']} answers, "
+          f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens) in {secs:.1f} s"
+          f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped; wrote {out}")
     return summary
 

@@ -1,7 +1,7 @@
 """Toy targets built offline: a byte-level BPE tokenizer with a chat template, and small random-weight HF models.
 
-Used by the tests (tiny random configs built in-process), by `hstap demo` (which trains such a target for a few CPU
-minutes on text that ships with Python) and by the benchmarks (Llama-3.1-8B-shaped random weights).
+Used by the tests (tiny random configs built in-process), by `hstap demo` (which trains such a target for a fixed number of
+steps, a few CPU minutes, on text that ships with Python) and by the benchmarks (Llama-3.1-8B-shaped random weights).
 """
 
 from __future__ import annotations
@@ -89,36 +89,56 @@ DEMO_MODULES = ("json", "os", "os.path", "collections", "itertools", "functools"
                 "queue", "subprocess", "socket", "email", "decimal", "fractions", "array", "weakref", "types", "sqlite3")
 
 
-def stdlib_conversations(max_chars: int = 700) -> list[dict]:
+# `extended`: more modules, and the methods of every class (builtins' included): about twice the text
+MORE_MODULES = ("builtins", "asyncio", "concurrent.futures", "multiprocessing", "codecs", "locale", "signal",
+                "selectors", "pickle", "shelve", "configparser", "getopt", "platform", "sysconfig", "traceback",
+                "warnings", "timeit", "cmd", "shlex", "secrets", "hmac", "binascii", "mimetypes", "mailbox", "wave",
+                "colorsys", "graphlib", "numbers", "cmath", "zoneinfo", "sched", "contextvars", "linecache", "filecmp",
+                "stat", "pkgutil", "importlib", "runpy", "dis", "symtable", "keyword", "reprlib", "bz2", "lzma",
+                "plistlib", "netrc", "xml.dom.minidom", "xml.etree.ElementTree", "html.parser", "urllib.request",
+                "http.client", "http.server", "socketserver", "ipaddress", "unicodedata", "gettext", "optparse",
+                "collections.abc", "string.templatelib", "pdb", "trace", "ftplib", "smtplib", "imaplib", "poplib")
+
+
+def stdlib_conversations(max_chars: int = 700, extended: bool = False) -> list[dict]:
     """Deterministic chat data from text that ships with every Python: stdlib docstrings and pydoc topics.
 
     Each record is `{"id", "conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}`: the user asks what a
     documented object does (or asks about a language topic) and the assistant answers with its documentation.
+    `extended` appends MORE_MODULES' objects and the methods of every class (the records before them are the same).
     """
     import importlib
     import inspect
+    import warnings
 
     out: list[dict] = []
     seen: set[str] = set()
-    for mod_name in DEMO_MODULES:
-        try:
-            mod = importlib.import_module(mod_name)
-        except Exception:  # noqa: BLE001 - a module missing from a minimal Python is simply skipped
-            continue
-        for name in sorted(dir(mod)):
-            if name.startswith("_"):
+
+    def add(key: str, obj) -> None:
+        doc = inspect.getdoc(obj)
+        if not doc or len(doc) < 40 or doc in seen:
+            return
+        seen.add(doc)
+        out.append({"id": key, "conversations": [
+            {"role": "user", "content": f"What does `{key}` do?"},
+            {"role": "assistant", "content": doc[:max_chars].strip()}]})
+
+    def objects(modules):
+        for mod_name in modules:
+            try:
+                mod = importlib.import_module(mod_name)
+            except Exception:  # noqa: BLE001 - a module missing from a minimal Python is simply skipped
                 continue
-            obj = getattr(mod, name, None)
-            if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
-                continue
-            doc = inspect.getdoc(obj)
-            key = f"{mod_name}.{name}"
-            if not doc or len(doc) < 40 or doc in seen:
-                continue
-            seen.add(doc)
-            out.append({"id": key, "conversations": [
-                {"role": "user", "content": f"What does `{key}` do?"},
-                {"role": "assistant", "content": doc[:max_chars].strip()}]})
+            for name in sorted(dir(mod)):
+                obj = getattr(mod, name, None)
+                if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)
+                                                 or inspect.isbuiltin(obj)):
+                    yield mod_name, f"{mod_name}.{name}", obj
+
+    with warnings.catch_warnings():  # reading deprecated attributes (typing.io, ...) warns; the docs are still text
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for _, key, obj in objects(DEMO_MODULES):
+            add(key, obj)
     try:
         from pydoc_data.topics import topics
         for name in sorted(topics):
@@ -128,14 +148,27 @@ def stdlib_conversations(max_chars: int = 700) -> list[dict]:
                 {"role": "assistant", "content": text}]})
     except ImportError:
         pass
+    if extended:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for mod_name, key, obj in list(objects(DEMO_MODULES + MORE_MODULES)):
+                if mod_name in MORE_MODULES:
+                    add(key, obj)
+                if inspect.isclass(obj):
+                    for m in sorted(vars(obj)):
+                        if not m.startswith("_") and callable(getattr(obj, m, None)):
+                            add(f"{key}.{m}", getattr(obj, m))
     return out
 
 
-def train_toy_target(out_dir: str | Path, tokenizer, texts: list[str], *, minutes: float = 2.0, num_layers: int = 6,
+def train_toy_target(out_dir: str | Path, tokenizer, texts: list[str], *, steps: int = 600, num_layers: int = 6,
                      hidden_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 384,
                      seq_len: int = 256, batch_size: int = 16, lr: float = 3e-3, seed: int = 0, log=print) -> dict:
-    """Train a small Llama on `texts` (next-token loss on every token) for a fixed wall-clock budget; save it with the
-    tokenizer. Returns {"steps", "tokens", "loss"}."""
+    """Train a small Llama on `texts` (next-token loss on every token) for exactly `steps` optimizer steps; save it with
+    the tokenizer. Returns {"steps", "tokens", "loss", "seconds"}.
+
+    Bounded by steps and seeded (init, window order), never by wall clock: the same call gives bitwise the same weights
+    at the same torch thread count, whatever else runs on the machine."""
     import math
     import time
 
@@ -148,33 +181,51 @@ def train_toy_target(out_dir: str | Path, tokenizer, texts: list[str], *, minute
     model.train()
     ids = torch.tensor([t for s in texts for t in tokenizer(s, add_special_tokens=False)["input_ids"]], dtype=torch.long)
     n_win = (len(ids) - 1) // seq_len
+    if n_win < 1:
+        raise ValueError(f"train_toy_target: {len(ids)} tokens, fewer than one window of {seq_len + 1}")
     windows = ids[: n_win * seq_len + 1]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
-    t0, step, tokens, loss_ema = time.time(), 0, 0, None
-    budget = minutes * 60
-    while True:
-        elapsed = time.time() - t0
-        if elapsed > budget:
-            break
-        frac = elapsed / budget
-        for group in opt.param_groups:  # warmup then cosine over the time budget
-            group["lr"] = lr * min(1.0, (step + 1) / 30) * 0.5 * (1 + math.cos(math.pi * frac))
-        starts = torch.randint(0, n_win, (batch_size,), generator=g) * seq_len
+    warmup = min(30, max(1, steps // 10))
+    t0, tokens, loss_ema = time.perf_counter(), 0, None
+    for step in range(steps):
+        for group in opt.param_groups:  # linear warmup, then cosine to 0 at `steps`
+            group["lr"] = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        starts = torch.randint(0, n_win, (batch_size,), generator=g) * seq_len  # (B,)
         batch = torch.stack([windows[s: s + seq_len + 1] for s in starts.tolist()])  # (B, S+1)
-        out = model(input_ids=batch[:, :-1])
-        logits = out.logits  # (B, S, V)
+        logits = model(input_ids=batch[:, :-1]).logits  # (B, S, V)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        step += 1
         tokens += batch_size * seq_len
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-        if step % 50 == 0:
-            log(f"  toy target step {step}: loss {loss_ema:.3f}, {tokens / (time.time() - t0):,.0f} tok/s")
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            el = time.perf_counter() - t0
+            log(f"  toy target step {step + 1}/{steps}: loss {loss_ema:.3f}, {tokens / el:,.0f} tok/s")
     model.eval()
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
-    return {"steps": step, "tokens": tokens, "loss": loss_ema}
+    return {"steps": steps, "tokens": tokens, "loss": loss_ema, "seconds": time.perf_counter() - t0}
+
+
+def next_token_accuracy(model, tokenizer, texts: list[str], max_tokens: int = 20000, seq_len: int = 256) -> dict:
+    """Greedy next-token accuracy of a causal LM on `texts`: the fraction of tokens (after the first of each text, at
+    most `max_tokens` in all) that its top guess predicts exactly. Returns {"accuracy", "tokens"}.
+
+    The demo's check that a toy target is worth drafting for: a drafter can only learn to guess what the target
+    itself guesses, so a target that rarely predicts real text right gives a drafter nothing to learn."""
+    import torch
+
+    right = total = 0
+    with torch.no_grad():
+        for s in texts:
+            ids = tokenizer(s, add_special_tokens=False)["input_ids"][: seq_len + 1]
+            if len(ids) < 2 or total >= max_tokens:
+                continue
+            x = torch.tensor([ids])  # (1, T+1)
+            pred = model(input_ids=x[:, :-1]).logits.argmax(-1)  # (1, T)
+            right += int((pred == x[:, 1:]).sum())
+            total += len(ids) - 1
+    return {"accuracy": right / total if total else 0.0, "tokens": total}

@@ -33,14 +33,15 @@ on with the exact SDPA path.
 Metrics (RUN/metrics.jsonl, a JSON object per line; TensorBoard in RUN/tb when installed). Train lines: step, epoch,
 loss, loss_k, acc (acc_k = counted positions whose draft argmax is the target argmax / counted positions), lr,
 grad_norm, tokens, tok_s (real tokens/s, all ranks), mfu (`hstap.ttt.ttt_flops` / time / (--peak-tflops * world)),
-peak_mem_gb (CUDA). Eval lines ("eval": true), on the eval split: eval_loss, eval_acc, acc_cond, sim_tau. A position
-t is simulated when loss_mask[t+2+k] == 1 and t+2+k < length for every step k (a target argmax outside the draft
-vocabulary is a miss there: the drafter cannot propose it); acc_cond_k = P(step k right | steps 0..k-1 right) over
-those positions; sim_tau = sum_k prod_{i<=k} acc_cond_i, the expected accepted draft tokens of a greedy K-token chain
-under teacher forcing (SGLang's acceptance length adds 1 for the bonus token); sim_chain_tau[k-1] = the tau of greedy
-chain decoding with k drafts replayed round by round on the eval answers (`hstap.ttt.replay_chain`; rounds start
-after a rejection, so on the target's own outputs it predicts the measured tau, which the mean over positions
-overestimates). RUN/best follows the highest sim_tau.
+peak_mem_gb (CUDA). Eval lines ("eval": true), on the eval split: eval_loss, eval_acc, acc_cond, sim_chain_tau, sim_tau.
+tau means one thing everywhere (training, `hstap eval`, the demo): tokens per target forward, the bonus token
+included (SGLang's accept length); 1.0 = no draft ever accepted. sim_chain_tau[k-1] = the tau of greedy chain decoding
+with k drafts replayed round by round on the eval answers (`hstap.ttt.replay_chain`: rounds start after a rejection,
+so on the target's own outputs it predicts the measured tau); sim_tau = sim_chain_tau[K-1], the chain of K = --ttt
+drafts. acc_cond_k = P(step k right | steps 0..k-1 right) over the positions t where loss_mask[t+2+k] == 1 and
+t+2+k < length for every step k (a target argmax outside the draft vocabulary is a miss: the drafter cannot propose
+it). RUN/best follows the highest sim_tau. RUN/curves.png plots loss, accuracy and sim_tau from metrics.jsonl (rank 0,
+after every evaluation and at the end).
 
 Checkpoints: RUN/checkpoints/step_{step:08d}/ = drafter.safetensors + drafter.json (hstap.export.save_drafter),
 optimizer.safetensors (AdamW state as `state.{param_idx}.{exp_avg,exp_avg_sq,step}`; names in trainer_state.json),
@@ -65,10 +66,10 @@ map, split and batches; `hstap.trainer` the drafter's init, wrapping, optimizer,
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,10 +83,11 @@ from hstap.follow import FollowBatches, open_followed_store
 from hstap.model_dir import load_config, target_head
 from hstap.train_data import Feed, TrainData, build_data
 from hstap.trainer import Schedule, Trainer, init_drafter
-from hstap.train_log import MetricsLog, Throughput, train_line
+from hstap.train_log import MetricsLog, Throughput, print_summary, train_line
 from hstap.ttt import ttt_attention
 
 STATE_FORMAT = "hstap-trainer-state"
+CURVES = "curves.png"
 
 
 @dataclass
@@ -101,9 +103,11 @@ class TrainConfig:
     online: bool = False
     """Run the target in-process on --data batches (no store, no disk) and train on its states."""
     vocab_map: str | None = None
-    """vocab_map.safetensors (or a prepared dir) with d2t/t2d; default: --data's, else derived from the store."""
+    """vocab_map.safetensors (or a prepared dir) with d2t/t2d; default: --data's, else the store's (the prepared set's
+    map, copied by capture), else derived from the store's token counts (--draft-vocab)."""
     draft_vocab: int = 32000
-    """Draft vocabulary size when the map is derived from the store (top loss-masked tokens; clamped to V)."""
+    """Draft vocabulary size when the map is derived from the store's token counts (a store without a vocab map: top
+    loss-masked tokens; clamped to V)."""
     aux_layers: str = ""
     """fc inputs: '' = the store's layers (online: [1, N//2-1, N-4]); 'final' = final state only (EAGLE-1-style); or a
     comma list of canonical ids (offline: a subset of the store's layers)."""
@@ -263,7 +267,7 @@ class TrainState:
     step: int = 0
     """Optimizer steps done."""
     best: float = -1.0
-    """Highest eval sim_tau so far (-1: none yet)."""
+    """Highest eval sim_tau so far (tokens per target forward; -1: none yet)."""
     tokens_seen: int = 0
     """Real tokens trained on, all ranks, as of the last metrics line."""
     last: dict = field(default_factory=dict)
@@ -299,6 +303,7 @@ class _Run:
 
 def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
     r, st = _build(cfg, rank, world, dev)
+    t0 = time.perf_counter()
     _loop(r, st)
     if cfg.follow:
         r.batches.finish()  # a normal end: the store's writers no longer wait for this trainer
@@ -306,15 +311,23 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
     summary = {"run": str(r.run), "steps": st.step, "loss": st.last.get("loss"), "acc": st.last.get("acc"),
                "tok_s": st.last.get("tok_s"), "mfu": st.last.get("mfu"), "sim_tau": st.ev_last.get("sim_tau"),
                "best_sim_tau": st.best if st.best >= 0 else None, "peak_mem_gb": st.last.get("peak_mem_gb"),
-               "checkpoint": str(c[-1]) if c else None}
-    D.print0(json.dumps(summary))
+               "checkpoint": str(c[-1]) if c else None, "tokens": st.tokens_seen,
+               "seconds": time.perf_counter() - t0, "ttt": cfg.ttt, "eval_samples": len(r.data.eval_rows),
+               "curves": str(r.run / CURVES) if rank == 0 and (r.run / CURVES).is_file() else None}
+    if rank == 0:
+        print_summary(summary)
     return summary
 
 
-def _open_run(cfg: TrainConfig, run: Path, rank: int) -> None:
-    """RUN ready to write: no silent overwrite of a trained run, a crashed save undone, config.json written."""
+def _check_run(cfg: TrainConfig, run: Path) -> None:
+    """No silent overwrite of a trained run."""
     if checkpoint.complete(run) and not cfg.resume:
         raise HstapError(f"{run}: has checkpoints already; pass --resume to continue or choose another --out")
+
+
+def _open_run(cfg: TrainConfig, run: Path, rank: int) -> None:
+    """RUN ready to write, once the inputs are validated (a run that fails on bad input leaves no RUN/config.json):
+    created, a crashed save undone, config.json written."""
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
         checkpoint.recover(run)
@@ -328,7 +341,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and cuda)
     if bf16 and not cuda:
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
-    _open_run(cfg, run, rank)
+    _check_run(cfg, run)
     if cfg.follow:
         open_followed_store(cfg, run, rank)
     hf_cfg = load_config(cfg.target)
@@ -339,6 +352,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     feed = Feed(data, head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt,
                 pad_to=16 if cuda else 1)  # CUDA: T in steps of 16 bounds the TTT masks and compiled shapes
     del embed, head
+    _open_run(cfg, run, rank)
 
     # A resume loads the weights before wrapping and the optimizer and RNG after.
     run_config = {"world_size": world, **vars(cfg)}
@@ -415,6 +429,15 @@ def _loop(r: _Run, st: TrainState) -> None:
         _after_step(r, st, log, meter, bar, pos, eval_every, last=st.step == total)
     bar.close()
     log.close()
+    if r.rank == 0:
+        _curves(r.run)
+
+
+def _curves(run: Path) -> None:
+    """RUN/curves.png from RUN/metrics.jsonl."""
+    from hstap.plots import training_curves
+
+    training_curves(run / "metrics.jsonl", run / CURVES)
 
 
 def _after_step(r: _Run, st: TrainState, log: MetricsLog, meter: Throughput, bar, pos: tuple[int, int] | None,
@@ -435,8 +458,10 @@ def _after_step(r: _Run, st: TrainState, log: MetricsLog, meter: Throughput, bar
         st.ev_last = tr.evaluate(r.feed, r.data, st.step)
         log(st.ev_last)
         if r.rank == 0:
-            bar.write(f"step {st.step}: sim_tau {st.ev_last['sim_tau']:.3f}  acc_cond "
-                      f"{[round(a, 3) for a in st.ev_last['acc_cond']]}")
+            bar.write(f"step {st.step}: sim tau {st.ev_last['sim_tau']:.3f} (tokens per target forward, chain of "
+                      f"{cfg.ttt} drafts replayed on the eval split), eval loss {st.ev_last['eval_loss']:.3f}, "
+                      f"acc_cond " + " ".join(f"{a:.2f}" for a in st.ev_last["acc_cond"]))
+            _curves(r.run)
     is_best = bool(st.ev_last) and st.ev_last["step"] == st.step and st.ev_last["sim_tau"] > st.best
     st.best = st.ev_last["sim_tau"] if is_best else st.best
     if (st.step % cfg.save_every == 0 or last or is_best) and (st.saved != st.step or is_best):

@@ -72,10 +72,16 @@ def select_layers(spec: str, available: list[int] | None, num_layers: int) -> tu
 
 
 def _vocab_map(cfg, store, V: int) -> tuple[torch.Tensor, torch.Tensor, str]:
-    from hstap.vocab import build_vocab_map, load_vocab_map
+    """--vocab-map, else --data's, else the one capture copied into the store (the vocabulary chosen at prepare),
+    else one built from the store's loss-masked token counts (--draft-vocab)."""
+    from hstap.vocab import build_vocab_map, load_store_vocab_map, load_vocab_map
     src = cfg.vocab_map or cfg.data
+    stored = load_store_vocab_map(store.path, store.header) if not src and store is not None else None
     if src:
         d2t, t2d = load_vocab_map(src)
+    elif stored is not None:
+        d2t, t2d, p = stored
+        src = f"{p} (the prepared set's, copied by capture)"
     else:
         d2t, t2d = (torch.from_numpy(a) for a in build_vocab_map(store.token_counts(V), min(cfg.draft_vocab, V)))
         src = f"{cfg.store} (loss-masked token counts)"

@@ -1,5 +1,5 @@
 """The training run's metrics: the train line of a step, the throughput window (real tokens/s and MFU from the
-model's FLOP count) and the metrics.jsonl / TensorBoard log, written by rank 0 only."""
+model's FLOP count), the metrics.jsonl / TensorBoard log and the closing console table, written by rank 0 only."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from hstap import dist as D
+from hstap.console import num, table
 from hstap.drafter import DrafterConfig
 from hstap.ttt import ttt_flops
 
@@ -74,3 +75,17 @@ class MetricsLog:
         for h in (self.f, self.tb):
             if h is not None:
                 h.close()
+
+
+def print_summary(s: dict) -> None:
+    """The console table at the end of a run (rank 0): steps, tokens/s, final loss, sim tau, outputs."""
+    rows = [["trained", f"{s['steps']} steps, {num(s['tokens'])} tokens in {s['seconds']:.1f} s"
+             + (f" ({num(s['tokens'] / s['seconds'])} tokens/s)" if s["seconds"] > 0 else "")]]
+    if s["loss"] is not None:
+        rows.append(["final loss", f"{s['loss']:.3f} (first-draft accuracy {100 * s['acc'][0]:.1f}%)"])
+    if s["best_sim_tau"] is not None:
+        rows.append(["sim tau", f"best {s['best_sim_tau']:.3f}, last {s['sim_tau']:.3f} tokens per target forward "
+                                f"(chain of {s['ttt']} drafts replayed on {s['eval_samples']} eval samples)"])
+    out = [f"{s['run']}/best", f"{s['run']}/metrics.jsonl"] + ([s["curves"]] if s["curves"] else [])
+    rows.append(["outputs", ", ".join(out)])
+    print("hstap train: done\n" + table(None, rows), flush=True)

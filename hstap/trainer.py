@@ -141,11 +141,13 @@ class Trainer:
         D.all_reduce_sum(sim)
         chain = D.all_reduce_sum(chain.to(dev))
         n, w = stats[:, 2].clamp_min(1), self.decay ** torch.arange(K, device=dev)
+        chain_tau = [float(chain[0, k] / chain[1, k]) if chain[1, k] > 0 else 0.0 for k in range(K)]
+        # sim_tau is tau as `hstap eval` measures it (tokens per target forward, the bonus token included): the
+        # replayed chain of K = --ttt drafts; 0.0 when the eval split had no round to replay
         return {"step": step, "eval": True, "eval_loss": float((stats[:, 0] / n * w).sum()),
                 "eval_acc": (stats[:, 1] / n).tolist(),
                 "acc_cond": [float(sim[k + 1] / sim[k]) if sim[k] > 0 else 0.0 for k in range(K)],
-                "sim_tau": float((sim[1:] / sim[0]).sum()) if sim[0] > 0 else 0.0, "eval_positions": int(sim[0]),
-                "sim_chain_tau": [float(chain[0, k] / chain[1, k]) if chain[1, k] > 0 else 0.0 for k in range(K)]}
+                "sim_tau": chain_tau[-1], "eval_positions": int(sim[0]), "sim_chain_tau": chain_tau}
 
     def load_rest(self, ckpt, state: dict, rank: int) -> None:
         """A resume's optimizer state and this rank's RNG (the weights were loaded before wrapping)."""

@@ -8,6 +8,9 @@ export checks the map a drafter carries (`check_vocab_map`). Two tensors, as EAG
     t2d bool  [V]  target id -> whether it is a hot id
 
 `check_vocab_map` is the one validity rule (hot ids strictly increasing inside [0, V), t2d true exactly there).
+
+Capture copies the prepared set's file into the store and records it in the store header (`vocab_map_record`:
+{"file", "sha256", "size"}); `load_store_vocab_map` is how training finds it there.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hstap.common import HstapError, one_line
+from hstap.common import HstapError, one_line, sha256_bytes
+
+VOCAB_MAP_FILE = "vocab_map.safetensors"
 
 
 def build_vocab_map(freq: np.ndarray, draft_vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -74,3 +79,30 @@ def load_vocab_map(path: str | os.PathLike):
     except HstapError as e:
         raise HstapError(f"{p}: {e}") from None
     return t["d2t"], t["t2d"]
+
+
+def vocab_map_record(prepared: str | os.PathLike) -> dict | None:
+    """{"file": "vocab_map.safetensors", "sha256": of its bytes, "size": draft ids N} of PREPARED's map, None without
+    one."""
+    p = Path(prepared) / VOCAB_MAP_FILE
+    if not str(prepared) or not p.is_file():
+        return None
+    d2t, _ = load_vocab_map(p)
+    return {"file": VOCAB_MAP_FILE, "sha256": sha256_bytes(p.read_bytes()), "size": int(d2t.numel())}
+
+
+def load_store_vocab_map(store_dir: str | os.PathLike, header: dict):
+    """(d2t, t2d, path) of the map a store's header records (`vocab_map`), checked against its sha256; None when the
+    header records none (a store captured before vocab maps were copied, or from data without one)."""
+    rec = header.get("vocab_map")
+    if not rec:
+        return None
+    p = Path(store_dir) / rec.get("file", VOCAB_MAP_FILE)
+    if not p.is_file():
+        raise HstapError(f"{p}: the store header records a draft vocabulary map but the file is missing (re-run the "
+                         "capture to restore it, or pass --vocab-map)")
+    if sha256_bytes(p.read_bytes()) != rec.get("sha256"):
+        raise HstapError(f"{p}: sha256 differs from the one in {Path(store_dir) / 'manifest.json'} (the file was "
+                         "changed after capture); pass --vocab-map to choose a map")
+    d2t, t2d = load_vocab_map(p)
+    return d2t, t2d, p

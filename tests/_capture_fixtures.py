@@ -30,7 +30,8 @@ def write_corpus(path: Path, n: int, seed: int = 0, min_chars: int = 10, max_cha
     return path
 
 
-def make_prepared(tokenizer_dir: Path, out: Path, n: int, seed: int = 0, **kw) -> Path:
+def make_prepared(tokenizer_dir: Path, out: Path, n: int, seed: int = 0, chat_template: str | None = None,
+                  **kw) -> Path:
     import contextlib
     import io
 
@@ -38,7 +39,8 @@ def make_prepared(tokenizer_dir: Path, out: Path, n: int, seed: int = 0, **kw) -
 
     jsonl = write_corpus(out.parent / f"{out.name}.jsonl", n, seed, **kw)
     with contextlib.redirect_stdout(io.StringIO()):
-        prepare(PrepareConfig(tokenizer=str(tokenizer_dir), data=[str(jsonl)], out=str(out), draft_vocab=64))
+        prepare(PrepareConfig(tokenizer=str(tokenizer_dir), data=[str(jsonl)], out=str(out), draft_vocab=64,
+                              chat_template=chat_template))
     return out
 
 

@@ -185,6 +185,27 @@ def test_capture_runner_handles_writer_errors(tiny_llama, tmp_path):
 
 
 
+def test_data_rendered_with_another_chat_template_is_refused_unless_allowed(tiny_tokenizer, tiny_llama, tmp_path):
+    """One line naming both template hashes; --allow-template-mismatch captures anyway (and the store records it)."""
+    from hstap.data import read_meta
+    from hstap.toy import CHAT_TEMPLATE
+
+    other = tmp_path / "other.jinja"
+    other.write_text(CHAT_TEMPLATE.replace("|>\n{{ m['content'] }}", "|> {{ m['content'] }}"))
+    data = make_prepared(tiny_tokenizer[1], tmp_path / "prepared", n=4, seed=2, chat_template=str(other))
+    got, want = read_meta(data)["chat_template_sha256"], target_fingerprint(tiny_llama)["chat_template_sha256"]
+    assert got != want
+    with pytest.raises(HstapError) as e:
+        _capture(tiny_llama, data, tmp_path / "store", layers=LAYERS, dtype="fp32")
+    msg = str(e.value)
+    assert "\n" not in msg and "chat_template_sha256" in msg and got[:12] in msg and want[:12] in msg
+    assert "--allow-template-mismatch" in msg and not (tmp_path / "store").exists()  # refused before any write
+    r = _capture(tiny_llama, data, tmp_path / "store", layers=LAYERS, dtype="fp32", allow_template_mismatch=True)
+    st = open_store(tmp_path / "store")
+    assert r["store_samples"] == 4 and st.header["data"]["chat_template_sha256"] == got
+    assert st.header["capture_config"]["allow_template_mismatch"] is True
+
+
 def test_tokenizer_check_without_a_target_tokenizer(tiny_llama):
     block = {**target_fingerprint(tiny_llama), "tokenizer_sha256": None}
     V = block["vocab_size"]

@@ -89,3 +89,20 @@ def test_console_entry_point():
     assert r.returncode == 0 and "prepare" in r.stdout
     r = subprocess.run([sys.executable, "-m", "hstap.cli", "nosuch"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown command" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--config", "missing.json"],              # a config file that is not there
+    ["train", "--steps", "x"],                           # a value of the wrong type
+    ["eval", "--target", "t", "--data", "d", "--out", "o", "--mode", "bogus"],  # not a choice
+    ["train", "--out", "o"],                             # required options missing
+    ["capture", "--no-such-flag"],                       # unknown option
+])
+def test_errors_are_one_line_with_exit_2(argv, tmp_path):
+    """No traceback and no 15-line usage block: at most argparse's one-line usage, then one `error:` line."""
+    r = subprocess.run([sys.executable, "-m", "hstap.cli", *argv], capture_output=True, text=True, cwd=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(lines) <= 2, r.stderr
+    assert [x for x in lines if "error:" in x] == lines[-1:], r.stderr
+    assert len(lines) == 1 or lines[0].startswith(f"usage: hstap {argv[0]} [options]")

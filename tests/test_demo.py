@@ -1,35 +1,42 @@
-"""`hstap demo` end to end on a small random target and a few conversations (the toy-target stage is exercised by the
-README command itself; here it is skipped with --target to keep the CPU suite short)."""
+"""`hstap demo` end to end on a few conversations with a toy target trained for two steps (the README command runs
+the full-size demo): every stage, the toy-target check, the final table (no raw dict), the plots, and --out rules."""
 
 import json
 import subprocess
 import sys
 
-from hstap.toy import build_random_target, stdlib_conversations
+from hstap.toy import stdlib_conversations
 
 
-def test_demo_runs_every_stage_and_reports_a_lossless_tau(tiny_tokenizer, tmp_path):
-    target = tmp_path / "target"
-    build_random_target(target, tiny_tokenizer[0], num_layers=8, hidden_size=64)  # 8 layers: default taps [1, 3, 4]
+def test_demo_runs_every_stage_and_reports_a_lossless_tau(tmp_path):
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in stdlib_conversations(max_chars=200)[:40]))
     out = tmp_path / "demo"
-    r = subprocess.run([sys.executable, "-m", "hstap.cli", "demo", "--out", str(out), "--target", str(target),
-                        "--data", str(data), "--max-samples", "40", "--train-steps", "3", "--ttt", "2",
-                        "--eval-prompts", "2", "--max-new-tokens", "8", "--device", "cpu"],
+    r = subprocess.run([sys.executable, "-m", "hstap.cli", "demo", "--out", str(out), "--data", str(data),
+                        "--max-samples", "40", "--target-steps", "2", "--generate-tokens", "8", "--train-steps", "3",
+                        "--ttt", "2", "--eval-prompts", "2", "--max-new-tokens", "8", "--device", "cpu"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "demo.json").read_text())
-    assert summary["conversations"] == {"train": 38, "eval": 2}
+    assert summary["conversations"] == {"train": 38, "eval": 2} and summary["toy_target"]["steps"] == 2
+    assert summary["toy_target"]["tokens"] == 2 * 8 * 256  # bounded by steps: 2 steps of 8 windows of 256
+    assert summary["toy_target"]["weak"] is True and "too weak to draft for" in r.stdout  # two steps: said plainly
     assert summary["eval"]["lossless"] is True and summary["eval"]["tau"] >= 1.0
     assert (out / "store" / "manifest.json").exists() and (out / "eval" / "report.json").exists()
     for stage in ("prepared", "store", "run", "eval"):
         assert json.loads((out / stage / "config.json").read_text())["stage"] in ("prepare", "capture", "train", "eval")
-    assert "hstap demo: tau =" in r.stdout
+    for png in (out / "eval" / "acceptance.png", out / "run" / "curves.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the console: one table row per stage at the end, figures formatted, never a raw dict
+    assert not [x for x in r.stdout.splitlines() if x.lstrip().startswith("{")]
+    table = r.stdout.split("=== hstap demo: done ===")[1]
+    for stage in ("target", "generate", "prepare", "capture", "train", "eval"):
+        assert f"\n  {stage} " in table
+    assert "hstap demo: tau = " in table and "tokens per target forward" in table
     # a second run over the same --out replaces the earlier demo; a foreign directory is refused
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("x")
-    r = subprocess.run([sys.executable, "-m", "hstap.cli", "demo", "--out", str(foreign), "--target", str(target)],
+    r = subprocess.run([sys.executable, "-m", "hstap.cli", "demo", "--out", str(foreign)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is not an earlier hstap demo" in r.stderr and (foreign / "keep.txt").exists()

@@ -40,13 +40,19 @@ def setup(tiny_llama, tmp_path_factory):
     return target, tok, jsonl, run, root
 
 
-def test_eval_jsonl_chain_with_ngram(setup, tiny_llama):
+def test_eval_jsonl_chain_with_ngram(setup, tiny_llama, capsys):
     from hstap.data import render_prompt
 
     target, tok, jsonl, run, root = setup
     out = root / "report-chain"
     summary = evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=3,
                                   max_new_tokens=12, baseline="ngram", device="cpu"))
+    printed = capsys.readouterr()
+    assert not [x for x in printed.out.splitlines() if x.lstrip().startswith("{")]  # a table, never a raw dict
+    assert "method  tau" in printed.out and "speedup not representative" in printed.out
+    for name in ("target", "ngram", "eagle"):  # progress per method: prompts done / total, tokens/s
+        assert f"hstap eval: {name}: 2/2 prompts, " in printed.err
+    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rep = json.loads((out / "report.json").read_text())
     assert summary["lossless"] is True and rep["lossless"] is True and rep["mismatches"] == []
     assert set(rep["methods"]) == {"target", "ngram", "eagle"} and rep["method"] == "eagle"
@@ -66,6 +72,9 @@ def test_eval_jsonl_chain_with_ngram(setup, tiny_llama):
     assert json.loads((out / "config.json").read_text())["stage"] == "eval"
     md = (out / "report.md").read_text()
     assert "| eagle |" in md and "| ngram |" in md and "simulated tau" in md
+    assert "tau = tokens per target forward" in md and "speedup = generated tokens/s" in md
+    assert "not representative" in md and "measured on a CPU" in md and "the target is tiny" in md
+    assert rep["speedup_notes"] and rep["plot"] == "acceptance.png" and "![per-position acceptance]" in md
 
 
 def test_eval_prepared_tree_sampled(setup, tiny_llama):
@@ -89,6 +98,7 @@ def test_eval_prepared_tree_sampled(setup, tiny_llama):
         assert tok.decode(p["prompt_ids"]).endswith("<|assistant|>\n") and len(p["prompt_ids"]) < len(ids)
         assert 1 <= len(p["output_ids"]) <= 8 and "target_output_ids" in p
     assert rep["methods"]["eagle"]["mean_tree_nodes"] <= 6
+    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_eval_sglang_export(setup, tiny_llama):
@@ -169,3 +179,65 @@ def test_config_validation_and_cli_flags(tmp_path):
         (tmp_path / "x.jsonl").write_text(json.dumps(CONVERSATIONS[2]) + "\n")
         from hstap.evaluate import load_prompts
         load_prompts(str(tmp_path / "x.jsonl"), object())
+
+
+def test_training_sim_tau_is_the_tau_eval_measures(tiny_tokenizer, tmp_path):
+    """One definition of tau (tokens per target forward, the bonus token included) in training and eval: on a store
+    of the target's own greedy answers, the training run's sim_tau (its replayed chain of --ttt drafts) equals the tau
+    `hstap eval` measures on the same prompts with k = --ttt, and eval reports it as the simulated tau."""
+    import contextlib
+    import io
+    import shutil
+
+    import datasets
+    import numpy as np
+    import pyarrow as pa
+    import torch
+
+    from hstap.capture import CaptureConfig, capture
+    from hstap.data import PrepareConfig, load_prepared, prepare, record_batch
+    from hstap.evaluate import eos_ids
+    from hstap.toy import build_random_target, stdlib_conversations
+    from hstap.train import TrainConfig, train
+    from tests._train_fixtures import metrics
+
+    tok, K, n_new = tiny_tokenizer[0], 3, 24
+    model = build_random_target(tmp_path / "target", tok, num_layers=6, hidden_size=64, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)  # peaked: greedy answers a drafter can learn
+    model.save_pretrained(str(tmp_path / "target"))
+    convs = [{"id": c["id"], "conversations": c["conversations"][:1] + [{"role": "assistant", "content": "x"}]}
+             for c in stdlib_conversations()[:16]]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        prepare(PrepareConfig(tokenizer=str(tmp_path / "target"), data=[str(tmp_path / "c.jsonl")],
+                              out=str(tmp_path / "p0"), draft_vocab=100000))  # identity map: every argmax countable
+        target, _ = load_tiny_target(tmp_path / "target")
+        eos = eos_ids(tok, target)
+        rows = list(load_prepared(tmp_path / "p0"))
+        ids, masks = [], []
+        for r in rows:  # each prompt followed by the target's own greedy answer, as the prepared set's answer
+            p = prompt_from_mask(r["input_ids"], r["loss_mask"])
+            a = target_generate(target, p, n_new, eos_ids=eos)[0]
+            ids.append(np.array(p + a, dtype=np.int32))
+            masks.append(np.array([0] * len(p) + [1] * len(a), dtype=np.int8))
+        greedy = tmp_path / "greedy"
+        greedy.mkdir()
+        for f in ("meta.json", "vocab_map.safetensors"):
+            shutil.copy(tmp_path / "p0" / f, greedy / f)
+        table = pa.Table.from_batches([record_batch([r["id"] for r in rows], ids, masks)])
+        datasets.Dataset(datasets.table.InMemoryTable(table)).save_to_disk(str(greedy))
+        capture(CaptureConfig(target=str(tmp_path / "target"), data=str(greedy), out=str(tmp_path / "store"),
+                              layers="1,3,4", dtype="fp32", device="cpu"))
+        run = tmp_path / "run"
+        train(TrainConfig(out=str(run), target=str(tmp_path / "target"), store=str(tmp_path / "store"),
+                          eval_store=str(tmp_path / "store"), ttt=K, steps=80, lr=5e-3, warmup_ratio=0.0,
+                          batch_tokens=4096, save_every=80, device="cpu", tensorboard=False))
+        rep = evaluate(EvalConfig(target=str(tmp_path / "target"), drafter=str(run), data=str(greedy),
+                                  out=str(tmp_path / "rep"), k=K, max_new_tokens=n_new, device="cpu"))
+    sim = metrics(run)[1][-1]["sim_tau"]
+    assert rep["lossless"] is True and rep["simulated_tau"] == sim  # eval reports training's figure as is
+    assert rep["tau"] > 1.3, rep["tau"]  # the drafter accepts runs: the comparison says something
+    # equal up to a rare argmax flip between the stored (batched prefill) and the decoded (KV cache) float paths
+    assert rep["tau"] == pytest.approx(sim, rel=0.02), (rep["tau"], sim)

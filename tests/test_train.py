@@ -48,10 +48,14 @@ def _cfg(a, out, **kw) -> TrainConfig:
     return TrainConfig(**(base | kw))
 
 
-def test_offline_training_learns_and_checkpoints(assets, tmp_path):
+def test_offline_training_learns_and_checkpoints(assets, tmp_path, capsys):
     run = tmp_path / "run"
     out = train(_cfg(assets, run, steps=24, lr=3e-3, save_every=8, keep=2, eval_frac=0.2, draft_vocab=96,
                      skip_verify=False))
+    printed = capsys.readouterr().out
+    assert "hstap train: done" in printed and "sim tau" in printed
+    assert not [x for x in printed.splitlines() if x.lstrip().startswith("{")]  # a table, never a raw dict
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the loss / acceptance curves
     rows, evals = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 25))
     for r in rows:
@@ -60,7 +64,9 @@ def test_offline_training_learns_and_checkpoints(assets, tmp_path):
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-4:]) / 4
     assert last < 0.8 * first, (first, last)
     assert sum(rows[-1]["acc"]) > sum(rows[0]["acc"])
-    assert [e["step"] for e in evals] == [8, 16, 24] and all(0 <= e["sim_tau"] <= 3 for e in evals)
+    # sim_tau is tau as hstap eval measures it (tokens per target forward, bonus included): the chain of --ttt drafts
+    assert [e["step"] for e in evals] == [8, 16, 24] and all(1 <= e["sim_tau"] <= 4 for e in evals)
+    assert all(e["sim_tau"] == e["sim_chain_tau"][-1] for e in evals)
     assert evals[-1]["sim_tau"] > 0 and out["best_sim_tau"] == max(e["sim_tau"] for e in evals)
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["step_00000016", "step_00000024"]  # --keep 2, no temp dirs left
@@ -216,3 +222,56 @@ def test_deeper_drafter_with_another_objective_trains_and_exports(assets, tmp_pa
     assert conf["transformer_layer_config"]["num_hidden_layers"] == 2
     with pytest.raises(HstapError, match=r"train: --loss: expected one of"):
         _cfg(assets, tmp_path / "x", steps=1, loss="ce+kl")
+
+
+def test_a_run_failing_on_bad_input_leaves_no_config(assets, tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(HstapError, match="vocab map not found"):
+        train(_cfg(assets, run, steps=1, vocab_map=str(tmp_path / "nope.safetensors")))
+    assert not run.exists()  # nothing half-written: no RUN/, no RUN/config.json
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(HstapError, match="not captured"):
+        train(_cfg(assets, run, steps=1, aux_layers="1,2"))
+    assert [p.name for p in run.iterdir()] == ["notes.txt"]  # a directory that was there keeps exactly its files
+
+
+def test_the_prepared_draft_vocab_carries_through_capture_to_train(assets, tmp_path):
+    """prepare --draft-vocab 96 -> capture copies the map into the store (its sha256 in the header) -> `train --store`
+    alone uses it; an explicit --vocab-map wins; a store without a map keeps the old fallback (the store's counts)."""
+    import shutil
+
+    from hstap.common import sha256_bytes
+    from hstap.export import load_drafter
+    from hstap.store.reader import open_store
+    from hstap.vocab import build_vocab_map
+
+    st = assets["store"]
+    rec = open_store(st).header["vocab_map"]
+    copied = (st / "vocab_map.safetensors").read_bytes()
+    assert copied == (assets["prepared"] / "vocab_map.safetensors").read_bytes()
+    assert rec == {"file": "vocab_map.safetensors", "sha256": sha256_bytes(copied), "size": 96}
+
+    def drafter_vocab(out, **kw):
+        train(_cfg(assets, tmp_path / out, steps=1, eval_frac=0.0, **kw))  # draft_vocab stays at its 32000 default
+        d, meta = load_drafter(tmp_path / out)
+        return d.config.draft_vocab_size, meta["vocab_map_sha256"]
+
+    assert drafter_vocab("from-store")[0] == 96
+    import numpy as np
+    from safetensors.numpy import save_file
+    d2t, t2d = build_vocab_map(np.arange(400)[::-1].astype(np.int64), 50)
+    save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vm.safetensors"))
+    assert drafter_vocab("explicit", vocab_map=str(tmp_path / "vm.safetensors"))[0] == 50
+    old = tmp_path / "old-store"  # a store captured before maps were copied: derived from its counts, as before
+    shutil.copytree(st, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["vocab_map"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    (old / "vocab_map.safetensors").unlink()
+    assert drafter_vocab("old", store=str(old))[0] == 400
+    tampered = tmp_path / "tampered"
+    shutil.copytree(st, tampered)
+    (tampered / "vocab_map.safetensors").write_bytes((tmp_path / "vm.safetensors").read_bytes())
+    with pytest.raises(HstapError, match="sha256 differs"):
+        drafter_vocab("t", store=str(tampered))

@@ -45,7 +45,8 @@ import torch
 
 from hstap import dist as D
 from hstap.batching import pack_by_tokens
-from hstap.capture import check_tokenizer, progress_bar, store_header, store_totals
+from hstap.capture import (check_template, check_tokenizer, copy_vocab_map, progress_bar, store_header,
+                           store_totals)
 from hstap.common import HstapError, write_run_config
 from hstap.data import load_prepared, max_token_id, prepared_columns, read_meta
 from hstap.engines.staging import PinnedPool, staging_layout, staging_nbytes, staging_pack, staging_views, to_store_dtype
@@ -329,6 +330,7 @@ def capture_hf(cfg) -> dict:
 
     target_block = target_fingerprint(cfg.target)
     check_tokenizer(cfg.data, meta, target_block, max_token_id=lambda: max_token_id(ds, n))
+    check_template(cfg.data, meta, target_block, cfg.allow_template_mismatch)
     layers = parse_layers(cfg.layers, target_block["num_layers"])
     dev = D.local_device(cfg.device, world, local_rank)
     engine = _engine_block(dev, resolve_dtype(cfg.compute_dtype, dev))
@@ -339,6 +341,8 @@ def capture_hf(cfg) -> dict:
         with StoreWriter(cfg.out, header, rank=rank, world_size=world, shard_tokens=cfg.shard_tokens, new=cfg.new,
                          shard_bytes=cfg.shard_mb << 20,
                          barrier=dist.barrier if dist else None) as writer:
+            if rank == 0:
+                copy_vocab_map(cfg.data, cfg.out)
             share = _capture_share(cfg, ds, n, rank, world, writer, layers, dev, engine["compute_dtype"])
         # leaving the block closed the writer: last shard committed, barrier, rank 0 merged the manifest
         counts = _total_counts(dist, share)

@@ -22,7 +22,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hstap.capture import check_tokenizer, short_id, store_header
+from hstap.capture import check_template, check_tokenizer, copy_vocab_map, short_id, store_header
 from hstap.common import HstapError, atomic_write_json, write_run_config
 from hstap.data import load_prepared, prepared_columns, read_meta
 from hstap.engines.sglang_protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, encode_rid, end_marker, hook_spec
@@ -134,6 +134,7 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
     target_block = target_fingerprint(cfg.target)
     check_tokenizer(cfg.data, meta, target_block)
+    check_template(cfg.data, meta, target_block, cfg.allow_template_mismatch)
     layers = parse_layers(cfg.layers, target_block["num_layers"])
     info = server_info(server)
     problems = server_problems(info, cfg.out, cfg.data, layers, target_block["model_type"])
@@ -146,6 +147,7 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     # create / check only: the hook's writers own the ranks (one per attention-DP rank) and write the shards
     writers = int(info.get("dp_size") or 1) if info.get("enable_dp_attention") else 1
     StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens, world_size=writers, claim=False).close()
+    copy_vocab_map(cfg.data, cfg.out)
     lock = _lock_events(cfg.out, cfg.new)
     session = uuid.uuid4().hex[:12]
     t_wall0 = time.time() - 1.0  # events older than this run belong to earlier runs

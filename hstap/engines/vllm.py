@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from hstap.capture import check_tokenizer, short_id, store_header
+from hstap.capture import check_template, check_tokenizer, copy_vocab_map, short_id, store_header
 from hstap.common import HstapError, write_run_config
 from hstap.data import load_prepared, read_meta
 from hstap.layers import parse_layers, parse_vllm_layers
@@ -106,6 +106,7 @@ def import_vllm(cfg) -> dict:
     n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
     tb = target_fingerprint(cfg.target)
     check_tokenizer(cfg.data, meta, tb)
+    check_template(cfg.data, meta, tb, cfg.allow_template_mismatch)
     N, H = tb["num_layers"], tb["hidden_size"]
     vids, layers = parse_vllm_layers(cfg.vllm_layers, N)
     if cfg.layers and parse_layers(cfg.layers, N) != layers:
@@ -122,6 +123,7 @@ def import_vllm(cfg) -> dict:
     header = store_header(tb, engine, cfg.dtype, layers, cfg, meta)
     samples = tokens = skipped = 0
     with StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens) as w:
+        copy_vocab_map(cfg.data, cfg.out)
         committed = w.committed_ids()
         for f in files:
             with safe_open(str(f), framework="pt") as h:

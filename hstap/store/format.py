@@ -13,8 +13,9 @@ Layout: a store is a directory::
     STORE/shards/r{rank:03d}-{seq:06d}.safetensors       one shard: many samples concatenated along tokens
     STORE/shards/.r{rank:03d}-{seq:06d}.safetensors.tmp  a shard being written (never read; deleted on resume)
     STORE/consumer.json                                  optional: shards a trainer consumed, its window (below)
+    STORE/vocab_map.safetensors                          optional: the draft vocabulary map (see `vocab_map` below)
 
-Other files in STORE (e.g. the capture run's `config.json`) are ignored. Sample ids are strings, unique in a store.
+Other files in STORE (e.g. the capture run's `config.json`) are ignored by the store. Sample ids are strings, unique in a store.
 
 Shard tensors: a valid safetensors file; T = tokens in the shard, N = samples, K = len(layers), H = hidden_size.
 Samples are concatenated along T with no padding; sample j is rows `offsets[j]:offsets[j+1]` of every per-token tensor.
@@ -52,6 +53,10 @@ Nothing is ever padded.
     hidden_size   H
     writers       W, set by the writer: the writer ranks of the session that created the store, or that last
                   resumed it with another world size ("Writers and the end of writing"); absent in older stores
+    vocab_map     optional (added without a version bump: readers ignore keys they do not know): {file
+                  ("vocab_map.safetensors", relative to STORE), sha256 (of the file's bytes), size (draft ids N)}, the
+                  prepared set's draft vocabulary map (d2t, t2d: hstap/vocab.py), copied by capture atomically after
+                  the manifest is created; `hstap train --store STORE` uses it unless given another map
     capture_config, git_commit, ...   any other keys of the writer's header, stored as given
     created       ISO-8601 UTC creation time; created_unix: the same in seconds since the epoch
     checksum      "sha256-chunked-16MiB": how the shard entries' `sha256` field is computed (see below)

@@ -1,0 +1,104 @@
+"""The figures hstap writes as PNG: the eval's per-position acceptance (REPORT/acceptance.png) and a training run's
+curves (RUN/curves.png, from RUN/metrics.jsonl).
+
+matplotlib through its Agg canvas directly (no pyplot, no display, no global backend switch: safe inside a notebook
+or a server). Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from hstap.common import atomic_write_bytes
+
+
+def _figure(width: float, height: float, ncols: int = 1):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols)
+    return fig, axes
+
+
+def _save(fig, path: str | Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def acceptance_plot(results: dict, mode: str, path: str | Path):
+    """Per-position acceptance of each drafting method (`hstap.evaluate.aggregate` results by method name): the
+    fraction of verify rounds whose accepted draft reached position (chain) or depth (tree) i. Returns the figure."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = _figure(6, 3.6)
+    drawn = 0
+    for name, r in results.items():
+        acc = r.get("per_position_acceptance")
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {r['tau']:.2f})")
+            drawn += 1
+    if not drawn:
+        ax.text(0.5, 0.5, "no drafting method was evaluated\n(target-only decoding accepts nothing)",
+                ha="center", va="center", transform=ax.transAxes)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("draft position in the chain" if mode == "chain" else "draft tree depth")
+    ax.set_ylabel("fraction of rounds accepted")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Acceptance per " + ("draft position" if mode == "chain" else "tree depth")
+                 + " (tau = tokens per target forward)", fontsize=10)
+    ax.grid(alpha=0.3)
+    if drawn:
+        ax.legend()
+    _save(fig, path)
+    return fig
+
+
+def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
+    """(train lines, eval lines) of a metrics.jsonl; a torn last line (a killed run) is skipped."""
+    train, evals = [], []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            (evals if rec.get("eval") else train).append(rec)
+    return train, evals
+
+
+def training_curves(metrics: str | Path, path: str | Path):
+    """Loss, accuracy of TTT step 0 and simulated tau over the steps of a training run, from its metrics.jsonl.
+    Returns the figure."""
+    from matplotlib.ticker import MaxNLocator
+
+    train, evals = read_metrics(metrics)
+    fig, (a_loss, a_acc, a_tau) = _figure(13, 3.4, 3)
+    if train:
+        a_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+        a_acc.plot([r["step"] for r in train], [r["acc"][0] for r in train], label="train")
+    if evals:
+        steps = [r["step"] for r in evals]
+        a_loss.plot(steps, [r["eval_loss"] for r in evals], marker="o", label="eval split")
+        a_acc.plot(steps, [r["eval_acc"][0] for r in evals], marker="o", label="eval split")
+        a_tau.plot(steps, [r["sim_tau"] for r in evals], marker="o", color="C2")
+        a_tau.axhline(1.0, color="grey", linestyle=":", linewidth=1)  # 1.0: no draft accepted
+    a_loss.set_title("loss (sum over TTT steps, weighted)", fontsize=10)
+    a_acc.set_title("accuracy of the first draft (TTT step 0)", fontsize=10)
+    a_acc.set_ylim(0, 1)
+    a_tau.set_title("simulated tau (tokens per target forward)", fontsize=10)
+    if not evals:
+        a_tau.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=a_tau.transAxes)
+    for ax in (a_loss, a_acc, a_tau):
+        ax.set_xlabel("optimizer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    for ax in (a_loss, a_acc):
+        if train or evals:
+            ax.legend()
+    _save(fig, path)
+    return fig
