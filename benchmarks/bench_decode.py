@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -258,9 +259,9 @@ def speculative(ctx: dict, args, budget: Budget, variant: str, full: bool, store
             continue
         if "target" not in res and name != "target" or not budget.allows(f"{variant}/{name}", "spec"):
             continue  # no speedup without the variant's own target-only run
-        outs[name], res[name] = run_method(fd, fn, depth, prompts, n)
+        outs[name], r = run_method(fd, fn, depth, prompts, n)
         budget.done("spec")
-        base, r = res["target"], res[name]
+        base = r if name == "target" else res["target"]
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         if name != "target":
             r["predicted_refined"] = round_model(r, base)
@@ -272,6 +273,9 @@ def speculative(ctx: dict, args, budget: Budget, variant: str, full: bool, store
         r["lossless"] = not bad
         r["near_ties"] = sum(b["near_tie"] for b in bad)
         r["violations"] = len(bad) - r["near_ties"]
+        res[name] = r  # complete rows only: a run stopped by SIGTERM prints what it finished
+        print(f"bench_decode: {variant}/{name}: tau {r['tau']:.3f}, {r['tokens_per_s']:.1f} tok/s, "
+              f"{r['speedup']:.2f}x ({time.perf_counter() - budget.t0:.0f} s)", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> dict:
@@ -317,9 +321,6 @@ def main(argv=None) -> dict:
 
 
 def run(a) -> dict:
-    from hstap.evaluate import load_any_drafter
-    from hstap.model_dir import load_target
-
     budget = Budget(a.budget_s, {"spec": a.est_spec_s, "ref": a.est_target_s, "big": a.est_big_s})
     dev = torch.device("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
     if a.tiny:
@@ -340,6 +341,32 @@ def run(a) -> dict:
         tiny_target(Path(path))
     else:
         path = a.target
+    signal.signal(signal.SIGTERM, _stop)  # a `timeout` around the run: print what was measured, marked "stopped"
+    try:
+        _jobs(a, out, budget, bw, dev, path)
+    except Stopped as e:
+        out["stopped"] = str(e)
+        print(f"bench_decode: stopped ({e}): the results so far", file=sys.stderr)
+    out["skipped"] = budget.skipped
+    out["wall_s"] = time.perf_counter() - budget.t0
+    out["checks"] = checks(out)
+    _print(out)
+    return out
+
+
+class Stopped(Exception):
+    """SIGTERM during the jobs."""
+
+
+def _stop(signum, frame):
+    raise Stopped(f"signal {signum}")
+
+
+def _jobs(a, out: dict, budget: Budget, bw: float, dev: torch.device, path) -> None:
+    """The measurements in priority order, into `out`."""
+    from hstap.evaluate import load_any_drafter
+    from hstap.model_dir import load_target
+
     spec = []  # the speculative variants, in priority order
     if path and not a.no_spec and (a.drafter or a.random_drafter or a.tiny):
         starget, tok = load_target(path, device=dev, dtype=a.spec_dtype)
@@ -364,11 +391,6 @@ def run(a) -> dict:
     if not any(t["target"] == "llama-3.1-8b-shape" for t in out["targets"]) and not a.no_big and dev.type == "cuda" \
             and not spec:
         big(a, bw, budget, out)
-    out["skipped"] = budget.skipped
-    out["wall_s"] = time.perf_counter() - budget.t0
-    out["checks"] = checks(out)
-    _print(out)
-    return out
 
 
 def big(a, bw: float, budget: Budget, out: dict) -> None:
