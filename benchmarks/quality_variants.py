@@ -54,7 +54,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 LR = ["--lr", "1e-3"]
 VARIANTS = {  # name -> (train flags, store); every variant but base/fp8 at lr 1e-3 (the earlier quality runs' lr)
-    "base": ([], "store"),  # today's recipe: default flags
+    "base": ([], "store"),  # today's recipe: default flags (lr 2e-3 since the sixth session)
+    "lr1e-4": (["--lr", "1e-4"], "store"),  # the default before it
     "lr1e-3": (LR, "store"),
     "lr2e-3": (["--lr", "2e-3"], "store"),
     "lr1e-3-floor": (LR + ["--warmup-ratio", "0.05", "--min-lr-ratio", "0.1"], "store"),
@@ -72,7 +73,7 @@ VARIANTS = {  # name -> (train flags, store); every variant but base/fp8 at lr 1
     "fp8": ([], "store-fp8"),  # today's recipe on the fp8 store: parity with base
     "fp8-lr1e-3": (LR, "store-fp8"),
 }
-DEFAULT = "base,lr1e-3,lr2e-3,ce+tv,lk,ce+hard,decay0.6,ttt5,vocab4096,n2,n3,fp8"
+DEFAULT = "base,lr1e-4,lr1e-3,ce+tv,lk,ce+hard,decay0.6,ttt5,vocab4096,n2,n3,fp8"
 TINY = "base,lk,n2,fp8"
 
 
