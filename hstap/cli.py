@@ -86,7 +86,8 @@ def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParse
     hints = typing.get_type_hints(cls)
     # A one-line usage: an argparse error prints it and one `error:` line, not every option (`--help` lists them).
     p = argparse.ArgumentParser(prog=f"hstap {stage}", description=helptext,
-                                usage=f"hstap {stage} [options] (--help lists them)", formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+                                usage=f"hstap {stage} [options] (--help lists them)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--config", metavar="FILE", help="YAML/JSON with values for this stage (an artifact's config.json replays it)")
     for f in dataclasses.fields(cls):
         if not f.init:

@@ -13,9 +13,10 @@ Layout: a store is a directory::
     STORE/shards/r{rank:03d}-{seq:06d}.safetensors       one shard: many samples concatenated along tokens
     STORE/shards/.r{rank:03d}-{seq:06d}.safetensors.tmp  a shard being written (never read; deleted on resume)
     STORE/consumer.json                                  optional: shards a trainer consumed, its window (below)
-    STORE/vocab_map.safetensors                          optional: the draft vocabulary map (see `vocab_map` below)
+    STORE/vocab_map.safetensors                          optional: the draft vocabulary map (`vocab_map` below)
 
-Other files in STORE (e.g. the capture run's `config.json`) are ignored by the store. Sample ids are strings, unique in a store.
+Other files in STORE (e.g. the capture run's `config.json`) are ignored by the store. Sample ids are strings, unique
+in a store.
 
 Shard tensors: a valid safetensors file; T = tokens in the shard, N = samples, K = len(layers), H = hidden_size.
 Samples are concatenated along T with no padding; sample j is rows `offsets[j]:offsets[j+1]` of every per-token tensor.
