@@ -63,7 +63,6 @@ from hstap.common import HstapError
 from hstap.store.consumer import delete_consumed, is_consumed, own_shard_files, read_consumer, write_consumer
 from hstap.store.format import load_manifest, load_parts, union_entries, writing_state
 from hstap.store.reader import Store
-from hstap.vocab import VOCAB_MAP_FILE
 
 POLL_S = 0.1  # seconds between polls of the store while the stream waits
 NOTE_S = 30.0  # seconds between "waiting" notes on rank 0
@@ -143,25 +142,16 @@ def plan_slot(t: int, lengths: Callable[[int], list[int]], spec: StreamSpec, fin
 
 
 def wait_for_store(path: Path) -> dict:
-    """The manifest of the store at `path`, once a writer created it and, when its header records a draft vocabulary
-    map, copied that file in (capture copies it right after creating the manifest; the copy is atomic) (waits, with a
-    note every NOTE_S on rank 0)."""
+    """The manifest of the store at `path`, once a writer created it (waits, with a note every NOTE_S on rank 0)."""
     t0 = time.monotonic()
     noted = t0
-    while not _store_ready(path):
+    while not (path / "manifest.json").is_file():
         if D.get_rank() == 0 and time.monotonic() - noted > NOTE_S:
             print(f"follow: waiting for a writer to create {path} ({time.monotonic() - t0:.0f} s)", file=sys.stderr,
                   flush=True)
             noted = time.monotonic()
         time.sleep(POLL_S)
     return load_manifest(path)
-
-
-def _store_ready(path: Path) -> bool:
-    if not (path / "manifest.json").is_file():
-        return False
-    rec = load_manifest(path).get("vocab_map")
-    return not rec or (path / rec.get("file", VOCAB_MAP_FILE)).is_file()
 
 
 def claim_store(cfg, run: Path, resuming: bool) -> None:

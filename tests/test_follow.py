@@ -225,28 +225,3 @@ def test_two_writer_ranks_give_the_canonical_order_whatever_the_arrival(assets, 
     follow(tmp_path / "after")
     assert _ids_log(tmp_path / "after") == _ids_log(tmp_path / "live")
     assert _train_lines(tmp_path / "after") == _train_lines(tmp_path / "live")
-
-
-def test_a_follower_waits_for_the_vocab_map_its_store_header_records(tmp_path):
-    """Capture creates the manifest (its header records the prepared vocab map) and copies the map right after: a
-    follower that sees the manifest first waits for the file instead of failing on a missing map."""
-    import threading
-
-    from _store_fixtures import header
-
-    from hstap.common import atomic_write_bytes
-    from hstap.follow import wait_for_store
-    from hstap.store.writer import StoreWriter
-
-    store = tmp_path / "store"
-    StoreWriter(store, header(vocab_map={"file": "vocab_map.safetensors", "sha256": "0" * 64, "size": 4})).close()
-    done = threading.Event()
-    t = threading.Thread(target=lambda: (wait_for_store(store), done.set()), daemon=True)
-    t.start()
-    t.join(0.5)
-    assert not done.is_set()  # manifest there, map not yet: still waiting
-    atomic_write_bytes(store / "vocab_map.safetensors", b"map")
-    t.join(10)
-    assert done.is_set()
-    StoreWriter(tmp_path / "plain", header()).close()  # a header without a map: ready at once
-    assert wait_for_store(tmp_path / "plain")["layers"] == [1, 3, 4]
