@@ -5,10 +5,10 @@
 
 Stages, each printing its own figures: (0) without --target, a toy target: a byte-level BPE tokenizer trained with
 `tokenizers` and a small Llama trained for --target-steps steps on chat data made from text that ships with Python
-(stdlib docstrings of functions, classes and methods, and pydoc topics), then checked: its greedy next-token accuracy on the held-out conversations (a
-drafter can only learn what the target predicts; a target below MIN_TOY_ACCURACY is reported as too weak to draft
-for); (1) generate (--generate, on by default: the target rewrites the assistant turns, greedy, so the drafter learns
-the target's own outputs, as SpecForge and EAGLE recommend); (2) prepare; (3) capture; (4) train an EAGLE-3 drafter;
+(stdlib docstrings of functions, classes and methods, and pydoc topics), then checked: its greedy next-token
+accuracy on the held-out conversations (a drafter can only learn what the target predicts; a target below
+MIN_TOY_ACCURACY is reported as too weak to draft for); (1) generate (--generate, on by default: the target rewrites
+the assistant turns, greedy, so the drafter learns the target's own outputs, as SpecForge and EAGLE recommend); (2) prepare; (3) capture; (4) train an EAGLE-3 drafter;
 (5) eval: lossless speculative decoding against target-only decoding and n-gram lookup on the held-out prompts, ending
 with the measured tau (tokens per target forward, the bonus token included) and a table of every stage.
 
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hstap.common import HstapError, write_run_config
+from hstap.common import HstapError, atomic_write_bytes, write_run_config
 
 MIN_TOY_ACCURACY = 0.25  # the toy target's greedy next-token accuracy on held-out text below which drafting is moot
 
@@ -226,7 +226,7 @@ def demo(cfg: DemoConfig) -> dict:
     summary["train"] = tr
     secs["train"] = time.perf_counter() - t0
     rows.append(["train", f"EAGLE-3, TTT {cfg.ttt}, {tr['steps']} steps",
-                 f"loss {tr['loss']:.2f}, simulated tau {tr['best_sim_tau'] or 0:.3f}",
+                 f"loss {tr['loss']:.2f}, sim tau {tr['best_sim_tau'] or 0:.3f} (chain of {cfg.ttt})",
                  _rel(out / "run") + " (best/, curves.png)"])
 
     t0 = _stage(5, f"eval: lossless speculative decoding, chain k={cfg.k}, vs target-only and n-gram lookup")
@@ -242,7 +242,7 @@ def demo(cfg: DemoConfig) -> dict:
 
     total = time.perf_counter() - t_start
     summary["seconds"] = round(total, 1)
-    (out / "demo.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    atomic_write_bytes(out / "demo.json", (json.dumps(summary, indent=1, default=str) + "\n").encode())
     _print_table(rows, secs, ev, cfg, out, total)
     return summary
 

@@ -160,7 +160,7 @@ def load_prompts(data: str, tokenizer, num_prompts: int | None = None) -> list[t
 
 
 def eos_ids(tokenizer, target) -> list[int]:
-    """End ids: the model's and tokenizer's eos and the template's end-of-turn token (what `hstap generate` stops at)."""
+    """End ids: the model's and tokenizer's eos and the template's end-of-turn token (where `hstap generate` stops)."""
     from hstap.decode import stop_token_ids
 
     return stop_token_ids(target.model, tokenizer)
@@ -367,11 +367,11 @@ def evaluate(cfg: EvalConfig) -> dict:
         report["drafter"]["trained_on_this_target"] = _same_target(cfg.target, meta)
         report["drafter"]["params"] = sum(p.numel() for p in drafter.parameters())
     report["speedup_notes"] = speedup_notes(report)
-    acceptance_plot(results, cfg.mode, out_dir / PLOT)
     report["plot"] = PLOT
     write_run_config(out_dir, "eval", cfg)
     atomic_write_bytes(out_dir / "report.md", _markdown(cfg, report).encode())
-    atomic_write_json(out_dir / "report.json", report)
+    atomic_write_json(out_dir / "report.json", report)  # before the plot: a plot that fails loses no result
+    acceptance_plot(results, cfg.mode, out_dir / PLOT)
     summary = {k: report[k] for k in ("method", "tau", "per_position_acceptance", "tokens_per_s", "target_tokens_per_s",
                                       "speedup", "simulated_tau", "lossless", "num_prompts", "methods",
                                       "speedup_notes")}

@@ -46,7 +46,8 @@ after every evaluation and at the end).
 Checkpoints: RUN/checkpoints/step_{step:08d}/ = drafter.safetensors + drafter.json (hstap.export.save_drafter),
 optimizer.safetensors (AdamW state as `state.{param_idx}.{exp_avg,exp_avg_sq,step}`; names in trainer_state.json),
 rng.safetensors (rank 0's torch CPU/CUDA RNG; rng_rank{r}.safetensors for the others, their python/numpy state in the
-metadata) and trainer_state.json (step, data position, schedule, rank 0's python/numpy RNG). Built in a hidden temp dir,
+metadata) and trainer_state.json (step, data position, schedule, best_sim_tau and its tau_definition, rank 0's
+python/numpy RNG). Built in a hidden temp dir,
 renamed into place; the newest --keep are kept. --resume restores weights, optimizer, schedule, data position (epoch +
 batches consumed) and RNG: a run killed with kill -9 and resumed logs the uninterrupted run's losses (bitwise on CPU
 fp32, tests/test_train.py). All ranks must see RUN (shared filesystem).
@@ -83,11 +84,12 @@ from hstap.follow import FollowBatches, open_followed_store
 from hstap.model_dir import load_config, target_head
 from hstap.train_data import Feed, TrainData, build_data
 from hstap.trainer import Schedule, Trainer, init_drafter
-from hstap.train_log import MetricsLog, Throughput, print_summary, train_line
+from hstap.train_log import CURVES, MetricsLog, Throughput, draw_curves, print_summary, train_line
 from hstap.ttt import ttt_attention
+from hstap.vocab import load_vocab_map
 
 STATE_FORMAT = "hstap-trainer-state"
-CURVES = "curves.png"
+TAU_DEFINITION = 2  # trainer_state.json: sim_tau = tokens per target forward, bonus token included (1: without it)
 
 
 @dataclass
@@ -305,7 +307,7 @@ class _Run:
 
 def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
     r, st = _build(cfg, rank, world, dev)
-    t0 = time.perf_counter()
+    t0, tokens0 = time.perf_counter(), st.tokens_seen  # this process's share (a resume restores tokens_seen)
     _loop(r, st)
     if cfg.follow:
         r.batches.finish()  # a normal end: the store's writers no longer wait for this trainer
@@ -314,7 +316,8 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
                "tok_s": st.last.get("tok_s"), "mfu": st.last.get("mfu"), "sim_tau": st.ev_last.get("sim_tau"),
                "best_sim_tau": st.best if st.best >= 0 else None, "peak_mem_gb": st.last.get("peak_mem_gb"),
                "checkpoint": str(c[-1]) if c else None, "tokens": st.tokens_seen,
-               "seconds": time.perf_counter() - t0, "ttt": cfg.ttt, "eval_samples": len(r.data.eval_rows),
+               "tokens_this_run": st.tokens_seen - tokens0, "seconds": time.perf_counter() - t0, "ttt": cfg.ttt,
+               "eval_samples": len(r.data.eval_rows),
                "curves": str(r.run / CURVES) if rank == 0 and (r.run / CURVES).is_file() else None}
     if rank == 0:
         print_summary(summary)
@@ -344,9 +347,10 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     if bf16 and not cuda:
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
     _check_run(cfg, run)
-    if cfg.follow:
-        open_followed_store(cfg, run, rank)
     hf_cfg = load_config(cfg.target)
+    if cfg.follow:
+        load_vocab_map(cfg.vocab_map or cfg.data)  # bad input fails before the store is claimed and waited for
+        open_followed_store(cfg, run, rank)
     data = build_data(cfg, hf_cfg, rank, world, dev, bf16)
     embed, head = target_head(cfg.target)
     drafter = init_drafter(cfg, hf_cfg, data, embed, head)
@@ -362,8 +366,9 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     state = checkpoint.load(ckpt, run_config, drafter) if ckpt else {}
     drafter.to(dev)
     trainer = Trainer(cfg, drafter, world, dev, attn, bf16)
-    st = TrainState(step=state.get("step", 0), best=state.get("best_sim_tau", -1.0),
-                    tokens_seen=state.get("tokens_seen", 0))
+    # best_sim_tau of a run saved before tau included the bonus token (no "tau_definition") is not comparable
+    best = state.get("best_sim_tau", -1.0) if state.get("tau_definition") == TAU_DEFINITION else -1.0
+    st = TrainState(step=state.get("step", 0), best=best, tokens_seen=state.get("tokens_seen", 0))
     if ckpt and "follow" in state and not cfg.follow:
         raise HstapError(f"{ckpt}/trainer_state.json: a --follow run; resume it with --follow")
     if ckpt:
@@ -382,7 +387,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
                                state.get("epoch", 0), state.get("batches_done", 0), cuda, workers)
         per_epoch = math.ceil(len(batches.sampler) / cfg.grad_accum)
         total = cfg.steps or (cfg.epochs or 1) * per_epoch
-        plan = f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} steps/epoch, {total} steps"
+        plan = (f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} steps/epoch, "
+                f"{total} steps")
     D.print0(f"hstap train: {plan}, world {world}{' fsdp' if trainer.fsdp else ''}, "
              f"{dev.type} {'bf16' if bf16 else 'fp32'}, attn {attn}, ttt {cfg.ttt}, draft vocab {data.d2t.numel()}, "
              f"aux layers {data.layers or 'final'}"
@@ -409,7 +415,7 @@ def _loop(r: _Run, st: TrainState) -> None:
     pos = None
     while total is None or st.step < total:
         if fol is not None and not fol.wait(lambda: _save(r, st, pos, False)):
-            if st.raw is not None:  # the stream ended: the end's metrics line, evaluation and checkpoint, where not done yet
+            if st.raw is not None:  # the stream ended: the end's metrics line, evaluation and checkpoint, if not done
                 _after_step(r, st, log, meter, bar, pos, eval_every, last=True)
             break
         micro = [r.feed(next(it)) for _ in range(cfg.grad_accum)]  # targets of the whole step first: exact N_k
@@ -432,14 +438,7 @@ def _loop(r: _Run, st: TrainState) -> None:
     bar.close()
     log.close()
     if r.rank == 0:
-        _curves(r.run)
-
-
-def _curves(run: Path) -> None:
-    """RUN/curves.png from RUN/metrics.jsonl."""
-    from hstap.plots import training_curves
-
-    training_curves(run / "metrics.jsonl", run / CURVES)
+        draw_curves(r.run)
 
 
 def _after_step(r: _Run, st: TrainState, log: MetricsLog, meter: Throughput, bar, pos: tuple[int, int] | None,
@@ -463,11 +462,12 @@ def _after_step(r: _Run, st: TrainState, log: MetricsLog, meter: Throughput, bar
             bar.write(f"step {st.step}: sim tau {st.ev_last['sim_tau']:.3f} (tokens per target forward, chain of "
                       f"{cfg.ttt} drafts replayed on the eval split), eval loss {st.ev_last['eval_loss']:.3f}, "
                       f"acc_cond " + " ".join(f"{a:.2f}" for a in st.ev_last["acc_cond"]))
-            _curves(r.run)
     is_best = bool(st.ev_last) and st.ev_last["step"] == st.step and st.ev_last["sim_tau"] > st.best
     st.best = st.ev_last["sim_tau"] if is_best else st.best
     if (st.step % cfg.save_every == 0 or last or is_best) and (st.saved != st.step or is_best):
         _save(r, st, pos, is_best)
+    if r.rank == 0 and st.ev_last.get("step") == st.step and not last:  # the end draws it once, after the loop
+        draw_curves(r.run)
 
 
 def _read_line(st: TrainState, decay: float) -> None:
@@ -486,8 +486,9 @@ def _save(r: _Run, st: TrainState, pos: tuple[int, int] | None, is_best: bool) -
         ep, dn = pos if pos[1] < len(r.batches.sampler) else (pos[0] + 1, 0)
         where = {"epoch": ep, "batches_done": dn}
     tstate = {"format": STATE_FORMAT, "version": 1, "step": st.step, **where,
-              "total_steps": r.schedule.total, "best_sim_tau": st.best, "tokens_seen": st.tokens_seen,
-              "scheduler": r.schedule.state(st.step), "param_names": r.trainer.names, "config": r.run_config}
+              "total_steps": r.schedule.total, "best_sim_tau": st.best, "tau_definition": TAU_DEFINITION,
+              "tokens_seen": st.tokens_seen, "scheduler": r.schedule.state(st.step), "param_names": r.trainer.names,
+              "config": r.run_config}
     tr = r.trainer
     checkpoint.save(r.run, st.step, tr.drafter, tr.params, tr.opt, tstate, r.data.meta, r.cfg.keep, r.rank, tr.fsdp,
                     is_best)

@@ -4,6 +4,7 @@ model's FLOP count), the metrics.jsonl / TensorBoard log and the closing console
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +13,10 @@ import torch
 from hstap import dist as D
 from hstap.console import num, table
 from hstap.drafter import DrafterConfig
+from hstap.plots import training_curves
 from hstap.ttt import ttt_flops
+
+CURVES = "curves.png"  # RUN/curves.png: loss, accuracy and sim tau over the steps
 
 
 def train_line(step: int, epoch: float, stats: torch.Tensor, decay: float, lr: float, gn: torch.Tensor) -> dict:
@@ -79,13 +83,26 @@ class MetricsLog:
 
 def print_summary(s: dict) -> None:
     """The console table at the end of a run (rank 0): steps, tokens/s, final loss, sim tau, outputs."""
-    rows = [["trained", f"{s['steps']} steps, {num(s['tokens'])} tokens in {s['seconds']:.1f} s"
-             + (f" ({num(s['tokens'] / s['seconds'])} tokens/s)" if s["seconds"] > 0 else "")]]
+    n = s["tokens_this_run"]
+    rows = [["trained", f"{s['steps']} steps, {num(s['tokens'])} tokens"
+             + (f"; {num(n)} of them in this run's {s['seconds']:.1f} s" if n != s["tokens"] else
+                f" in {s['seconds']:.1f} s")
+             + (f" ({num(n / s['seconds'])} tokens/s)" if s["seconds"] > 0 and n > 0 else "")]]
     if s["loss"] is not None:
         rows.append(["final loss", f"{s['loss']:.3f} (first-draft accuracy {100 * s['acc'][0]:.1f}%)"])
     if s["best_sim_tau"] is not None:
-        rows.append(["sim tau", f"best {s['best_sim_tau']:.3f}, last {s['sim_tau']:.3f} tokens per target forward "
+        last = f", last {s['sim_tau']:.3f}" if s["sim_tau"] is not None else ""  # none when a resume ran no step
+        rows.append(["sim tau", f"best {s['best_sim_tau']:.3f}{last} tokens per target forward "
                                 f"(chain of {s['ttt']} drafts replayed on {s['eval_samples']} eval samples)"])
     out = [f"{s['run']}/best", f"{s['run']}/metrics.jsonl"] + ([s["curves"]] if s["curves"] else [])
     rows.append(["outputs", ", ".join(out)])
     print("hstap train: done\n" + table(None, rows), flush=True)
+
+
+def draw_curves(run: Path) -> None:
+    """RUN/curves.png from RUN/metrics.jsonl, after the step's checkpoint; a plot that fails costs one line, never the
+    run."""
+    try:
+        training_curves(run / "metrics.jsonl", run / CURVES)
+    except Exception as e:  # noqa: BLE001 - a plot is a convenience: the metrics it draws are in metrics.jsonl
+        print(f"hstap train: note: {run / CURVES} not drawn ({type(e).__name__}: {e})", file=sys.stderr, flush=True)

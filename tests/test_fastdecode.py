@@ -230,7 +230,7 @@ def test_unsupported_cache_falls_back_with_one_line(tiny_tokenizer, tmp_path):
         FastDecoder(target, graphs=True)
 
 
-def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path):
+def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys):
     from hstap.evaluate import EvalConfig, evaluate
     from hstap.export import save_drafter
 
@@ -249,6 +249,10 @@ def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path):
     assert rep["predicted_speedup"] == pytest.approx(
         rep["tau"] / (1 + rep["methods"]["eagle"]["draft_s"] / rep["methods"]["eagle"]["verify_s"]))
     assert "latency model" in (tmp_path / "r" / "report.md").read_text()
+    err = capsys.readouterr().err  # progress per method on the fast engine too: prompts done / total, tokens/s
+    for m in ("target", "ngram", "eagle"):
+        assert f"hstap eval: {m}: 2/2 prompts, " in err and "tokens/s" in err, err
+    assert (tmp_path / "r" / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # --- the lean draft path (FastDecoder(lean=True)): fewer kernels, the same drafts ---------------------------------

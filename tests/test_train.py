@@ -162,6 +162,28 @@ def test_bad_layer_selection_is_one_clear_error(assets, tmp_path):
         train(_cfg(assets, tmp_path / "x", steps=1, aux_layers="1,2"))
 
 
+def test_resuming_a_finished_run_and_a_run_saved_under_the_old_tau(assets, tmp_path, capsys):
+    """--resume of a run that has all its steps: no step, the closing table (best sim tau, no last one), this run's
+    tokens 0. A checkpoint saved before sim_tau included the bonus token (no tau_definition) does not keep its
+    best_sim_tau: the resumed run's first evaluation is compared with nothing older."""
+    common = dict(save_every=2, eval_frac=0.2, lr=2e-3)
+    first = train(_cfg(assets, tmp_path / "run", steps=2, **common))
+    capsys.readouterr()
+    again = train(_cfg(assets, tmp_path / "run", steps=2, resume=True, **common))
+    out = capsys.readouterr().out
+    assert again["steps"] == 2 and again["sim_tau"] is None and again["best_sim_tau"] == first["best_sim_tau"]
+    tau_line = next(ln for ln in out.splitlines() if ln.lstrip().startswith("sim tau"))
+    assert again["tokens_this_run"] == 0 and "best" in tau_line and "last" not in tau_line, out
+    state_file = tmp_path / "run" / "checkpoints" / "step_00000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["tau_definition"] == 2
+    del state["tau_definition"]
+    state["best_sim_tau"] = 99.0  # the old definition's value, in another unit
+    state_file.write_text(json.dumps(state))
+    resumed = train(_cfg(assets, tmp_path / "run", steps=4, resume=True, **common))
+    assert resumed["best_sim_tau"] == resumed["sim_tau"] < 99.0
+
+
 def test_resume_with_more_steps_extends_the_schedule(assets, tmp_path):
     """--resume with a larger --steps lays the cosine over the new total from the checkpoint's step on."""
     common = dict(save_every=4, eval_frac=0.0, lr=2e-3, warmup_ratio=0.2, min_lr_ratio=0.1)
@@ -234,6 +256,16 @@ def test_a_run_failing_on_bad_input_leaves_no_config(assets, tmp_path):
     with pytest.raises(HstapError, match="not captured"):
         train(_cfg(assets, run, steps=1, aux_layers="1,2"))
     assert [p.name for p in run.iterdir()] == ["notes.txt"]  # a directory that was there keeps exactly its files
+
+
+def test_a_follow_run_with_a_bad_vocab_map_fails_before_claiming_the_store(assets, tmp_path):
+    """--follow --consume claims the store (consumer.json) and then waits for writers: a bad --vocab-map must fail
+    first, or capture's writers would keep to the window of a trainer that is gone."""
+    store, run = tmp_path / "live", tmp_path / "run"
+    with pytest.raises(HstapError, match="vocab map not found"):
+        train(_cfg(assets, run, steps=1, store=str(store), follow=True, consume=True, keep_shards=2, eval_frac=0.0,
+                   vocab_map=str(tmp_path / "nope.safetensors")))
+    assert not store.exists() and not run.exists()
 
 
 def test_the_prepared_draft_vocab_carries_through_capture_to_train(assets, tmp_path):
