@@ -8,9 +8,10 @@ Stages, each printing its own figures: (0) without --target, a toy target: a byt
 (stdlib docstrings of functions, classes and methods, and pydoc topics), then checked: its greedy next-token
 accuracy on the held-out conversations (a drafter can only learn what the target predicts; a target below
 MIN_TOY_ACCURACY is reported as too weak to draft for); (1) generate (--generate, on by default: the target rewrites
-the assistant turns, greedy, so the drafter learns the target's own outputs, as SpecForge and EAGLE recommend); (2) prepare; (3) capture; (4) train an EAGLE-3 drafter;
-(5) eval: lossless speculative decoding against target-only decoding and n-gram lookup on the held-out prompts, ending
-with the measured tau (tokens per target forward, the bonus token included) and a table of every stage.
+the assistant turns, greedy, so the drafter learns the target's own outputs, as SpecForge and EAGLE recommend); (2)
+prepare; (3) capture; (4) train an EAGLE-3 drafter; (5) eval: lossless speculative decoding against target-only
+decoding and n-gram lookup on the held-out prompts, ending with the measured tau (tokens per target forward, the
+bonus token included) and a table of every stage.
 
 Deterministic: the toy target is bounded by steps, never by wall clock; every stage is seeded (--seed) and the demo's
 compute runs on --threads torch threads (capped by the CPU count), so that the same seed prints the same figures on a
