@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import subprocess
+from pathlib import Path
+
+import pytest
 import torch
 
 from hstap.store.writer import StoreWriter
@@ -51,3 +57,25 @@ def write(path, n: int, dtype: str = "bf16", shard_tokens: int = 100, ids=None, 
 
 def raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str):
+    """A tmpfs of `size` (e.g. "2m") mounted at `path` to provoke ENOSPC; the test is skipped where mounting needs a
+    privilege it lacks. Unmounted on the way out (lazily if a handle is still open)."""
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a {size} tmpfs to provoke ENOSPC (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        gc.collect()  # drop mmap handles so the mount is not busy
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def grow_tmpfs(path: Path, size: str) -> None:
+    """Remount the tmpfs at `path` with `size`: space freed, as a user would after ENOSPC."""
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True)

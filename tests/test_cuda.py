@@ -445,22 +445,18 @@ def test_cuda_capture_sigkill_then_resume_stores_every_sample_once_bitwise(tiny_
 def test_cuda_capture_on_a_full_disk_stops_with_one_error_line_then_resumes(tiny_llama, capture_data, tmp_path):
     """A 2 MiB tmpfs fills up during a CUDA capture (~6 MB of bf16 states): exit 2 with one `hstap: error:` line naming
     the store's file and 'no space left on device', no traceback; what was committed verifies; once the filesystem is
-    remounted larger, the same command completes the store: every sample once, bitwise equal to the uninterrupted run."""
+    remounted larger, the same command completes the store: every sample once, bitwise equal to the uninterrupted
+    run."""
     import gc
-    import subprocess
 
     from _capture_fixtures import store_samples
     from _cuda_procs import Cli
+    from _store_fixtures import grow_tmpfs, small_tmpfs
 
     from hstap.store.reader import open_store
 
     prepared, ref = capture_data
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a 2 MiB tmpfs to provoke ENOSPC (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small", "2m") as mnt:
         out = mnt / "store"
         c = Cli(_capture_argv(tiny_llama, prepared, out), tmp_path / "full.log")
         code, log = c.wait(), c.output()
@@ -473,12 +469,8 @@ def test_cuda_capture_on_a_full_disk_stops_with_one_error_line_then_resumes(tiny
         assert not list((out / "shards").glob(".*.tmp"))  # the failed shard's temp file is gone
         del got
         gc.collect()
-        subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)  # space freed
+        grow_tmpfs(mnt, "64m")  # space freed
         c = Cli(_capture_argv(tiny_llama, prepared, out), tmp_path / "resume.log")
         assert c.wait() == 0, c.output()[-3000:]
         _same_bitwise(store_samples(out), ref)
         assert len(open_store(out)) == len(ref)
-    finally:
-        gc.collect()  # drop mmap handles so the mount is not busy
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -193,11 +193,18 @@ def test_fused_soft_ce_equals_autograd():
     x = torch.randn(13, 8, generator=g, requires_grad=True)
     w = torch.randn(7, 8, generator=g, requires_grad=True)
     p = torch.softmax(torch.randn(13, 7, generator=g), -1)
-    total, pred = soft_ce(x, w, p, chunk=4)
-    (3.0 * total).backward()
+    _same_as_autograd(lambda: soft_ce(x, w, p, chunk=4), x, w,
+                      lambda logits: -(p * torch.log_softmax(logits, -1)).sum(), scale=3.0)
+
+
+def _same_as_autograd(fused, x, w, ref_of_logits, scale: float) -> None:
+    """fused() -> (total, argmax) of a chunked objective over x (N, H) and lm_head w (V, H): its value, argmax and the
+    gradients of scale * total in x and w equal autograd of ref_of_logits(x @ w.T) on fresh copies."""
+    total, pred = fused()
+    (scale * total).backward()
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    ref = -(p * torch.log_softmax(x2 @ w2.t(), -1)).sum()
-    (3.0 * ref).backward()
+    ref = ref_of_logits(x2 @ w2.t())
+    (scale * ref).backward()
     torch.testing.assert_close(total, ref)
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(w.grad, w2.grad)
@@ -325,7 +332,7 @@ def test_a_flex_compile_failure_recomputes_the_batch_with_sdpa_exactly(monkeypat
         guard_flex_compile(broken)(x, x, x)
 
 
-# --- objectives --------------------------------------------------------------------------------------------------------
+# --- objectives -------------------------------------------------------------------------------------------------------
 def _ref_rows(loss, z, p, mix, decay):
     """Straightforward per-row objectives (autograd reference): z (n, Vd) logits, p (n, Vd) target probabilities."""
     logq = torch.log_softmax(z, -1)
@@ -348,15 +355,8 @@ def test_objectives_equal_autograd_of_a_reference(loss):
     x = torch.randn(13, 8, generator=g, requires_grad=True)
     w = torch.randn(7, 8, generator=g, requires_grad=True)
     p = torch.softmax(2 * torch.randn(13, 7, generator=g), -1)
-    total, pred = soft_ce(x, w, p, chunk=4, core=loss_core(loss, mix=0.3, lk_decay=2.0))
-    (2.0 * total).backward()
-    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    ref = _ref_rows(loss, x2 @ w2.t(), p, 0.3, 2.0).sum()
-    (2.0 * ref).backward()
-    torch.testing.assert_close(total, ref)
-    torch.testing.assert_close(x.grad, x2.grad)
-    torch.testing.assert_close(w.grad, w2.grad)
-    assert torch.equal(pred, (x2 @ w2.t()).argmax(-1))
+    _same_as_autograd(lambda: soft_ce(x, w, p, chunk=4, core=loss_core(loss, mix=0.3, lk_decay=2.0)), x, w,
+                      lambda logits: _ref_rows(loss, logits, p, 0.3, 2.0).sum(), scale=2.0)
 
 
 def test_objective_names():

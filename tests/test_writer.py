@@ -9,13 +9,12 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import threading
 import time
 
 import pytest
 import torch
-from _store_fixtures import H, K, header, raw, sample, sid, write
+from _store_fixtures import H, K, grow_tmpfs, header, raw, sample, sid, small_tmpfs, write
 
 from hstap.common import HstapError
 from hstap.store.format import merge_manifest, store_bytes_per_token
@@ -303,12 +302,7 @@ def test_ranks_with_barrier_and_new_replace_an_old_store(tmp_path):
 
 
 def test_enospc_on_a_small_tmpfs_keeps_committed_data(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs to provoke ENOSPC (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small", "1m") as mnt:
         p, n = mnt / "s", 200  # ~2 MB of fp32 samples for 1 MiB
         w = StoreWriter(p, header("fp32"), shard_tokens=200)  # ~52 KB per shard
         msg = r"no space left on device while writing .*: committed data is intact \(\d+ samples\); free space"
@@ -321,7 +315,7 @@ def test_enospc_on_a_small_tmpfs_keeps_committed_data(tmp_path):
         assert len(s) == done and s.verify() == []
         assert raw(s[done - 1]["aux"]) == raw(sample(done - 1, max_len=80)[2])
         del s
-        subprocess.run(["mount", "-o", "remount,size=16m", str(mnt)], check=True)  # "free space and re-run"
+        grow_tmpfs(mnt, "16m")  # "free space and re-run"
         w = StoreWriter(p, header("fp32"), shard_tokens=200)
         skip = w.committed_ids()
         for i in range(n):
@@ -331,12 +325,6 @@ def test_enospc_on_a_small_tmpfs_keeps_committed_data(tmp_path):
         s = open_store(p)
         assert s.ids == [sid(i) for i in range(n)] and s.verify() == []
         del s
-    finally:
-        import gc
-
-        gc.collect()  # drop mmap handles so the mount is not busy
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_a_failing_hash_never_leaves_the_writer_running_on_a_closed_fd(tmp_path, monkeypatch):
