@@ -17,7 +17,8 @@ variant (same FastDecoder).
 
 Variants (VARIANTS; --variants for target-only decoding, --spec-variants for the speculative methods): `base` = the
 engine's default path, `cdt` = gpt-fast's inductor settings (fastdecode.INDUCTOR_CDT), `lean` = the lean draft step
-(FastDecoder(lean=True)), `lean+cdt` both. The first spec variant runs every --chains length and --trees shape; the
+(FastDecoder(lean=True)), `lean+cdt` both, `leant+cdt` also the lean target layers (target_layers="lean"),
+`leanm+cdt` that with both lean paths attending as matrix products (attention="math"). The first spec variant runs every --chains length and --trees shape; the
 others run target-only and the headline chain (k = --k) for the comparison. Nothing is picked: every row is printed.
 
 Speculative runs are lossless-exact by default: target and drafter in fp32 (--spec-dtype, the eval's convention;
@@ -125,7 +126,9 @@ def prompts_for(target, tok, data: str | None, n: int) -> list[list[int]]:
     return [torch.randint(3, target.vocab_size, (24,), generator=g).tolist() for _ in range(n)]
 
 
-VARIANTS = {"base": {}, "cdt": {"inductor": "cdt"}, "lean": {"lean": True}, "lean+cdt": {"inductor": "cdt", "lean": True}}
+VARIANTS = {"base": {}, "cdt": {"inductor": "cdt"}, "lean": {"lean": True}, "lean+cdt": {"inductor": "cdt", "lean": True},
+            "leant+cdt": {"inductor": "cdt", "lean": True, "target_layers": "lean"},
+            "leanm+cdt": {"inductor": "cdt", "lean": True, "target_layers": "lean", "attention": "math"}}
 
 
 def variant_kw(name: str) -> dict:
@@ -162,9 +165,15 @@ class Budget:
         self.est[kind] = max(self.est[kind], time.perf_counter() - self.started)
 
 
-def count_kernels(step, cuda: bool) -> int | None:
+def count_kernels(step, cuda: bool, into: dict | None = None, role: str = "") -> int | None:
+    """The step's kernel count; with `into`, also its summed kernel time (`{role}_kernel_us`, device time of one run
+    outside the graph: the part of a replay that is not launch gaps) and its 12 costliest kernels."""
     try:
-        return step.count_kernels(cuda)
+        n = step.count_kernels(cuda)
+        if into is not None and step.kernel_table:
+            into[f"{role}_kernel_us"] = sum(us for _, _, us in step.kernel_table)
+            into[f"{role}_top_kernels"] = [[name[:90], c, round(us, 1)] for name, c, us in step.kernel_table[:12]]
+        return n
     except Exception as e:  # noqa: BLE001 - a profiler that cannot run (no CUPTI) must not cost the run
         print(f"bench_decode: kernel count failed ({type(e).__name__}: {e})", file=sys.stderr)
         return None
@@ -186,13 +195,15 @@ def target_only(name: str, target, args, bw: float, variant: str, eager: bool) -
     fd = FastDecoder(target, max_len=args.prompt_len + args.new_tokens + 8, compile=False if args.no_compile else None,
                      **variant_kw(variant))
     fast, st = decode_tok_s(lambda p, m: fd.target_generate(p, m), prompt, args.new_tokens)
-    kernels = next(count_kernels(s, fd.dev.type == "cuda") for k, s in fd.steps.items() if k[0] == "decode")
+    prof: dict = {}
+    kernels = next(count_kernels(s, fd.dev.type == "cuda", prof, "decode") for k, s in fd.steps.items()
+                   if k[0] == "decode")
     slow = decode_tok_s(lambda p, m: target_generate(target, p, m), prompt, args.eager_tokens)[0] if eager else None
     bound = bw / wb
     return {"target": name, "variant": variant, "weight_gb": wb / 1e9, "bound_tok_s": bound, "fast_tok_s": fast,
             "eager_tok_s": slow, "fast_of_bound": fast / bound, "speedup_vs_eager": fast / slow if slow else None,
             "graphs": st["graphs"], "compiled": st["compiled"], "capture_s": st["capture_s"],
-            "ms_per_token": 1e3 / fast, "kernels_per_token": kernels}
+            "ms_per_token": 1e3 / fast, "kernels_per_token": kernels, **prof}
 
 
 def parse_trees(text: str) -> list[tuple[int, int, int]]:
@@ -235,7 +246,7 @@ def run_method(fd, fn, depth, prompts, n: int) -> tuple[list, dict]:
     for key in set(fd.steps) - before:  # this method's own steps (prefill buckets aside)
         if key[0] != "prefill":
             role = key[-1] if key[-1] == "draft" else "verify"
-            r[f"{role}_kernels"] = count_kernels(fd.steps[key], fd.dev.type == "cuda")
+            r[f"{role}_kernels"] = count_kernels(fd.steps[key], fd.dev.type == "cuda", r, role)
     if depth and r.get("draft_kernels") is not None:
         r["kernels_per_draft_step"] = r["draft_kernels"] / depth
     return [o for o, _ in per], r

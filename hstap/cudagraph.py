@@ -47,6 +47,7 @@ class Step:
         self.tried = False
         self.capture_s = 0.0  # warm-up + compile + capture, spent once; excluded from every timing
         self.kernels: int | None = None  # device kernels one run launches (count_kernels)
+        self.kernel_table: list[tuple[str, int, float]] = []  # (name, calls, device us) of that run (CUDA)
 
     def __call__(self) -> None:
         if self.graph is not None:
@@ -78,7 +79,11 @@ class Step:
     def count_kernels(self, cuda: bool) -> int | None:
         """What one run of the step launches, from torch.profiler over the step run outside its graph (the graph
         replays exactly that) with the state restored: on CUDA the device kernels (memcpy/memset included), on the
-        CPU the top-level aten ops (each at least one kernel when run eagerly; a proxy for comparing step bodies)."""
+        CPU the top-level aten ops (each at least one kernel when run eagerly; a proxy for comparing step bodies).
+        Also fills `kernel_table`: [(name, calls, device us)] of the run, most device time first (CUDA).
+
+        The run is under no_grad, as the decoding loops are: a compiled step called with grad enabled misses its
+        guards and recompiles (with coordinate-descent tuning, thousands of benchmark kernels under the profiler)."""
         if self.kernels is not None:
             return self.kernels
         from torch.profiler import ProfilerActivity, profile
@@ -87,7 +92,7 @@ class Step:
         saved = [t.clone() for t in self.state]
         if cuda:
             torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             self.run()
             if cuda:
                 torch.cuda.synchronize()
@@ -95,7 +100,14 @@ class Step:
             t.copy_(v)
         ev = prof.events()
         if cuda:
-            self.kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in ev)
+            dev = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
+            self.kernels = len(dev)
+            table: dict[str, list] = {}
+            for e in dev:
+                row = table.setdefault(e.name, [0, 0.0])
+                row[0] += 1
+                row[1] += e.time_range.elapsed_us()  # this kernel's own duration
+            self.kernel_table = sorted(((n, c, us) for n, (c, us) in table.items()), key=lambda r: -r[2])
         else:
             self.kernels = sum(e.name.startswith("aten::") and not (e.cpu_parent and e.cpu_parent.name.startswith(
                 "aten::")) for e in ev)

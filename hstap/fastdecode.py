@@ -51,6 +51,7 @@ from hstap.common import HstapError
 from hstap.cudagraph import Clock, GraphPolicy, Step
 from hstap.device_tree import TreeShape
 from hstap.lean_drafter import LeanDrafter
+from hstap.lean_target import lean_target
 from hstap.fast_steps import (
     decode_body,
     decode_buffers,
@@ -145,10 +146,15 @@ class FastDecoder:
     for every step's compilation (torch.compile's `options`: per compilation, nothing global; e.g. INDUCTOR_CDT);
     lean: the drafter runs as hstap.lean_drafter.LeanDrafter (fused weights, one attention kernel, rotary tables)
     and a greedy chain drafts with argmax alone (same drafts up to rounding; the default off keeps the reference
-    path)."""
+    path); target_layers: "hf" (the model's own decoder layers, fast_steps.run_target) or "lean"
+    (hstap.lean_target: fused weights, one attention call per layer; a target outside the Llama family, or one whose
+    lean forward differs from the model's, keeps its HF layers after one printed line); attention: how the lean
+    paths attend, "sdpa" (one fused kernel) or "math" (two matrix products and a softmax, for the compiler to
+    fuse)."""
 
     def __init__(self, target, drafter=None, max_len: int = 1024, graphs: bool | None = None,
-                 compile: bool | None = None, log=None, inductor: dict | None = None, lean: bool = False):
+                 compile: bool | None = None, log=None, inductor: dict | None = None, lean: bool = False,
+                 target_layers: str = "hf", attention: str = "sdpa"):
         self.target, self.drafter, self.dev = target, drafter, target.device
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         if graphs and self.dev.type != "cuda":
@@ -157,6 +163,10 @@ class FastDecoder:
                                   f"a {target.config.model_type} decoding step", self.log)
         self.compile = self.dev.type == "cuda" if compile is None else compile
         self.inductor, self.lean = dict(inductor or {}), lean
+        if target_layers not in ("hf", "lean") or attention not in ("sdpa", "math"):
+            raise HstapError(f"fastdecode.py: target_layers / attention: expected hf|lean / sdpa|math, got "
+                             f"{target_layers!r} / {attention!r}")
+        self.target_layers, self.attention, self.lt = target_layers, attention, None
         self.unsupported: str | None = None
         self._said: set[str] = set()
         self.host_reads = 0  # device -> host reads inside decoding loops: the host syncs
@@ -182,18 +192,27 @@ class FastDecoder:
             self.unsupported = f"no static cache for this target: {e}"
             return
         self.S, self.col = S, torch.arange(S, device=self.dev)  # (S,)
+        if self.lt is not None:
+            self.lt.resize(S)
+        elif self.target_layers != "hf":
+            self.lt, why = lean_target(self.target, S, self.attention)
+            if why:
+                self._say("lean-target", f"lean target layers unavailable ({why}): the model's own layers run")
+                self.target_layers = "hf"
         if self.drafter is not None:
             c = self.drafter.config
             self.dcache = DrafterStaticCache(c.num_key_value_heads, c.head_dim, S, self.drafter.fc.weight.dtype,
                                              self.hot.device)
-            self.dstep = LeanDrafter(self.drafter, S) if self.lean else self.drafter  # what the steps call
+            self.dstep = LeanDrafter(self.drafter, S, self.attention) if self.lean else self.drafter  # the steps call
         self.steps: dict = {}
 
     def _forward(self, layers: tuple):
         """fwd(ids, pos, mask) -> (logits, aux): the target over the static cache, tapping `layers`."""
-        target, cache = self.target, self.cache
+        target, cache, lt = self.target, self.cache, self.lt
 
         def fwd(ids, pos, mask, rows=None):
+            if lt is not None:
+                return lt.forward(cache, list(layers), ids, pos, mask, rows)
             return run_target(target, cache, list(layers), ids, pos, mask, rows)
 
         return fwd
@@ -210,7 +229,12 @@ class FastDecoder:
         tol = 1e-4 if self.target.dtype == torch.float32 else 3e-2
         err = max(float((logits - ref).norm() / ref.norm().clamp_min(1e-30)),
                   float((aux.float() - ref_aux[0].float()).norm() / ref_aux.float().norm().clamp_min(1e-30)))
-        if not err <= tol:
+        if not err <= tol and self.lt is not None:
+            self._say("lean-target", f"the lean target layers differ from the model's (relative error {err:.2e}): "
+                                     "the model's own layers run")
+            self.lt, self.target_layers = None, "hf"
+            self._check_forward()
+        elif not err <= tol:
             self.unsupported = f"the static-cache forward differs from the model's (relative error {err:.2e})"
 
     def _say(self, key: str, msg: str) -> None:

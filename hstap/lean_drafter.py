@@ -10,7 +10,9 @@ what it saves is kernels, not flops:
     attention   grouped-query attention with a mask as ONE fused SDPA call: the queries of the g heads that share a
                 kv head are stacked along the query axis, (1, n_kv, g*T, hd), against the un-repeated keys, the mask
                 repeated g times along its rows. `enable_gqa=True` with a mask runs SDPA's math kernel instead
-                (repeated keys and values, two batched GEMMs and a softmax), and repeat_kv copies the cache.
+                (repeated keys and values, two batched GEMMs and a softmax), and repeat_kv copies the cache;
+                `attention="math"`: the same attention as two matrix products and a softmax over the un-repeated
+                cache, for the compiler to fuse (hstap.lean_target.attend).
 The weights are copies (the drafter is small); the drafter itself is left as it is. A drafter class that overrides
 `forward` (a test double, another architecture) is called as it is: only the stock midlayer is rewritten.
 """
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hstap.drafter import Eagle3Drafter
+from hstap.lean_target import attend
 
 
 def _rotate(x: torch.Tensor) -> torch.Tensor:
@@ -32,8 +35,8 @@ class LeanDrafter:
     """Duck-typed like Eagle3Drafter where the decoding steps use it: `config`, `d2t`, `project`, `compute_logits`
     and the call `(ids, hidden, pos, cache, mask) -> h_out`; positions must be < max_len (the rotary tables)."""
 
-    def __init__(self, drafter, max_len: int):
-        self.drafter, self.config, self.d2t = drafter, drafter.config, drafter.d2t
+    def __init__(self, drafter, max_len: int, attention: str = "sdpa"):
+        self.drafter, self.config, self.d2t, self.attention = drafter, drafter.config, drafter.d2t, attention
         self.fused = type(drafter).forward is Eagle3Drafter.forward
         m = drafter.midlayer
         a = m.self_attn
@@ -76,7 +79,7 @@ class LeanDrafter:
         keys, values = cache.append(k, v)  # (1, nkv, S, hd)
         qg = q.reshape(B, nkv, g * T, hd)  # query head i*g+j (kv head i) -> rows j*T..j*T+T-1 of group i
         mask = attn_mask.expand(g, T, attn_mask.shape[-1]).reshape(g * T, -1)  # (g*T, S)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # (1, nkv, g*T, hd)
+        out = attend(qg, keys, values, mask, hd ** -0.5, self.attention)  # (1, nkv, g*T, hd)
         out = out.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)  # SDPA may return a strided layout
         r = m.self_attn.o_proj(out) + hidden  # (1, T, H)
         gate, up = F.linear(m.post_attention_layernorm(r), self.wgu).split(self.inter, dim=-1)  # (1, T, I) each

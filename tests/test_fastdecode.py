@@ -256,8 +256,8 @@ def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys):
 
 
 # --- the lean draft path (FastDecoder(lean=True)): fewer kernels, the same drafts ---------------------------------
-@pytest.mark.parametrize("mt", ["llama", "qwen3"])
-def test_lean_drafter_equals_drafter(tiny_models, mt):
+@pytest.mark.parametrize("mt,attention", [("llama", "sdpa"), ("qwen3", "sdpa"), ("llama", "math")])
+def test_lean_drafter_equals_drafter(tiny_models, mt, attention):
     """LeanDrafter (fused q/k/v and gate/up GEMMs, rotary tables, grouped SDPA) is the drafter's forward."""
     from hstap.lean_drafter import LeanDrafter
     from hstap.static_kv import causal_rows
@@ -267,7 +267,7 @@ def test_lean_drafter_equals_drafter(tiny_models, mt):
     c = drafter.config
     assert c.num_attention_heads > c.num_key_value_heads  # grouped heads: the stacked-query path is exercised
     S, T = 64, 5
-    lean = LeanDrafter(drafter, S)
+    lean = LeanDrafter(drafter, S, attention)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (1, T), generator=g)
     hidden = torch.randn(1, T, c.hidden_size, generator=g)
@@ -299,3 +299,43 @@ def test_lean_decoding_equals_eager(tiny_models):
         assert out == eager == ref[:24], kw
         assert st["accept_counts"] == est["accept_counts"] and st["kv_moves"] == est["kv_moves"], kw
     assert st["tau"] > 2  # the oracle's drafts were accepted: the argmax chain and the lean tree ran for real
+
+
+# --- the lean target layers (FastDecoder(target_layers="lean"/"lean-math")) -----------------------------------------
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+@pytest.mark.parametrize("mt", TYPES)
+def test_lean_target_forward_equals_model(tiny_models, mt, attention):
+    """hstap.lean_target (fused q/k/v and gate/up, rotary tables, one grouped attention call) is the model's forward
+    for the Llama family (Qwen2's biases, Qwen3's q/k norms); DeepSeek-V3 keeps its own layers after one line."""
+    target = tiny_models[mt]
+    said: list[str] = []
+    fd = FastDecoder(target, max_len=64, target_layers="lean", attention=attention, log=said.append)
+    assert fd.unsupported is None
+    if mt == "deepseek_v3":
+        assert fd.lt is None and len(said) == 1 and "model type 'deepseek_v3'" in said[0], said
+    else:
+        assert fd.lt is not None and not said, said
+    prompt = _prompt(target.vocab_size, 9, seed=1)
+    logits, aux = fd._prefill(prompt, (1, 2))
+    ref_logits, ref_aux = target_forward(target, torch.tensor([prompt]), [1, 2], new_cache())
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mt,attention", [("llama", "sdpa"), ("qwen2", "math")])
+def test_lean_target_decoding_equals_eager(tiny_models, mt, attention):
+    """Every method over the lean target layers (and the lean drafter) gives speculate.py's tokens and acceptance."""
+    target = tiny_models[mt]
+    prompt = _prompt(target.vocab_size, 8, seed=6)
+    ref, _ = target_generate(target, prompt, 32)
+    oracle = oracle_drafter(target, prompt + ref, second=range(len(prompt) + 1, len(prompt) + 32, 2))
+    fd = FastDecoder(target, oracle, max_len=64, target_layers="lean", lean=True, attention=attention)
+    assert fd.lt is not None
+    assert fd.target_generate(prompt, 32)[0] == ref
+    assert fd.ngram_generate(prompt, 32, k=3)[0] == ngram_generate(target, prompt, 32, k=3)[0] == ref
+    for kw in [dict(mode="chain", k=4), dict(mode="tree", topk=2, depth=4, tokens=12)]:
+        out, st = fd.speculative_generate(prompt, 24, **kw)
+        eager, est = speculative_generate(target, oracle, prompt, 24, **kw)
+        assert out == eager == ref[:24], kw
+        assert st["accept_counts"] == est["accept_counts"] and st["kv_moves"] == est["kv_moves"], kw
+    assert st["tau"] > 2 and st["kv_moves"] > 0  # drafts were accepted, through second children

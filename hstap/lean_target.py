@@ -1,0 +1,163 @@
+"""The target's decoder layers with fewer kernels per step, for the fast decoder (hstap.fastdecode, `lean=True`): the
+same function as the HF layers that `fast_steps.run_target` calls, on the same weights, up to rounding.
+
+For the Llama family (llama, mistral, qwen2, qwen3: RMSNorm, rotary, grouped-query attention, SwiGLU MLP; Qwen2's
+q/k/v biases, Qwen3's per-head q/k norms). On a small target a decoding step is bound by its kernel count, not its
+bytes, and the HF layer spends kernels on generality:
+    q/k/v       one GEMM over one fused weight instead of three (the layer's own q/k/v weights become views of
+                that fused tensor: the same values, no second copy of the model);
+    gate/up     likewise, one GEMM instead of two;
+    rotary      cos/sin read from tables built once per cache size by the model's own rotary module (the HF forward
+                recomputes them on every step);
+    attention   the keys and values written straight into the static cache's tensors at the step's slots, then
+                grouped-query attention as ONE fused SDPA call: the queries of the g heads sharing a kv head stacked
+                along the query axis (1, n_kv, g*T, hd) against the un-repeated cache, the mask repeated g times
+                (HF's sdpa path with a mask repeats the whole cache g times per layer first: repeat_kv).
+`attention="math"` computes the same attention as two matrix products and a softmax (`attend`), which torch.compile
+fuses into a few reductions (with coordinate-descent tuning, a one-query product becomes a reduction over the slots).
+
+`lean_target(target, S)` returns None for any other layer structure (the caller keeps the HF layers); the fast
+decoder also checks the result against Target.capture before using it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several Linear layers of one input; each layer's parameters become views of it."""
+    w = torch.cat([m.weight.data for m in linears])  # (sum out, in)
+    has_bias = [m.bias is not None for m in linears]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("mixed biases")
+    b = torch.cat([m.bias.data for m in linears]) if all(has_bias) else None
+    i = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = w[i:i + n]
+        if b is not None:
+            m.bias.data = b[i:i + n]
+        i += n
+    return w, b
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+           how: str = "sdpa") -> torch.Tensor:
+    """Grouped-query attention with the queries stacked by kv head: q (1, nkv, g*T, hd), keys/values (1, nkv, S, hd),
+    mask (g*T, S) additive or bool -> (1, nkv, g*T, hd). "sdpa": one fused kernel; "math": softmax(q k^T s + m) v
+    with the softmax in fp32, as HF's eager attention computes it."""
+    if how == "sdpa":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, torch.finfo(q.dtype).min)
+    s = torch.matmul(q, keys.transpose(-1, -2)) * scale + mask  # (1, nkv, g*T, S)
+    return torch.matmul(torch.softmax(s.float(), dim=-1).to(values.dtype), values)
+
+
+def _supported(target) -> str | None:
+    """Why the lean layers cannot stand in for this target's, or None."""
+    cfg = target.config
+    if cfg.model_type not in FAMILY:
+        return f"model type {cfg.model_type!r} (lean layers: {', '.join(FAMILY)})"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    for i, layer in enumerate(target.layers):
+        a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if a is None or m is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or \
+                not all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return f"layer {i}: not a Llama-style attention + SwiGLU layer"
+    return None  # a sliding window needs no check: fastdecode's static cache holds one only when it spans every slot
+
+
+class LeanTarget:
+    """forward(cache, layers, ids, pos, mask, rows) with fast_steps.run_target's contract, on `target`'s weights;
+    positions must be < max_len (the rotary tables; `resize` rebuilds them for a longer cache)."""
+
+    def __init__(self, target, max_len: int, attention: str = "sdpa"):
+        if attention not in ("sdpa", "math"):
+            raise ValueError(f"attention: expected 'sdpa' or 'math', got {attention!r}")
+        self.target, self.attention = target, attention
+        cfg = target.config
+        a0 = target.layers[0].self_attn
+        self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = getattr(a0, "head_dim", None) or cfg.hidden_size // self.nh
+        self.scale = float(getattr(a0, "scaling", self.hd ** -0.5))
+        self.inter = target.layers[0].mlp.gate_proj.weight.shape[0]
+        with torch.no_grad():
+            self.qkv = [_fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                        for layer in target.layers]
+            self.gu = [_fuse([layer.mlp.gate_proj, layer.mlp.up_proj])[0] for layer in target.layers]
+        self.resize(max_len)
+
+    @torch.no_grad()
+    def resize(self, max_len: int) -> None:
+        w = self.target.embed_tokens.weight
+        pos = torch.arange(max_len, device=w.device)[None]  # (1, S)
+        cos, sin = self.target.base.rotary_emb(torch.zeros(1, 1, 1, dtype=w.dtype, device=w.device), pos)
+        self.cos, self.sin = cos[0], sin[0]  # (S, hd): the model's own rotary (scaling included)
+
+    def forward(self, cache, layers: list[int], ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                rows: torch.Tensor | None = None):
+        """ids (1, T) at positions pos (1, T), additive mask (1, 1, T, S), written at the cache's slots
+        cumulative_length + arange(T) (fast_steps.seek) -> logits (T or R, V) fp32, fc input (T, K, H)."""
+        t = self.target
+        B, T = ids.shape
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        g = nh // nkv
+        p = pos.reshape(-1)  # (T,)
+        cos = self.cos.index_select(0, p).view(B, 1, T, hd)
+        sin = self.sin.index_select(0, p).view(B, 1, T, hd)
+        S = mask.shape[-1]
+        mg = mask[0, 0].expand(g, T, S).reshape(g * T, S)  # (g*T, S): row j*T+i = query i of head j of a group
+        want = {layer: j for j, layer in enumerate(layers)}
+        grabbed: list = [None] * len(layers)
+        h = t.embed_tokens(ids)  # (1, T, H)
+        ar = torch.arange(T, device=ids.device)
+        for i, layer in enumerate(t.layers):
+            a, m, c = layer.self_attn, layer.mlp, cache.layers[i]
+            x = layer.input_layernorm(h)  # (1, T, H)
+            w, bias = self.qkv[i]
+            q, k, v = F.linear(x, w, bias).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q, k, v = q.view(B, T, nh, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
+            if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, T, hd)
+            q, k = q * cos + _rotate(q) * sin, k * cos + _rotate(k) * sin
+            if not c.is_initialized:
+                c.lazy_initialization(k, v)
+            slots = c.cumulative_length + ar  # (T,)
+            c.keys.index_copy_(2, slots, k)
+            c.values.index_copy_(2, slots, v)
+            c.cumulative_length.add_(T)  # as StaticLayer.update does
+            qg = q.reshape(B, nkv, g * T, hd)  # query head i*g+j (kv head i) -> rows j*T.. of group i
+            o = attend(qg, c.keys, c.values, mg, self.scale, self.attention)  # (1, nkv, g*T, hd)
+            o = o.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
+            h = h + a.o_proj(o)  # (1, T, H)
+            gate, up = F.linear(layer.post_attention_layernorm(h), self.gu[i]).split(self.inter, dim=-1)
+            h = h + m.down_proj(F.silu(gate) * up)  # (1, T, H)
+            if i in want:
+                grabbed[want[i]] = h
+        final = t.norm(h)  # (1, T, H)
+        aux = torch.stack(grabbed, dim=2) if layers else final.unsqueeze(2)  # (1, T, K, H)
+        head_in = final[0] if rows is None else final[0].index_select(0, rows)  # (T or R, H)
+        return t.logits(head_in).float(), aux[0]
+
+
+def lean_target(target, max_len: int, attention: str = "sdpa") -> tuple[LeanTarget | None, str | None]:
+    """(LeanTarget, None), or (None, why not) for a target whose layers it does not reproduce."""
+    why = _supported(target)
+    if why:
+        return None, why
+    try:
+        return LeanTarget(target, max_len, attention), None
+    except (ValueError, AttributeError) as e:
+        return None, f"{type(e).__name__}: {e}"
