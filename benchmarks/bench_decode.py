@@ -17,8 +17,9 @@ variant (same FastDecoder).
 
 Variants (VARIANTS; --variants for target-only decoding, --spec-variants for the speculative methods): `base` = the
 engine's default path, `cdt` = gpt-fast's inductor settings (fastdecode.INDUCTOR_CDT), `lean` = the lean draft step
-(FastDecoder(lean=True)), `lean+cdt` both, `leant+cdt` also the lean target layers (target_layers="lean"),
-`leanm+cdt` that with both lean paths attending as matrix products (attention="math"). The first spec variant runs every --chains length and --trees shape; the
+(FastDecoder(lean=True)), `lean+cdt` both, `leant(+cdt)` also the lean target layers (target_layers="lean"),
+`leanm+cdt` that with both lean paths attending as matrix products (attention="math"), `fused+cdt` that with the
+products of up to 8 rows written as fused reductions (fuse_rows=8). The first spec variant runs every --chains length and --trees shape; the
 others run target-only and the headline chain (k = --k) for the comparison. Nothing is picked: every row is printed.
 
 Speculative runs are lossless-exact by default: target and drafter in fp32 (--spec-dtype, the eval's convention;
@@ -127,8 +128,10 @@ def prompts_for(target, tok, data: str | None, n: int) -> list[list[int]]:
 
 
 VARIANTS = {"base": {}, "cdt": {"inductor": "cdt"}, "lean": {"lean": True}, "lean+cdt": {"inductor": "cdt", "lean": True},
+            "leant": {"lean": True, "target_layers": "lean"},
             "leant+cdt": {"inductor": "cdt", "lean": True, "target_layers": "lean"},
-            "leanm+cdt": {"inductor": "cdt", "lean": True, "target_layers": "lean", "attention": "math"}}
+            "leanm+cdt": {"inductor": "cdt", "lean": True, "target_layers": "lean", "attention": "math"},
+            "fused+cdt": {"inductor": "cdt", "lean": True, "target_layers": "lean", "attention": "math", "fuse_rows": 8}}
 
 
 def variant_kw(name: str) -> dict:

@@ -150,11 +150,12 @@ class FastDecoder:
     (hstap.lean_target: fused weights, one attention call per layer; a target outside the Llama family, or one whose
     lean forward differs from the model's, keeps its HF layers after one printed line); attention: how the lean
     paths attend, "sdpa" (one fused kernel) or "math" (two matrix products and a softmax, for the compiler to
-    fuse)."""
+    fuse); fuse_rows: in the lean paths, products of at most this many rows as broadcast sums the compiler fuses
+    (hstap.lean_target.linear; for compiled steps: eager, it materialises rows x weight)."""
 
     def __init__(self, target, drafter=None, max_len: int = 1024, graphs: bool | None = None,
                  compile: bool | None = None, log=None, inductor: dict | None = None, lean: bool = False,
-                 target_layers: str = "hf", attention: str = "sdpa"):
+                 target_layers: str = "hf", attention: str = "sdpa", fuse_rows: int = 0):
         self.target, self.drafter, self.dev = target, drafter, target.device
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         if graphs and self.dev.type != "cuda":
@@ -167,6 +168,7 @@ class FastDecoder:
             raise HstapError(f"fastdecode.py: target_layers / attention: expected hf|lean / sdpa|math, got "
                              f"{target_layers!r} / {attention!r}")
         self.target_layers, self.attention, self.lt = target_layers, attention, None
+        self.fuse_rows = fuse_rows
         self.unsupported: str | None = None
         self._said: set[str] = set()
         self.host_reads = 0  # device -> host reads inside decoding loops: the host syncs
@@ -195,7 +197,7 @@ class FastDecoder:
         if self.lt is not None:
             self.lt.resize(S)
         elif self.target_layers != "hf":
-            self.lt, why = lean_target(self.target, S, self.attention)
+            self.lt, why = lean_target(self.target, S, self.attention, self.fuse_rows)
             if why:
                 self._say("lean-target", f"lean target layers unavailable ({why}): the model's own layers run")
                 self.target_layers = "hf"
@@ -203,7 +205,7 @@ class FastDecoder:
             c = self.drafter.config
             self.dcache = DrafterStaticCache(c.num_key_value_heads, c.head_dim, S, self.drafter.fc.weight.dtype,
                                              self.hot.device)
-            self.dstep = LeanDrafter(self.drafter, S, self.attention) if self.lean else self.drafter  # the steps call
+            self.dstep = LeanDrafter(self.drafter, S, self.attention, self.fuse_rows) if self.lean else self.drafter
         self.steps: dict = {}
 
     def _forward(self, layers: tuple):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hstap.drafter import Eagle3Drafter
-from hstap.lean_target import attend
+from hstap.lean_target import attend, linear
 
 
 def _rotate(x: torch.Tensor) -> torch.Tensor:
@@ -35,8 +35,9 @@ class LeanDrafter:
     """Duck-typed like Eagle3Drafter where the decoding steps use it: `config`, `d2t`, `project`, `compute_logits`
     and the call `(ids, hidden, pos, cache, mask) -> h_out`; positions must be < max_len (the rotary tables)."""
 
-    def __init__(self, drafter, max_len: int, attention: str = "sdpa"):
+    def __init__(self, drafter, max_len: int, attention: str = "sdpa", fuse_rows: int = 0):
         self.drafter, self.config, self.d2t, self.attention = drafter, drafter.config, drafter.d2t, attention
+        self.fuse_rows = fuse_rows  # few-row products as fused reductions (hstap.lean_target.linear)
         self.fused = type(drafter).forward is Eagle3Drafter.forward
         m = drafter.midlayer
         a = m.self_attn
@@ -51,10 +52,18 @@ class LeanDrafter:
         self.cos, self.sin = cos[0], sin[0]  # (S, hd)
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
-        return self.drafter.project(aux)
+        if not self.fused or type(self.drafter).project is not Eagle3Drafter.project:
+            return self.drafter.project(aux)
+        fc = self.drafter.fc
+        if aux.dim() == 4:
+            aux = aux.flatten(-2)  # (B, T, K*Ht)
+        return linear(aux.to(fc.weight.dtype), fc.weight, fc.bias, self.fuse_rows)  # (B, T, H)
 
     def compute_logits(self, h_out: torch.Tensor) -> torch.Tensor:
-        return self.drafter.compute_logits(h_out)
+        d = self.drafter
+        if not self.fused or type(d).compute_logits is not Eagle3Drafter.compute_logits:
+            return d.compute_logits(h_out)
+        return linear(d.norm(h_out), d.lm_head.weight, d.lm_head.bias, self.fuse_rows)  # (B, T, Vd)
 
     def __call__(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache,
                  attn_mask: torch.Tensor) -> torch.Tensor:
@@ -71,7 +80,8 @@ class LeanDrafter:
         cos = self.cos.index_select(0, p).view(B, 1, T, hd)
         sin = self.sin.index_select(0, p).view(B, 1, T, hd)
         x = torch.cat([m.input_layernorm(emb), m.hidden_norm(hidden)], dim=-1)  # (1, T, 2H)
-        q, k, v = F.linear(x, self.wqkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        fr = self.fuse_rows
+        q, k, v = linear(x, self.wqkv, None, fr).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (1, nh, T, hd)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (1, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
@@ -79,8 +89,8 @@ class LeanDrafter:
         keys, values = cache.append(k, v)  # (1, nkv, S, hd)
         qg = q.reshape(B, nkv, g * T, hd)  # query head i*g+j (kv head i) -> rows j*T..j*T+T-1 of group i
         mask = attn_mask.expand(g, T, attn_mask.shape[-1]).reshape(g * T, -1)  # (g*T, S)
-        out = attend(qg, keys, values, mask, hd ** -0.5, self.attention)  # (1, nkv, g*T, hd)
+        out = attend(qg, keys, values, mask, hd ** -0.5, self.attention, g * fr)  # (1, nkv, g*T, hd)
         out = out.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)  # SDPA may return a strided layout
-        r = m.self_attn.o_proj(out) + hidden  # (1, T, H)
-        gate, up = F.linear(m.post_attention_layernorm(r), self.wgu).split(self.inter, dim=-1)  # (1, T, I) each
-        return m.mlp.down_proj(F.silu(gate) * up) + r  # (1, T, H) pre-norm
+        r = linear(out, m.self_attn.o_proj.weight, m.self_attn.o_proj.bias, fr) + hidden  # (1, T, H)
+        gate, up = linear(m.post_attention_layernorm(r), self.wgu, None, fr).split(self.inter, dim=-1)  # (1, T, I)
+        return linear(F.silu(gate) * up, m.mlp.down_proj.weight, m.mlp.down_proj.bias, fr) + r  # (1, T, H) pre-norm

@@ -13,8 +13,11 @@ bytes, and the HF layer spends kernels on generality:
                 grouped-query attention as ONE fused SDPA call: the queries of the g heads sharing a kv head stacked
                 along the query axis (1, n_kv, g*T, hd) against the un-repeated cache, the mask repeated g times
                 (HF's sdpa path with a mask repeats the whole cache g times per layer first: repeat_kv).
-`attention="math"` computes the same attention as two matrix products and a softmax (`attend`), which torch.compile
-fuses into a few reductions (with coordinate-descent tuning, a one-query product becomes a reduction over the slots).
+`attention="math"` computes the same attention as two matrix products and a softmax (`attend`), and `fuse_rows` writes
+the products of a few-row step (a chain's verify, an extend) as broadcast sums (`linear`): torch.compile then emits
+reductions fused with the norms and activations around them, as it does for a one-row step, where a GEMM library call
+would fuse with nothing. Measured on the H200 (benchmarks/RESULTS.md): in fp32 the SDPA call of a one-token step is
+the memory-efficient kernel at ~60 us, most of a reference-target decoding step.
 
 `lean_target(target, S)` returns None for any other layer structure (the caller keeps the HF layers); the fast
 decoder also checks the result against Target.capture before using it.
@@ -50,17 +53,45 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     return w, b
 
 
+FUSE_MAX_BYTES = 16 << 20
+"""Largest weight a few-row product is written as a reduction for (`linear`): it is read once per row, so it must sit
+in L2 (50 MB on an H200) for that to cost no more than one GEMM's read; the 8B shape's matrices do not."""
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fuse_rows: int = 0) -> torch.Tensor:
+    """x (..., K) @ w (N, K)^T (+ b). With at most `fuse_rows` rows (and a weight of at most FUSE_MAX_BYTES) as a
+    broadcast product summed over K, which torch.compile emits as one reduction fused with its neighbours (a norm
+    before, a residual or activation after), as coordinate-descent tuning does by itself for ONE row; a GEMM library
+    call fuses with nothing and adds a split-K reduction kernel. The same sum, in another order: equal up to
+    rounding. Eager, this materialises (rows, N, K): only for compiled steps (fuse_rows 0 elsewhere)."""
+    rows = x.numel() // x.shape[-1]
+    if 1 < rows <= fuse_rows and w.numel() * w.element_size() <= FUSE_MAX_BYTES:
+        y = (x.unsqueeze(-2) * w).sum(-1)  # (..., N)
+    else:
+        y = F.linear(x, w)
+    return y if b is None else y + b
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-           how: str = "sdpa") -> torch.Tensor:
-    """Grouped-query attention with the queries stacked by kv head: q (1, nkv, g*T, hd), keys/values (1, nkv, S, hd),
-    mask (g*T, S) additive or bool -> (1, nkv, g*T, hd). "sdpa": one fused kernel; "math": softmax(q k^T s + m) v
-    with the softmax in fp32, as HF's eager attention computes it."""
+           how: str = "sdpa", fuse_rows: int = 0) -> torch.Tensor:
+    """Grouped-query attention with the queries stacked by kv head: q (1, nkv, R, hd) (R = g*T), keys/values
+    (1, nkv, S, hd), mask (R, S) additive or bool -> (1, nkv, R, hd). "sdpa": one fused kernel (in fp32 the
+    memory-efficient kernel, which walks the S slots of a head serially: tens of us per call for one query);
+    "math": softmax(q k^T s + m) v with the softmax in fp32, as HF's eager attention computes it, both products as
+    broadcast sums when R <= fuse_rows (the compiler's reductions, parallel over the slots; see `linear`)."""
     if how == "sdpa":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, torch.finfo(q.dtype).min)
-    s = torch.matmul(q, keys.transpose(-1, -2)) * scale + mask  # (1, nkv, g*T, S)
-    return torch.matmul(torch.softmax(s.float(), dim=-1).to(values.dtype), values)
+    small = q.shape[-2] <= fuse_rows
+    if small:
+        s = (q.unsqueeze(-2) * keys.unsqueeze(-3)).sum(-1)  # (1, nkv, R, S)
+    else:
+        s = torch.matmul(q, keys.transpose(-1, -2))
+    p = torch.softmax((s * scale + mask).float(), dim=-1).to(values.dtype)  # (1, nkv, R, S)
+    if small:
+        return (p.unsqueeze(-1) * values.unsqueeze(-3)).sum(-2)  # (1, nkv, R, hd)
+    return torch.matmul(p, values)
 
 
 def _supported(target) -> str | None:
@@ -82,10 +113,10 @@ class LeanTarget:
     """forward(cache, layers, ids, pos, mask, rows) with fast_steps.run_target's contract, on `target`'s weights;
     positions must be < max_len (the rotary tables; `resize` rebuilds them for a longer cache)."""
 
-    def __init__(self, target, max_len: int, attention: str = "sdpa"):
+    def __init__(self, target, max_len: int, attention: str = "sdpa", fuse_rows: int = 0):
         if attention not in ("sdpa", "math"):
             raise ValueError(f"attention: expected 'sdpa' or 'math', got {attention!r}")
-        self.target, self.attention = target, attention
+        self.target, self.attention, self.fuse_rows = target, attention, fuse_rows
         cfg = target.config
         a0 = target.layers[0].self_attn
         self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -122,11 +153,12 @@ class LeanTarget:
         grabbed: list = [None] * len(layers)
         h = t.embed_tokens(ids)  # (1, T, H)
         ar = torch.arange(T, device=ids.device)
+        fr = self.fuse_rows
         for i, layer in enumerate(t.layers):
             a, m, c = layer.self_attn, layer.mlp, cache.layers[i]
             x = layer.input_layernorm(h)  # (1, T, H)
             w, bias = self.qkv[i]
-            q, k, v = F.linear(x, w, bias).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q, k, v = linear(x, w, bias, fr).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
             q, k, v = q.view(B, T, nh, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
             if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
                 q, k = a.q_norm(q), a.k_norm(k)
@@ -139,25 +171,28 @@ class LeanTarget:
             c.values.index_copy_(2, slots, v)
             c.cumulative_length.add_(T)  # as StaticLayer.update does
             qg = q.reshape(B, nkv, g * T, hd)  # query head i*g+j (kv head i) -> rows j*T.. of group i
-            o = attend(qg, c.keys, c.values, mg, self.scale, self.attention)  # (1, nkv, g*T, hd)
+            o = attend(qg, c.keys, c.values, mg, self.scale, self.attention, g * fr)  # (1, nkv, g*T, hd)
             o = o.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
-            h = h + a.o_proj(o)  # (1, T, H)
-            gate, up = F.linear(layer.post_attention_layernorm(h), self.gu[i]).split(self.inter, dim=-1)
-            h = h + m.down_proj(F.silu(gate) * up)  # (1, T, H)
+            h = h + linear(o, a.o_proj.weight, a.o_proj.bias, fr)  # (1, T, H)
+            gate, up = linear(layer.post_attention_layernorm(h), self.gu[i], None, fr).split(self.inter, dim=-1)
+            h = h + linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias, fr)  # (1, T, H)
             if i in want:
                 grabbed[want[i]] = h
         final = t.norm(h)  # (1, T, H)
         aux = torch.stack(grabbed, dim=2) if layers else final.unsqueeze(2)  # (1, T, K, H)
         head_in = final[0] if rows is None else final[0].index_select(0, rows)  # (T or R, H)
-        return t.logits(head_in).float(), aux[0]
+        head = t.lm_head
+        logits = linear(head_in, head.weight, head.bias, fr) if isinstance(head, torch.nn.Linear) else t.logits(head_in)
+        return logits.float(), aux[0]
 
 
-def lean_target(target, max_len: int, attention: str = "sdpa") -> tuple[LeanTarget | None, str | None]:
+def lean_target(target, max_len: int, attention: str = "sdpa", fuse_rows: int = 0) -> tuple[LeanTarget | None,
+                                                                                           str | None]:
     """(LeanTarget, None), or (None, why not) for a target whose layers it does not reproduce."""
     why = _supported(target)
     if why:
         return None, why
     try:
-        return LeanTarget(target, max_len, attention), None
+        return LeanTarget(target, max_len, attention, fuse_rows), None
     except (ValueError, AttributeError) as e:
         return None, f"{type(e).__name__}: {e}"

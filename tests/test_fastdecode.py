@@ -256,8 +256,8 @@ def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys):
 
 
 # --- the lean draft path (FastDecoder(lean=True)): fewer kernels, the same drafts ---------------------------------
-@pytest.mark.parametrize("mt,attention", [("llama", "sdpa"), ("qwen3", "sdpa"), ("llama", "math")])
-def test_lean_drafter_equals_drafter(tiny_models, mt, attention):
+@pytest.mark.parametrize("mt,attention,fuse_rows", [("llama", "sdpa", 0), ("qwen3", "sdpa", 0), ("llama", "math", 8)])
+def test_lean_drafter_equals_drafter(tiny_models, mt, attention, fuse_rows):
     """LeanDrafter (fused q/k/v and gate/up GEMMs, rotary tables, grouped SDPA) is the drafter's forward."""
     from hstap.lean_drafter import LeanDrafter
     from hstap.static_kv import causal_rows
@@ -267,7 +267,7 @@ def test_lean_drafter_equals_drafter(tiny_models, mt, attention):
     c = drafter.config
     assert c.num_attention_heads > c.num_key_value_heads  # grouped heads: the stacked-query path is exercised
     S, T = 64, 5
-    lean = LeanDrafter(drafter, S, attention)
+    lean = LeanDrafter(drafter, S, attention, fuse_rows)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (1, T), generator=g)
     hidden = torch.randn(1, T, c.hidden_size, generator=g)
@@ -281,6 +281,9 @@ def test_lean_drafter_equals_drafter(tiny_models, mt, attention):
     want = drafter(ids, hidden, pos, caches[0].at(slots), mask)
     got = lean(ids, hidden, pos, caches[1].at(slots), mask)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lean.compute_logits(got), drafter.compute_logits(want), atol=1e-5, rtol=1e-5)
+    aux = torch.randn(1, T, len(c.aux_layers), c.target_hidden_size, generator=g)
+    torch.testing.assert_close(lean.project(aux), drafter.project(aux), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-6, rtol=1e-6)
 
 
@@ -302,14 +305,15 @@ def test_lean_decoding_equals_eager(tiny_models):
 
 
 # --- the lean target layers (FastDecoder(target_layers="lean"/"lean-math")) -----------------------------------------
-@pytest.mark.parametrize("attention", ["sdpa", "math"])
+@pytest.mark.parametrize("attention,fuse_rows", [("sdpa", 0), ("math", 0), ("math", 16)])
 @pytest.mark.parametrize("mt", TYPES)
-def test_lean_target_forward_equals_model(tiny_models, mt, attention):
+def test_lean_target_forward_equals_model(tiny_models, mt, attention, fuse_rows):
     """hstap.lean_target (fused q/k/v and gate/up, rotary tables, one grouped attention call) is the model's forward
     for the Llama family (Qwen2's biases, Qwen3's q/k norms); DeepSeek-V3 keeps its own layers after one line."""
     target = tiny_models[mt]
     said: list[str] = []
-    fd = FastDecoder(target, max_len=64, target_layers="lean", attention=attention, log=said.append)
+    fd = FastDecoder(target, max_len=64, target_layers="lean", attention=attention, fuse_rows=fuse_rows,
+                     log=said.append)
     assert fd.unsupported is None
     if mt == "deepseek_v3":
         assert fd.lt is None and len(said) == 1 and "model type 'deepseek_v3'" in said[0], said
@@ -322,14 +326,15 @@ def test_lean_target_forward_equals_model(tiny_models, mt, attention):
     torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mt,attention", [("llama", "sdpa"), ("qwen2", "math")])
-def test_lean_target_decoding_equals_eager(tiny_models, mt, attention):
+@pytest.mark.parametrize("mt,attention,fuse_rows", [("llama", "sdpa", 0), ("qwen2", "math", 8)])
+def test_lean_target_decoding_equals_eager(tiny_models, mt, attention, fuse_rows):
     """Every method over the lean target layers (and the lean drafter) gives speculate.py's tokens and acceptance."""
     target = tiny_models[mt]
     prompt = _prompt(target.vocab_size, 8, seed=6)
     ref, _ = target_generate(target, prompt, 32)
     oracle = oracle_drafter(target, prompt + ref, second=range(len(prompt) + 1, len(prompt) + 32, 2))
-    fd = FastDecoder(target, oracle, max_len=64, target_layers="lean", lean=True, attention=attention)
+    fd = FastDecoder(target, oracle, max_len=64, target_layers="lean", lean=True, attention=attention,
+                     fuse_rows=fuse_rows)
     assert fd.lt is not None
     assert fd.target_generate(prompt, 32)[0] == ref
     assert fd.ngram_generate(prompt, 32, k=3)[0] == ngram_generate(target, prompt, 32, k=3)[0] == ref
