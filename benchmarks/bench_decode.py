@@ -19,7 +19,7 @@ Variants (VARIANTS; --variants for target-only decoding, --spec-variants for the
 engine's default path, `cdt` = gpt-fast's inductor settings (fastdecode.INDUCTOR_CDT), `lean` = the lean draft step
 (FastDecoder(lean=True)), `lean+cdt` both, `leant(+cdt)` also the lean target layers (target_layers="lean"),
 `leanm+cdt` that with both lean paths attending as matrix products (attention="math"), `fused+cdt` that with the
-products of up to 8 rows written as fused reductions (fuse_rows=8). The first spec variant runs every --chains length and --trees shape; the
+products of up to 8 rows written as fused reductions (fuse_rows=8): fastdecode.FUSED, `hstap eval --kernels fused`. The first spec variant runs every --chains length and --trees shape; the
 others run target-only and the headline chain (k = --k) for the comparison. Nothing is picked: every row is printed.
 
 Speculative runs are lossless-exact by default: target and drafter in fp32 (--spec-dtype, the eval's convention;
@@ -131,7 +131,7 @@ VARIANTS = {"base": {}, "cdt": {"inductor": "cdt"}, "lean": {"lean": True}, "lea
             "leant": {"lean": True, "target_layers": "lean"},
             "leant+cdt": {"inductor": "cdt", "lean": True, "target_layers": "lean"},
             "leanm+cdt": {"inductor": "cdt", "lean": True, "target_layers": "lean", "attention": "math"},
-            "fused+cdt": {"inductor": "cdt", "lean": True, "target_layers": "lean", "attention": "math", "fuse_rows": 8}}
+            "fused+cdt": {"fused": True}}
 
 
 def variant_kw(name: str) -> dict:
@@ -139,7 +139,11 @@ def variant_kw(name: str) -> dict:
 
     if name not in VARIANTS:
         raise SystemExit(f"bench_decode.py: --variants: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
+    from hstap.fastdecode import FUSED
+
     kw = dict(VARIANTS[name])
+    if kw.pop("fused", False):
+        kw = dict(FUSED)  # what `hstap eval --kernels fused` runs
     if kw.get("inductor") == "cdt":
         kw["inductor"] = INDUCTOR_CDT
     return kw

@@ -45,7 +45,7 @@ import torch
 
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, write_run_config
 from hstap.console import Progress
-from hstap.fastdecode import FastDecoder, latency_model
+from hstap.fastdecode import FUSED, FastDecoder, latency_model
 from hstap.plots import acceptance_plot
 from hstap.speculate import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
 
@@ -92,6 +92,9 @@ class EvalConfig:
     engine: str = field(default="auto", metadata={"choices": ["auto", "fast", "eager"]})
     """Decoder: fast (static KV caches, CUDA graphs: hstap.fastdecode), eager (hstap.speculate), auto = fast on CUDA,
     eager on the CPU. Every method runs on the same one."""
+    kernels: str = field(default="standard", metadata={"choices": ["standard", "fused"]})
+    """Fast engine's kernels: standard (the model's own layers, SDPA) or fused (hstap.fastdecode.FUSED: lean layers,
+    fused reductions, tuned compilation: faster decoding, minutes of compilation per method)."""
 
     def __post_init__(self):
         for name, lo in (("k", 1), ("topk", 1), ("depth", 1), ("tokens", 2), ("max_new_tokens", 1)):
@@ -105,7 +108,8 @@ class EvalConfig:
         if self.tie_tol is not None and self.tie_tol < 0:
             raise HstapError(f"--tie-tol: must be >= 0, got {self.tie_tol}")
         for name, choices in (("mode", ("chain", "tree")), ("baseline", ("none", "ngram")),
-                              ("dtype", ("auto", "fp32", "bf16")), ("engine", ("auto", "fast", "eager"))):
+                              ("dtype", ("auto", "fp32", "bf16")), ("engine", ("auto", "fast", "eager")),
+                              ("kernels", ("standard", "fused"))):
             if getattr(self, name) not in choices:
                 raise HstapError(f"--{name}: expected one of {', '.join(choices)}, got {getattr(self, name)!r}")
         self.target, self.data, self.out = (os.path.abspath(p) for p in (self.target, self.data, self.out))
@@ -277,7 +281,7 @@ def decoders(cfg: EvalConfig, target, drafter, prompts, eos) -> tuple[str, dict]
     dec = None
     if engine == "fast":
         longest = max(len(p) for _, p in prompts) + cfg.max_new_tokens + max(cfg.tokens, cfg.k, cfg.depth) + 2
-        dec = FastDecoder(target, drafter, max_len=longest)
+        dec = FastDecoder(target, drafter, max_len=longest, **(FUSED if cfg.kernels == "fused" else {}))
     tgt, ngram, spec = ((dec.target_generate, dec.ngram_generate, dec.speculative_generate) if dec else
                         (lambda *a: target_generate(target, *a), lambda *a: ngram_generate(target, *a),
                          lambda *a: speculative_generate(target, drafter, *a)))
@@ -349,6 +353,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         "method": primary, "tau": p["tau"], "per_position_acceptance": p.get("per_position_acceptance", []),
         "mean_accepted": p.get("mean_accepted"), "tokens_per_s": p["tokens_per_s"], "target_tokens_per_s": base,
         "speedup": p["speedup"], "predicted_speedup": p.get("predicted_speedup"), "engine": engine,
+        "kernels": cfg.kernels if engine == "fast" else None,
         "draft_s": p.get("draft_s"), "verify_s": p.get("verify_s"), "host_s": p.get("host_s"),
         "prefill_s": p.get("prefill_s"), "total_s": p["total_s"],
         "simulated_tau": sim_chain_tau(sim, cfg.k) if cfg.mode == "chain" else None,
@@ -465,7 +470,7 @@ def _markdown(cfg: EvalConfig, r: dict) -> str:
              f"{hw.get('gpu', hw['device'])} (torch {hw['torch']}, transformers {hw['transformers']})",
              "drafting: " + (f"chain k={cfg.k}" if cfg.mode == "chain" else
                               f"tree topk={cfg.topk} depth={cfg.depth} tokens={cfg.tokens}")
-             + f"; engine {r['engine']}", "",
+             + f"; engine {r['engine']}" + (f" ({r['kernels']} kernels)" if r.get("kernels") else ""), "",
              ("| method | tau | tokens/s | speedup | predicted | draft s | verify s | ms/round draft / verify / host "
               "| per-position acceptance |"),
              "|---|---|---|---|---|---|---|---|---|"]

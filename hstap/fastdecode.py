@@ -75,6 +75,14 @@ that it tunes and fuses with its neighbours, instead of a cuBLAS call ("our matr
 bandwidth with coordinate descent tuning": torch/_inductor/decomposition.py). Tuning costs compile time."""
 
 
+FUSED = {"lean": True, "target_layers": "lean", "attention": "math", "fuse_rows": 8, "inductor": INDUCTOR_CDT}
+"""FastDecoder options of the fused kernels (`hstap eval --kernels fused`): the lean drafter and target layers, math
+attention, few-row products as fused reductions, gpt-fast's inductor settings. Measured on the H200 (fp32, reference
+target, trained drafter, benchmarks/RESULTS.md): target-only 3,097 tok/s and chain-5 3,417 tok/s, against 1,380 and
+1,682 with the model's own layers and SDPA (whose fp32 one-query kernel costs ~60 us a layer); compiling a method's
+steps takes minutes (coordinate-descent tuning), outside the timings."""
+
+
 def choose(logits: torch.Tensor, temperature: float, gen) -> int:
     """One token from a (V,) logit row (the prefill's): argmax at T=0, else a sample of softmax(logits / T)."""
     if temperature == 0:

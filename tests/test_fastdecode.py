@@ -230,7 +230,8 @@ def test_unsupported_cache_falls_back_with_one_line(tiny_tokenizer, tmp_path):
         FastDecoder(target, graphs=True)
 
 
-def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys):
+@pytest.mark.parametrize("kernels", ["standard", "fused"])
+def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys, kernels):
     from hstap.evaluate import EvalConfig, evaluate
     from hstap.export import save_drafter
 
@@ -241,9 +242,10 @@ def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys):
                             for i, c in enumerate(["def parse(s):", "json.dumps"])))
     evaluate(EvalConfig(target=str(tiny_llama), drafter=str(tmp_path / "d"), data=str(data), out=str(tmp_path / "r"),
                         mode="tree", topk=2, depth=3, tokens=6, max_new_tokens=10, baseline="ngram", device="cpu",
-                        engine="fast"))
+                        engine="fast", kernels=kernels))
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     assert rep["engine"] == "fast" and rep["lossless"] is True and set(rep["methods"]) == {"target", "ngram", "eagle"}
+    assert rep["kernels"] == kernels and f"({kernels} kernels)" in (tmp_path / "r" / "report.md").read_text()
     for m in rep["methods"].values():
         assert m["verify_ms_per_round"] > 0 and m["host_ms_per_round"] >= 0
     assert rep["predicted_speedup"] == pytest.approx(
