@@ -27,7 +27,7 @@ TF32 stays off), every output compared token for token with target-only decoding
 hstap.evaluate.check_lossless (a near-tie when both tokens are within --tie-tol of the target's top logit).
 Latency models, per round from the measured costs: `model` = the issue's tau / (1 + D c_draft / c_verify) (D drafter
 forwards per round: a chain's k, a tree's depth; c_verify the verify forward of this method), `model+` =
-fastdecode.round_model, tau c_token / (D c_draft + c_verify + c_host), c_token the target-only per-token cost; the
+hstap.latency.round_model, tau c_token / (D c_draft + c_verify + c_host), c_token the target-only per-token cost; the
 latency_model_within_10pct check is on model+. Kernels per step: on CUDA the device kernels one run of the step
 launches (torch.profiler over the step run outside its graph), on the CPU its top-level aten ops.
 
@@ -241,7 +241,7 @@ def spec_methods(fd, args, full: bool, first: bool) -> dict:
 
 def run_method(fd, fn, depth, prompts, n: int) -> tuple[list, dict]:
     from hstap.evaluate import aggregate
-    from hstap.fastdecode import latency_model
+    from hstap.latency import latency_model
 
     before = set(fd.steps)
     _, warm = fn(prompts[0], min(n, 32))  # warm-up: capture, compilation
@@ -263,7 +263,8 @@ def speculative(ctx: dict, args, budget: Budget, variant: str, full: bool, store
     """The methods of one variant on the fast engine over ctx's prompts into store[variant] (budget permitting);
     ctx holds the target, drafter, prompts and, per variant, its FastDecoder and outputs across calls."""
     from hstap.evaluate import check_lossless
-    from hstap.fastdecode import FastDecoder, round_model
+    from hstap.fastdecode import FastDecoder
+    from hstap.latency import round_model
 
     n, target, prompts = args.new_tokens, ctx["target"], ctx["prompts"]
     if variant not in ctx:

@@ -45,7 +45,8 @@ import torch
 
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, write_run_config
 from hstap.console import Progress
-from hstap.fastdecode import FUSED, FastDecoder, latency_model
+from hstap.fastdecode import FUSED, FastDecoder
+from hstap.latency import latency_model
 from hstap.plots import acceptance_plot
 from hstap.speculate import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
 
@@ -93,8 +94,7 @@ class EvalConfig:
     """Decoder: fast (static KV caches, CUDA graphs: hstap.fastdecode), eager (hstap.speculate), auto = fast on CUDA,
     eager on the CPU. Every method runs on the same one."""
     kernels: str = field(default="standard", metadata={"choices": ["standard", "fused"]})
-    """Fast engine's kernels: standard (the model's own layers, SDPA) or fused (hstap.fastdecode.FUSED: lean layers,
-    fused reductions, tuned compilation: faster decoding, minutes of compilation per method)."""
+    """Fast engine: standard (the model's layers, SDPA) or fused (fastdecode.FUSED: faster steps, minutes to compile)."""
 
     def __post_init__(self):
         for name, lo in (("k", 1), ("topk", 1), ("depth", 1), ("tokens", 2), ("max_new_tokens", 1)):
@@ -353,9 +353,8 @@ def evaluate(cfg: EvalConfig) -> dict:
         "method": primary, "tau": p["tau"], "per_position_acceptance": p.get("per_position_acceptance", []),
         "mean_accepted": p.get("mean_accepted"), "tokens_per_s": p["tokens_per_s"], "target_tokens_per_s": base,
         "speedup": p["speedup"], "predicted_speedup": p.get("predicted_speedup"), "engine": engine,
-        "kernels": cfg.kernels if engine == "fast" else None,
+        "kernels": cfg.kernels if engine == "fast" else None, "prefill_s": p.get("prefill_s"), "total_s": p["total_s"],
         "draft_s": p.get("draft_s"), "verify_s": p.get("verify_s"), "host_s": p.get("host_s"),
-        "prefill_s": p.get("prefill_s"), "total_s": p["total_s"],
         "simulated_tau": sim_chain_tau(sim, cfg.k) if cfg.mode == "chain" else None,
         "simulated": sim,
         "lossless": (not failed) if T == 0 else None, "mismatches": mismatches,

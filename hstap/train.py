@@ -82,7 +82,7 @@ from hstap.batching import TrainBatches
 from hstap.common import HstapError, write_run_config
 from hstap.follow import FollowBatches, open_followed_store
 from hstap.model_dir import load_config, target_head
-from hstap.train_data import Feed, TrainData, build_data
+from hstap.train_data import Feed, TrainData, auto_ce_chunk, build_data
 from hstap.trainer import Schedule, Trainer, init_drafter
 from hstap.train_log import CURVES, MetricsLog, Throughput, draw_curves, print_summary, train_line
 from hstap.ttt import ttt_attention
@@ -170,14 +170,16 @@ class TrainConfig:
     """Compute dtype: bf16 = autocast with fp32 master weights (auto on CUDA); fp32 (auto on CPU)."""
     attn: str = field(default="auto", metadata={"choices": ["auto", "flex", "sdpa", "causal"]})
     """TTT attention: flex (auto on CUDA) and sdpa (auto on CPU) are exact; causal approximates (no TTT diagonal)."""
-    compile: bool = False
-    """torch.compile the midlayer's dense parts and the cross-entropy (CUDA; flex_attention is compiled anyway)."""
+    compile: bool = True
+    """torch.compile the midlayer's dense parts and the CE (CUDA only; flex is compiled anyway). H200, reference
+    drafter: 75.0 ms/step with auto CE chunks, 123.4 eager with 4,096 (benchmarks/RESULTS.md)."""
     fsdp: bool = False
     """Shard with FSDP2 (fully_shard) instead of DDP when running under torchrun."""
     workers: int = -1
     """DataLoader worker processes (-1 = 4 on CUDA, 0 on CPU)."""
-    ce_chunk: int = 4096
-    """Rows per chunk of the target head and of the fused lm_head + cross-entropy (memory vs. kernel size)."""
+    ce_chunk: int = 0
+    """Rows per chunk of the target head and of the fused lm_head + cross-entropy (memory vs. kernel size); 0 = auto:
+    16,384 when a chunk's target logits are at most 2^28 values (a vocab <= 16,384), else 4,096 (the 8B's setting)."""
     init_lm_head: bool = True
     """Initialise the drafter lm_head from the target lm_head's rows of the draft vocabulary."""
     seed: int = 0
@@ -208,13 +210,11 @@ class TrainConfig:
             raise HstapError(f"{w}: give --steps or --epochs, not both")
         if self.follow or self.consume or self.keep_shards is not None or self.replay_fraction:
             self._check_follow()
-        for name in ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "draft_vocab", "ce_chunk",
-                     "draft_layers"):
-            if getattr(self, name) < 1:
-                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "epochs"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise HstapError(f"{w}: --{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "draft_vocab",
+                     "draft_layers", "ce_chunk", "steps", "epochs"):
+            v, lo = getattr(self, name), 0 if name == "ce_chunk" else 1  # --ce-chunk 0: auto
+            if v is not None and v < lo:
+                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be >= {lo}, got {v}")
         if not 0.0 <= self.eval_frac < 1.0:
             raise HstapError(f"{w}: --eval-frac: must be in [0, 1), got {self.eval_frac}")
         if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -348,6 +348,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
     _check_run(cfg, run)
     hf_cfg = load_config(cfg.target)
+    if cfg.ce_chunk == 0:  # resolved before config.json is written: the run records the value it used
+        cfg.ce_chunk = auto_ce_chunk(int(hf_cfg.vocab_size))
     if cfg.follow:
         load_vocab_map(cfg.vocab_map or cfg.data)  # bad input fails before the store is claimed and waited for
         open_followed_store(cfg, run, rank)
@@ -390,7 +392,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
         plan = (f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} steps/epoch, "
                 f"{total} steps")
     D.print0(f"hstap train: {plan}, world {world}{' fsdp' if trainer.fsdp else ''}, "
-             f"{dev.type} {'bf16' if bf16 else 'fp32'}, attn {attn}, ttt {cfg.ttt}, draft vocab {data.d2t.numel()}, "
+             f"{dev.type} {'bf16' if bf16 else 'fp32'}{' compiled' if cfg.compile and cuda else ''}, attn {attn}, "
+             f"ttt {cfg.ttt}, draft vocab {data.d2t.numel()}, ce chunk {cfg.ce_chunk}, "
              f"aux layers {data.layers or 'final'}"
              + (f", resumed from {ckpt.name}" if ckpt else ""))
     D.print0(f"hstap train: TTT attention {attn}: {why}")

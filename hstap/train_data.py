@@ -109,6 +109,11 @@ def preflight(cfg, rank: int, dev: torch.device) -> None:
         raise err or HstapError(f"{cfg.store}: rank 0's pre-flight check failed (see its output)")
 
 
+def auto_ce_chunk(target_vocab: int) -> int:
+    """--ce-chunk 0: 16,384 rows when their target logits are at most 2^28 values, else 4,096 (TrainConfig.ce_chunk)."""
+    return 16384 if 16384 * target_vocab <= 1 << 28 else 4096
+
+
 def build_data(cfg, hf_cfg, rank: int, world: int, dev: torch.device, bf16: bool) -> TrainData:
     """Open the sources, select the layers, load or derive the vocab map and split the samples (`hf_cfg`: the
     target's HF config)."""
