@@ -19,8 +19,9 @@ Variants (VARIANTS; --variants for target-only decoding, --spec-variants for the
 engine's default path, `cdt` = gpt-fast's inductor settings (fastdecode.INDUCTOR_CDT), `lean` = the lean draft step
 (FastDecoder(lean=True)), `lean+cdt` both, `leant(+cdt)` also the lean target layers (target_layers="lean"),
 `leanm+cdt` that with both lean paths attending as matrix products (attention="math"), `fused+cdt` that with the
-products of up to 8 rows written as fused reductions (fuse_rows=8): fastdecode.FUSED, `hstap eval --kernels fused`. The first spec variant runs every --chains length and --trees shape; the
-others run target-only and the headline chain (k = --k) for the comparison. Nothing is picked: every row is printed.
+products of up to 8 rows written as fused reductions (fuse_rows=8): fastdecode.FUSED, `hstap eval --kernels fused`.
+The first spec variant runs every --chains length and --trees shape; the others run target-only and the headline
+chain (k = --k) for the comparison. Nothing is picked: every row is printed.
 
 Speculative runs are lossless-exact by default: target and drafter in fp32 (--spec-dtype, the eval's convention;
 TF32 stays off), every output compared token for token with target-only decoding; a mismatch is classified with
@@ -127,7 +128,8 @@ def prompts_for(target, tok, data: str | None, n: int) -> list[list[int]]:
     return [torch.randint(3, target.vocab_size, (24,), generator=g).tolist() for _ in range(n)]
 
 
-VARIANTS = {"base": {}, "cdt": {"inductor": "cdt"}, "lean": {"lean": True}, "lean+cdt": {"inductor": "cdt", "lean": True},
+VARIANTS = {"base": {}, "cdt": {"inductor": "cdt"}, "lean": {"lean": True},
+            "lean+cdt": {"inductor": "cdt", "lean": True},
             "leant": {"lean": True, "target_layers": "lean"},
             "leant+cdt": {"inductor": "cdt", "lean": True, "target_layers": "lean"},
             "leanm+cdt": {"inductor": "cdt", "lean": True, "target_layers": "lean", "attention": "math"},

@@ -19,8 +19,8 @@ Stages.
    target's default [1, 3, 4]; fp32 compute).
 3. train every variant side by side (PAR at a time) at EQUAL budget: EPOCHS epochs of BT tokens per step (2 x 32768,
    the issue's baseline), --eval-store = validation every EV steps; RUN/best = the checkpoint of the highest
-   validation sim_tau. Speed knobs applied to every variant alike: CE_CHUNK (rows per fused-CE chunk), COMPILE=1
-   (--compile). Selection uses validation figures only. A variant that runs out of GPU memory is trained again
+   validation sim_tau. Speed knobs applied to every variant alike: CE_CHUNK (rows per fused-CE chunk; empty: train's
+   auto), COMPILE=1 (--compile true; otherwise --compile false: eager, as these recipes were measured). Selection uses validation figures only. A variant that runs out of GPU memory is trained again
    afterwards, fewer at a time.
 4. replay (every variant, one process): chain-5 tau replayed on the NP eval prompts' answers with the best checkpoint
    (teacher-forced TTT evaluation + `hstap.ttt.replay_chain`; on the target's own greedy answers this is what chain
@@ -214,7 +214,7 @@ def capture(s: dict, W: Path) -> None:
 def train(s: dict, W: Path) -> dict[str, int]:
     T = Path(s["REF"]) / "target-tiny"
     sched = ["--steps", s["STEPS"]] if s["STEPS"] else ["--epochs", s["EPOCHS"]]
-    speed = (["--ce-chunk", s["CE_CHUNK"]] if s["CE_CHUNK"] else []) + (["--compile"] if s["COMPILE"] else [])
+    speed = (["--ce-chunk", s["CE_CHUNK"]] if s["CE_CHUNK"] else []) + ["--compile", str(s["COMPILE"]).lower()]
     jobs = []
     for name in s["names"]:
         flags, store = VARIANTS[name]

@@ -62,8 +62,7 @@ class EvalConfig:
     out: str
     """Report directory (report.json, report.md, acceptance.png, config.json)."""
     drafter: str | None = None
-    """Drafter: an hstap drafter dir, a training RUN (best/, else newest checkpoint) or an SGLang/vLLM export; unset =
-    baselines only."""
+    """Drafter: an hstap drafter dir, a training RUN (best/, else newest) or an SGLang/vLLM export; unset: baselines."""
     mode: str = field(default="chain", metadata={"choices": ["chain", "tree"]})
     """Drafting: a chain of --k tokens, or an EAGLE-2 dynamic tree (--topk, --depth, --tokens)."""
     k: int = 5
@@ -94,7 +93,7 @@ class EvalConfig:
     """Decoder: fast (static KV caches, CUDA graphs: hstap.fastdecode), eager (hstap.speculate), auto = fast on CUDA,
     eager on the CPU. Every method runs on the same one."""
     kernels: str = field(default="standard", metadata={"choices": ["standard", "fused"]})
-    """Fast engine: standard (the model's layers, SDPA) or fused (fastdecode.FUSED: faster steps, minutes to compile)."""
+    """Fast engine: standard (the model's layers, SDPA) or fused (fastdecode.FUSED: faster steps, long compiles)."""
 
     def __post_init__(self):
         for name, lo in (("k", 1), ("topk", 1), ("depth", 1), ("tokens", 2), ("max_new_tokens", 1)):
@@ -277,8 +276,9 @@ def aggregate(per: list[dict]) -> dict:
 def decoders(cfg: EvalConfig, target, drafter, prompts, eos) -> tuple[str, dict]:
     """(engine name, {method: fn(prompt, generator, max_new) -> (output, stats)}) for --engine."""
     engine = cfg.engine if cfg.engine != "auto" else ("fast" if target.device.type == "cuda" else "eager")
-    T = cfg.temperature
-    dec = None
+    T, dec = cfg.temperature, None
+    if cfg.kernels == "fused" and engine != "fast":
+        print("hstap eval: --kernels fused applies to the fast engine only: the eager one runs", file=sys.stderr)
     if engine == "fast":
         longest = max(len(p) for _, p in prompts) + cfg.max_new_tokens + max(cfg.tokens, cfg.k, cfg.depth) + 2
         dec = FastDecoder(target, drafter, max_len=longest, **(FUSED if cfg.kernels == "fused" else {}))

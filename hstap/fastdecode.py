@@ -80,8 +80,9 @@ FUSED = {"lean": True, "target_layers": "lean", "attention": "math", "fuse_rows"
 """FastDecoder options of the fused kernels (`hstap eval --kernels fused`): the lean drafter and target layers, math
 attention, few-row products as fused reductions, gpt-fast's inductor settings. Measured on the H200 (fp32, reference
 target, trained drafter, benchmarks/RESULTS.md): target-only 3,097 tok/s and chain-5 3,417 tok/s, against 1,380 and
-1,682 with the model's own layers and SDPA (whose fp32 one-query kernel costs ~60 us a layer); compiling a method's
-steps takes minutes (coordinate-descent tuning), outside the timings."""
+1,682 with the lean layers attending through SDPA (whose fp32 one-query kernel costs ~60 us a layer) and 1,374 and
+1,577 with the model's own layers; compiling a method's steps takes minutes (coordinate-descent tuning), outside the
+timings. fuse_rows is meant for compiled steps: run eagerly, its products materialise rows x weight."""
 
 
 def choose(logits: torch.Tensor, temperature: float, gen) -> int:

@@ -1,11 +1,11 @@
-"""The target's decoder layers with fewer kernels per step, for the fast decoder (hstap.fastdecode, `lean=True`): the
-same function as the HF layers that `fast_steps.run_target` calls, on the same weights, up to rounding.
+"""The target's decoder layers with fewer kernels per step, for the fast decoder (hstap.fastdecode,
+`target_layers="lean"`): the same function as the HF layers that `fast_steps.run_target` calls, on the same weights,
+up to rounding.
 
 For the Llama family (llama, mistral, qwen2, qwen3: RMSNorm, rotary, grouped-query attention, SwiGLU MLP; Qwen2's
 q/k/v biases, Qwen3's per-head q/k norms). On a small target a decoding step is bound by its kernel count, not its
 bytes, and the HF layer spends kernels on generality:
-    q/k/v       one GEMM over one fused weight instead of three (the layer's own q/k/v weights become views of
-                that fused tensor: the same values, no second copy of the model);
+    q/k/v       one GEMM over one fused weight instead of three (a copy: the model itself is left untouched);
     gate/up     likewise, one GEMM instead of two;
     rotary      cos/sin read from tables built once per cache size by the model's own rotary module (the HF forward
                 recomputes them on every step);
@@ -19,8 +19,8 @@ reductions fused with the norms and activations around them, as it does for a on
 would fuse with nothing. Measured on the H200 (benchmarks/RESULTS.md): in fp32 the SDPA call of a one-token step is
 the memory-efficient kernel at ~60 us, most of a reference-target decoding step.
 
-`lean_target(target, S)` returns None for any other layer structure (the caller keeps the HF layers); the fast
-decoder also checks the result against Target.capture before using it.
+`lean_target(target, S)` returns (None, why) for any other layer structure or a length-dependent rotary (dynamic,
+longrope) and the caller keeps the HF layers; the fast decoder also checks the result against Target.capture.
 """
 
 from __future__ import annotations
@@ -37,20 +37,13 @@ def _rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several Linear layers of one input; each layer's parameters become views of it."""
-    w = torch.cat([m.weight.data for m in linears])  # (sum out, in)
+    """One weight (and bias) for several Linear layers of one input: copies (the model is left as it is, so decoders
+    built on it before keep valid graphs; the cost is a second copy of these weights, ~70% of a Llama's)."""
+    w = torch.cat([m.weight.detach() for m in linears])  # (sum out, in)
     has_bias = [m.bias is not None for m in linears]
     if any(has_bias) and not all(has_bias):
         raise ValueError("mixed biases")
-    b = torch.cat([m.bias.data for m in linears]) if all(has_bias) else None
-    i = 0
-    for m in linears:
-        n = m.weight.shape[0]
-        m.weight.data = w[i:i + n]
-        if b is not None:
-            m.bias.data = b[i:i + n]
-        i += n
-    return w, b
+    return w, (torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None)
 
 
 FUSE_MAX_BYTES = 16 << 20
@@ -101,6 +94,9 @@ def _supported(target) -> str | None:
         return f"model type {cfg.model_type!r} (lean layers: {', '.join(FAMILY)})"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r}"
+    rope = getattr(target.base.rotary_emb, "rope_type", "default")
+    if rope in ("dynamic", "longrope"):  # their frequencies depend on the sequence length: no fixed table
+        return f"rope_type {rope!r}"
     for i, layer in enumerate(target.layers):
         a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if a is None or m is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or \
@@ -126,7 +122,7 @@ class LeanTarget:
         with torch.no_grad():
             self.qkv = [_fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
                         for layer in target.layers]
-            self.gu = [_fuse([layer.mlp.gate_proj, layer.mlp.up_proj])[0] for layer in target.layers]
+            self.gu = [_fuse([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in target.layers]
         self.resize(max_len)
 
     @torch.no_grad()
@@ -174,7 +170,7 @@ class LeanTarget:
             o = attend(qg, c.keys, c.values, mg, self.scale, self.attention, g * fr)  # (1, nkv, g*T, hd)
             o = o.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
             h = h + linear(o, a.o_proj.weight, a.o_proj.bias, fr)  # (1, T, H)
-            gate, up = linear(layer.post_attention_layernorm(h), self.gu[i], None, fr).split(self.inter, dim=-1)
+            gate, up = linear(layer.post_attention_layernorm(h), *self.gu[i], fr).split(self.inter, dim=-1)
             h = h + linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias, fr)  # (1, T, H)
             if i in want:
                 grabbed[want[i]] = h

@@ -306,7 +306,7 @@ def test_lean_decoding_equals_eager(tiny_models):
     assert st["tau"] > 2  # the oracle's drafts were accepted: the argmax chain and the lean tree ran for real
 
 
-# --- the lean target layers (FastDecoder(target_layers="lean"/"lean-math")) -----------------------------------------
+# --- the lean target layers (FastDecoder(target_layers="lean"), attention "sdpa" or "math") --------------------------
 @pytest.mark.parametrize("attention,fuse_rows", [("sdpa", 0), ("math", 0), ("math", 16)])
 @pytest.mark.parametrize("mt", TYPES)
 def test_lean_target_forward_equals_model(tiny_models, mt, attention, fuse_rows):
@@ -346,3 +346,31 @@ def test_lean_target_decoding_equals_eager(tiny_models, mt, attention, fuse_rows
         assert out == eager == ref[:24], kw
         assert st["accept_counts"] == est["accept_counts"] and st["kv_moves"] == est["kv_moves"], kw
     assert st["tau"] > 2 and st["kv_moves"] > 0  # drafts were accepted, through second children
+
+
+def test_lean_target_keeps_biases_and_leaves_the_model_alone():
+    """A Llama with q/k/v/o and MLP biases (random, non-zero): the lean layers keep every bias; the model's own
+    weights are not touched (a decoder built on it before keeps valid pointers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hstap.target import Target
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, attention_bias=True, mlp_bias=True, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    target = Target(model)
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    said: list[str] = []
+    fd = FastDecoder(target, max_len=32, target_layers="lean", log=said.append)
+    assert fd.lt is not None and not said, said
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    prompt = _prompt(96, 7, seed=2)
+    logits, aux = fd._prefill(prompt, (0, 1))
+    ref_logits, ref_aux = target_forward(target, torch.tensor([prompt]), [0, 1], new_cache())
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)

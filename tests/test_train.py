@@ -73,6 +73,9 @@ def test_offline_training_learns_and_checkpoints(assets, tmp_path, capsys):
     opt = load_file(str(run / "checkpoints" / "step_00000024" / "optimizer.safetensors"))
     assert {k.split(".", 2)[2] for k in opt} == {"exp_avg", "exp_avg_sq", "step"}
     assert float(opt["state.0.step"]) == 24.0
+    conf = json.loads((run / "config.json").read_text())  # --ce-chunk 0 (auto) is recorded as the value it resolved to
+    vocab = json.loads((assets["target"] / "config.json").read_text())["vocab_size"]
+    assert conf["config"]["ce_chunk"] == (16384 if vocab <= 16384 else 4096) and "ce chunk 16384" in printed
 
     # The checkpoint is an hstap drafter; the vocab map derived from the store's counts is the prepared set's.
     from hstap.vocab import load_vocab_map
