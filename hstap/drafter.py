@@ -197,9 +197,13 @@ def new_drafter_cache(drafter):
     return DrafterCache() if n == 1 else LayerCaches(n)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rotary embedding of q and k (HF's rotate_half convention); cos/sin broadcast over the head axis."""
+    def half(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    return q * cos + half(q) * sin, k * cos + half(k) * sin
 
 
 class Attention(nn.Module):
@@ -221,7 +225,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return (*rotate(q, k, cos, sin), v)
 
     def attend(self, q, k, v, cache: DrafterCache | None, mask) -> torch.Tensor:
         """Attention over cache + new keys -> (B, T, nh*hd), before o_proj."""

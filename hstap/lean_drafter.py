@@ -22,13 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hstap.drafter import Eagle3Drafter
+from hstap.drafter import Eagle3Drafter, rotate
 from hstap.lean_target import attend, linear
-
-
-def _rotate(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class LeanDrafter:
@@ -85,7 +80,7 @@ class LeanDrafter:
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (1, nh, T, hd)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (1, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
-        q, k = q * cos + _rotate(q) * sin, k * cos + _rotate(k) * sin
+        q, k = rotate(q, k, cos, sin)
         keys, values = cache.append(k, v)  # (1, nkv, S, hd)
         qg = q.reshape(B, nkv, g * T, hd)  # query head i*g+j (kv head i) -> rows j*T..j*T+T-1 of group i
         mask = attn_mask.expand(g, T, attn_mask.shape[-1]).reshape(g * T, -1)  # (g*T, S)

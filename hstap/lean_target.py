@@ -28,12 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hstap.drafter import rotate
+
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def _rotate(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -159,7 +156,7 @@ class LeanTarget:
             if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, T, hd)
-            q, k = q * cos + _rotate(q) * sin, k * cos + _rotate(k) * sin
+            q, k = rotate(q, k, cos, sin)
             if not c.is_initialized:
                 c.lazy_initialization(k, v)
             slots = c.cumulative_length + ar  # (T,)
