@@ -73,8 +73,12 @@ def select_layers(spec: str, available: list[int] | None, num_layers: int) -> tu
 
 def _vocab_map(cfg, store, V: int) -> tuple[torch.Tensor, torch.Tensor, str]:
     """--vocab-map, else --data's, else the one capture copied into the store (the vocabulary chosen at prepare),
-    else one built from the store's loss-masked token counts (--draft-vocab)."""
+    else one built from the store's loss-masked token counts (--draft-vocab, 32000 when unset). A --draft-vocab that
+    differs from the size of the prepared or stored map builds the top N from the store's counts instead (never
+    ignored); one that differs from an explicit --vocab-map, or from --data's map with no store to count, is an
+    error."""
     from hstap.vocab import build_vocab_map, load_store_vocab_map, load_vocab_map
+    want = cfg.draft_vocab  # 0: the map's own size
     src = cfg.vocab_map or cfg.data
     stored = load_store_vocab_map(store.path, store.header) if not src and store is not None else None
     if src:
@@ -83,8 +87,16 @@ def _vocab_map(cfg, store, V: int) -> tuple[torch.Tensor, torch.Tensor, str]:
         d2t, t2d, p = stored
         src = f"{p} (the prepared set's, copied by capture)"
     else:
-        d2t, t2d = (torch.from_numpy(a) for a in build_vocab_map(store.token_counts(V), min(cfg.draft_vocab, V)))
-        src = f"{cfg.store} (loss-masked token counts)"
+        d2t = None
+    if d2t is not None and want and d2t.numel() != min(want, V):
+        if cfg.vocab_map or store is None:
+            raise HstapError(f"train: --draft-vocab {want}: the vocab map of {src} has {d2t.numel()} draft ids (give "
+                             f"a map of {want} ids, or leave --draft-vocab unset)")
+        d2t = None  # the prepared set's size was not what this run asks for: the store's counts decide
+    if d2t is None:
+        n = min(want or 32000, V)
+        d2t, t2d = (torch.from_numpy(a) for a in build_vocab_map(store.token_counts(V), n))
+        src = f"{cfg.store} (the top {n} of its loss-masked token counts)"
     if t2d.numel() != V:
         raise HstapError(f"{src}: vocab map covers {t2d.numel()} ids, the target has {V}")
     return d2t.long(), t2d.bool(), str(src)

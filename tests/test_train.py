@@ -310,3 +310,30 @@ def test_the_prepared_draft_vocab_carries_through_capture_to_train(assets, tmp_p
     (tampered / "vocab_map.safetensors").write_bytes((tmp_path / "vm.safetensors").read_bytes())
     with pytest.raises(HstapError, match="sha256 differs"):
         drafter_vocab("t", store=str(tampered))
+
+
+def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
+    """--draft-vocab N unlike the store's (prepared) map of 96: the top N of the store's counts, recorded in
+    config.json; unlike an explicit --vocab-map: one error, before the run exists; unset: the map's own size."""
+    from hstap.export import load_drafter
+    from hstap.store.reader import open_store
+    from hstap.vocab import build_vocab_map, load_vocab_map
+
+    def run(out, **kw):
+        train(_cfg(assets, tmp_path / out, steps=1, eval_frac=0.0, **kw))
+        d, _ = load_drafter(tmp_path / out)
+        return d, json.loads((tmp_path / out / "config.json").read_text())["config"]
+
+    d, conf = run("unset")
+    assert d.config.draft_vocab_size == 96 and conf["draft_vocab"] == 96  # the resolved size is recorded
+    d, conf = run("fifty", draft_vocab=50)
+    st = open_store(assets["store"])
+    V = d.t2d.numel()
+    want_d2t, _ = build_vocab_map(st.token_counts(V), 50)  # the store's own loss-masked counts decide
+    assert d.config.draft_vocab_size == 50 and conf["draft_vocab"] == 50
+    assert torch.equal(d.d2t.cpu(), torch.from_numpy(want_d2t))
+    prepared_d2t, _ = load_vocab_map(str(assets["prepared"]))
+    assert prepared_d2t.numel() == 96  # the prepared map was there, and was not used
+    with pytest.raises(HstapError, match="--draft-vocab 60: the vocab map of .* has 96 draft ids"):
+        run("conflict", draft_vocab=60, vocab_map=str(assets["prepared"]))
+    assert not (tmp_path / "conflict").exists()
