@@ -1,5 +1,6 @@
 """The GPU benchmarks' CPU smoke modes run end to end: bench_train.py --tiny (both shapes, profile) and
-quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter)."""
+quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter);
+bench_ngram.py on a few streams (its index and its scan propose the same drafts)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def test_bench_ngram_small():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_ngram
+    finally:
+        sys.path.pop(0)
+    out = bench_ngram.main(["--streams", "3", "--repeat", "1", "--prompt", "40", "--new", "30", "--vocab", "6"])
+    assert out["same_drafts"] and out["rounds"] >= 30 and out["scan_us_per_round"] > 0 < out["index_us_per_round"]
 
 
 def test_bench_train_tiny_both_shapes():

@@ -12,7 +12,7 @@ import torch
 
 from hstap.common import HstapError
 from hstap.drafter import DrafterCache
-from hstap.speculate import (drafter_extend, new_cache, ngram_generate, ngram_propose, prefill, spec_step,
+from hstap.speculate import (NgramIndex, drafter_extend, new_cache, ngram_generate, ngram_propose, prefill, spec_step,
                              speculative_generate, target_forward, target_generate)
 from tests._speculate_fixtures import (StubDrafter, StubTarget, chi2_pvalue, load_tiny_target, oracle_drafter,
                                        random_drafter, random_prompts)
@@ -293,6 +293,30 @@ def test_ngram_propose():
     assert ngram_propose([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]  # 3-gram match, continuation runs into the suffix
     assert ngram_propose([1, 2, 9, 1, 2, 3, 4, 2], 2) == [3, 4]  # latest 1-gram match of "2" is at index 4
     assert ngram_propose([1, 2, 3], 4) == []
+
+
+def test_ngram_index_grown_token_by_token_equals_a_full_scan():
+    """NgramIndex extended round by round (as the decoders do) proposes what a scan of the whole list finds, at every
+    length, for every n-gram order and draft length."""
+    def scan(ids, k, max_ngram):  # the definition: the latest earlier window equal to the last n tokens
+        for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+            hits = [j for j in range(len(ids) - n) if ids[j:j + n] == ids[-n:]]
+            if hits:
+                return ids[hits[-1] + n:hits[-1] + n + k]
+        return []
+
+    g = torch.Generator().manual_seed(0)
+    for max_ngram in (1, 2, 3):
+        ids = torch.randint(0, 4, (120,), generator=g).tolist()  # 4 symbols: many repeats, many orders matched
+        index, at = NgramIndex(max_ngram, ids[:1]), 1
+        while at < len(ids):
+            step = int(torch.randint(1, 4, (1,), generator=g))  # rounds append 1-3 tokens
+            index.extend(ids[at:at + step])
+            at = min(at + step, len(ids))
+            for k in (1, 3, 5):
+                assert index.propose(k) == scan(ids[:at], k, max_ngram)
+    with pytest.raises(HstapError, match="max_ngram must be >= 1"):
+        NgramIndex(0)
 
 
 def test_bad_arguments(tiny):
