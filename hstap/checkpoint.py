@@ -17,8 +17,10 @@ from hstap import dist as D
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir
 from hstap.drafter import Eagle3Drafter
 
-RESUME_KEYS = ("world_size", "grad_accum", "batch_tokens", "seed", "ttt", "eval_frac")
-"""Run settings a resume must repeat: they decide the data order, the global batch and the model's shape."""
+RESUME_KEYS = ("world_size", "grad_accum", "batch_tokens", "seed", "ttt", "eval_frac", "lr", "warmup_ratio",
+               "min_lr_ratio")
+"""Run settings a resume must repeat: they decide the data order, the global batch, the model's shape and the learning
+rate schedule (whose defaults changed in the eighth session: a run started before resumes only with its own values)."""
 
 
 def complete(run: Path) -> list[Path]:

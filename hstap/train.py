@@ -107,9 +107,10 @@ class TrainConfig:
     vocab_map: str | None = None
     """vocab_map.safetensors (or a prepared dir) with d2t/t2d; default: --data's, else the store's (the prepared set's
     map, copied by capture), else derived from the store's token counts (--draft-vocab)."""
-    draft_vocab: int = 32000
-    """Draft vocabulary size when the map is derived from the store's token counts (a store without a vocab map: top
-    loss-masked tokens; clamped to V)."""
+    draft_vocab: int = 0
+    """Draft vocabulary size. 0: the vocab map's (--vocab-map, --data's, else the store's), or 32000 when derived from
+    the store's loss-masked token counts (a store without a map). N > 0 unlike the prepared or stored map's size: the
+    top N of the store's counts (clamped to V); unlike an explicit --vocab-map's: an error."""
     aux_layers: str = ""
     """fc inputs: '' = the store's layers (online: [1, N//2-1, N-4]); 'final' = final state only (EAGLE-1-style); or a
     comma list of canonical ids (offline: a subset of the store's layers)."""
@@ -132,12 +133,12 @@ class TrainConfig:
     draft_layers: int = 1
     """Drafter decoder layers: 1 = the EAGLE-3 midlayer alone; N > 1 adds N-1 plain Llama layers (vLLM export)."""
     lr: float = 2e-3
-    """Peak learning rate (AdamW). 2e-3 measured best on the reference target's drafter (H=384; 2 epochs x 32,768
-    tokens/step, chain-5 tau on 80 held-out prompts: 2.608 vs 2.385 at 1e-3; at 64 steps 1.89 vs 1.64 at 1e-3 and 1.17
-    at 1e-4, benchmarks/RESULTS.md); not measured at wide shapes, where a lower rate (SpecForge: 1e-4) may be safer."""
-    min_lr_ratio: float = 0.0
-    """Cosine schedule floor as a fraction of --lr."""
-    warmup_ratio: float = 0.015
+    """Peak learning rate (AdamW): 2e-3 gave chain-5 tau 2.610 against 2.386 at 1e-3 on the reference drafter
+    (RESULTS.md); not measured at wide shapes, where a lower rate (SpecForge: 1e-4) may be safer."""
+    min_lr_ratio: float = 0.1
+    """Cosine schedule floor as a fraction of --lr. 0.1 with --warmup-ratio 0.05: the best schedule on validation
+    (RESULTS.md, eighth session; eval chain-5 tau 2.636 against 2.610 with 0.0 / 0.015)."""
+    warmup_ratio: float = 0.05
     """Linear warmup over this fraction of the steps."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -171,8 +172,7 @@ class TrainConfig:
     attn: str = field(default="auto", metadata={"choices": ["auto", "flex", "sdpa", "causal"]})
     """TTT attention: flex (auto on CUDA) and sdpa (auto on CPU) are exact; causal approximates (no TTT diagonal)."""
     compile: bool = True
-    """torch.compile the midlayer's dense parts and the CE (CUDA only; flex is compiled anyway). H200, reference
-    drafter: 75.0 ms/step with auto CE chunks, 123.4 eager with 4,096 (benchmarks/RESULTS.md)."""
+    """torch.compile the dense parts of the decoder layers and the CE (CUDA only; flex is compiled anyway): 1.6x."""
     fsdp: bool = False
     """Shard with FSDP2 (fully_shard) instead of DDP when running under torchrun."""
     workers: int = -1
@@ -212,7 +212,7 @@ class TrainConfig:
             self._check_follow()
         for name in ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "draft_vocab",
                      "draft_layers", "ce_chunk", "steps", "epochs"):
-            v, lo = getattr(self, name), 0 if name == "ce_chunk" else 1  # --ce-chunk 0: auto
+            v, lo = getattr(self, name), 0 if name in ("ce_chunk", "draft_vocab") else 1  # 0: auto
             if v is not None and v < lo:
                 raise HstapError(f"{w}: --{name.replace('_', '-')}: must be >= {lo}, got {v}")
         if not 0.0 <= self.eval_frac < 1.0:
@@ -348,12 +348,12 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
     _check_run(cfg, run)
     hf_cfg = load_config(cfg.target)
-    if cfg.ce_chunk == 0:  # resolved before config.json is written: the run records the value it used
-        cfg.ce_chunk = auto_ce_chunk(int(hf_cfg.vocab_size))
+    cfg.ce_chunk = cfg.ce_chunk or auto_ce_chunk(int(hf_cfg.vocab_size))  # resolved: config.json records it
     if cfg.follow:
         load_vocab_map(cfg.vocab_map or cfg.data)  # bad input fails before the store is claimed and waited for
         open_followed_store(cfg, run, rank)
     data = build_data(cfg, hf_cfg, rank, world, dev, bf16)
+    cfg.draft_vocab = int(data.d2t.numel())  # resolved, as ce_chunk
     embed, head = target_head(cfg.target)
     drafter = init_drafter(cfg, hf_cfg, data, embed, head)
     attn, why = ttt_attention(cfg.attn, dev.type, drafter.config.head_dim)

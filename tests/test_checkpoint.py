@@ -17,7 +17,8 @@ from hstap.common import HstapError
 from hstap.drafter import Eagle3Drafter
 from hstap.ttt import TTTModel, step_rows, target_distribution
 
-CONFIG = {"world_size": 1, "grad_accum": 1, "batch_tokens": 600, "seed": 0, "ttt": 2, "eval_frac": 0.0}
+CONFIG = {"world_size": 1, "grad_accum": 1, "batch_tokens": 600, "seed": 0, "ttt": 2, "eval_frac": 0.0, "lr": 2e-3,
+          "warmup_ratio": 0.05, "min_lr_ratio": 0.1}
 
 
 def _trained(steps: int = 2):
