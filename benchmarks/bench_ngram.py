@@ -7,9 +7,9 @@ the same token streams; both must propose the same drafts.
 
 Streams: --streams random token lists of --prompt + --new tokens over a --vocab-id vocabulary; a round appends 1-3
 tokens (an accepted draft prefix + the target's token), as n-gram decoding at tau ~2 does. Times: per round (lookup +
-the index's update, the index's build over the prompt spread over the rounds), median of --repeat passes over all streams. The n-gram lookup runs on the host between two
-verify forwards, so this time adds to each round (RESULTS.md: 0.211 ms a round on the H200 host with the scan).
-Prints a short table, then one JSON line.
+the index's update, the index's build over the prompt spread over the rounds), median of --repeat passes over all
+streams. The n-gram lookup runs on the host between two verify forwards, so this time adds to each round (RESULTS.md:
+0.211 ms a round on the H200 host with the scan). Prints a short table, then one JSON line.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from hstap import dist as D
@@ -100,8 +101,14 @@ def load(ckpt: Path, config: dict, drafter: Eagle3Drafter) -> dict:
     state = json.loads((ckpt / "trainer_state.json").read_text())
     for k in RESUME_KEYS:
         if state["config"][k] != config[k]:
-            raise HstapError(f"{ckpt}/trainer_state.json: {k} was {state['config'][k]}; resume with the same value")
-    missing, unexpected = drafter.load_state_dict(load_file(str(ckpt / "drafter.safetensors")), strict=False)
+            flag = "the number of ranks" if k == "world_size" else "--" + k.replace("_", "-")
+            raise HstapError(f"{ckpt}/trainer_state.json: {k} was {state['config'][k]}; resume with the same value "
+                             f"({flag})")
+    weights = load_file(str(ckpt / "drafter.safetensors"))
+    if any(n in weights and not torch.equal(weights[n].cpu(), getattr(drafter, n).cpu()) for n in ("d2t", "t2d")):
+        raise HstapError(f"{ckpt}/drafter.safetensors: its draft vocabulary ({weights['d2t'].numel()} ids) is not this "
+                         f"run's ({drafter.d2t.numel()} ids); resume with the run's --draft-vocab / --vocab-map")
+    missing, unexpected = drafter.load_state_dict(weights, strict=False)
     if [k for k in missing if not k.startswith("rotary.")] or unexpected:
         raise HstapError(f"{ckpt}/drafter.safetensors: does not fit this drafter ({missing} / {unexpected})")
     return state

@@ -24,7 +24,7 @@ the target distributions ((rows, Vd) in the compute dtype) of --grad-accum micro
 Init: embedding copied from the target and frozen; lm_head = the target lm_head's rows of the draft vocabulary (the
 drafter starts out predicting what the target head would say on its state: faster early convergence; --no-init-lm-head
 for random); the rest PyTorch's default init under --seed. AdamW (0.9, 0.95), eps 1e-8; linear warmup over
---warmup-ratio, then cosine to --min-lr-ratio * lr (default 0, as SpecForge/EAGLE); clipping at --grad-clip. CUDA:
+--warmup-ratio, then cosine to --min-lr-ratio * lr (default 0.1; SpecForge/EAGLE: 0); clipping at --grad-clip. CUDA:
 fp32 master weights, bf16 autocast, bf16 target head, flex_attention with the exact TTT block mask. CPU: fp32, SDPA with
 the exact mask. The run log names the TTT attention kernel and why (`hstap.ttt.ttt_attention`: from the device and the
 head width, never the batches); if compiling flex_attention fails for a batch, that rank says so in one line and goes
@@ -82,11 +82,10 @@ from hstap.batching import TrainBatches
 from hstap.common import HstapError, write_run_config
 from hstap.follow import FollowBatches, open_followed_store
 from hstap.model_dir import load_config, target_head
-from hstap.train_data import Feed, TrainData, auto_ce_chunk, build_data
+from hstap.train_data import Feed, TrainData, auto_ce_chunk, build_data, follow_vocab_map
 from hstap.trainer import Schedule, Trainer, init_drafter
 from hstap.train_log import CURVES, MetricsLog, Throughput, draw_curves, print_summary, train_line
 from hstap.ttt import ttt_attention
-from hstap.vocab import load_vocab_map
 
 STATE_FORMAT = "hstap-trainer-state"
 TAU_DEFINITION = 2  # trainer_state.json: sim_tau = tokens per target forward, bonus token included (1: without it)
@@ -350,7 +349,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     hf_cfg = load_config(cfg.target)
     cfg.ce_chunk = cfg.ce_chunk or auto_ce_chunk(int(hf_cfg.vocab_size))  # resolved: config.json records it
     if cfg.follow:
-        load_vocab_map(cfg.vocab_map or cfg.data)  # bad input fails before the store is claimed and waited for
+        follow_vocab_map(cfg)  # bad input fails before the store is claimed and waited for
         open_followed_store(cfg, run, rank)
     data = build_data(cfg, hf_cfg, rank, world, dev, bf16)
     cfg.draft_vocab = int(data.d2t.numel())  # resolved, as ce_chunk

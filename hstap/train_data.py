@@ -71,14 +71,32 @@ def select_layers(spec: str, available: list[int] | None, num_layers: int) -> tu
     return want, [available.index(i) for i in want]
 
 
+def vocab_size_conflict(cfg, n: int, V: int, src) -> str | None:
+    """The error line when --draft-vocab asks for another size than the n-id map of src (None: no conflict)."""
+    want = cfg.draft_vocab  # 0: the map's own size
+    if not want or n == min(want, V):
+        return None
+    return (f"train: --draft-vocab {want}: the vocab map of {src} has {n} draft ids (give a map of {want} ids, or "
+            f"leave --draft-vocab unset)")
+
+
+def follow_vocab_map(cfg) -> None:
+    """--follow's map (--vocab-map or --data's) read and checked against --draft-vocab before the store is claimed:
+    a followed store is not complete, so its counts cannot decide the vocabulary."""
+    from hstap.vocab import load_vocab_map
+    d2t, t2d = load_vocab_map(cfg.vocab_map or cfg.data)
+    err = vocab_size_conflict(cfg, d2t.numel(), t2d.numel(), cfg.vocab_map or cfg.data)
+    if err:
+        raise HstapError(err)
+
+
 def _vocab_map(cfg, store, V: int) -> tuple[torch.Tensor, torch.Tensor, str]:
     """--vocab-map, else --data's, else the one capture copied into the store (the vocabulary chosen at prepare),
     else one built from the store's loss-masked token counts (--draft-vocab, 32000 when unset). A --draft-vocab that
-    differs from the size of the prepared or stored map builds the top N from the store's counts instead (never
-    ignored); one that differs from an explicit --vocab-map, or from --data's map with no store to count, is an
-    error."""
+    differs from the size of the prepared or stored map builds the top N from the store's counts instead (one printed
+    line; never ignored); one that differs from an explicit --vocab-map's, or with no complete store to count
+    (--online, --follow), is an error."""
     from hstap.vocab import build_vocab_map, load_store_vocab_map, load_vocab_map
-    want = cfg.draft_vocab  # 0: the map's own size
     src = cfg.vocab_map or cfg.data
     stored = load_store_vocab_map(store.path, store.header) if not src and store is not None else None
     if src:
@@ -88,13 +106,15 @@ def _vocab_map(cfg, store, V: int) -> tuple[torch.Tensor, torch.Tensor, str]:
         src = f"{p} (the prepared set's, copied by capture)"
     else:
         d2t = None
-    if d2t is not None and want and d2t.numel() != min(want, V):
-        if cfg.vocab_map or store is None:
-            raise HstapError(f"train: --draft-vocab {want}: the vocab map of {src} has {d2t.numel()} draft ids (give "
-                             f"a map of {want} ids, or leave --draft-vocab unset)")
-        d2t = None  # the prepared set's size was not what this run asks for: the store's counts decide
+    err = vocab_size_conflict(cfg, d2t.numel(), V, src) if d2t is not None else None
+    if err and (cfg.vocab_map or store is None or cfg.follow):
+        raise HstapError(err)
+    if err:
+        D.print0(f"hstap train: --draft-vocab {cfg.draft_vocab}: not the {d2t.numel()} ids of {src}: the top "
+                 f"{min(cfg.draft_vocab, V)} of the store's loss-masked token counts instead")
+        d2t = None
     if d2t is None:
-        n = min(want or 32000, V)
+        n = min(cfg.draft_vocab or 32000, V)
         d2t, t2d = (torch.from_numpy(a) for a in build_vocab_map(store.token_counts(V), n))
         src = f"{cfg.store} (the top {n} of its loss-masked token counts)"
     if t2d.numel() != V:

@@ -61,6 +61,7 @@ def test_save_then_load_restores_weights_optimizer_and_rng_bitwise(tmp_path):
     assert sorted(p.name for p in ckpt.iterdir()) == ["drafter.json", "drafter.safetensors", "optimizer.safetensors",
                                                        "rng.safetensors", "trainer_state.json"]
     d2, params2, opt2 = _fresh()
+    d2.set_vocab_map(d.d2t, d.t2d)  # as train's init_drafter gives the resumed drafter the run's map
     state = checkpoint.load(ckpt, dict(CONFIG), d2)
     assert state["step"] == 2 and state["config"] == CONFIG and "rng" in state
     for (n, a), b in zip(d.state_dict().items(), d2.state_dict().values()):
@@ -85,6 +86,20 @@ def test_resume_must_repeat_the_runs_resume_keys(tmp_path):
     for k in checkpoint.RESUME_KEYS:
         with pytest.raises(HstapError, match=f"{k} was {CONFIG[k]}; resume with the same value"):
             checkpoint.load(ckpt, {**CONFIG, k: CONFIG[k] + 1}, _fresh()[0])
+
+
+def test_resume_into_another_draft_vocabulary_is_one_error(tmp_path):
+    d, params, opt = _trained(1)
+    _save(tmp_path, 1, d, params, opt)
+    (ckpt,) = checkpoint.complete(tmp_path)
+    d2 = _fresh()[0]
+    t2d = d.t2d.clone()  # (V,)
+    cold = torch.arange(t2d.numel())[~t2d][0]  # a cold id takes the first hot id's place: same size, other ids
+    t2d[int(d.d2t[0])], t2d[cold] = False, True
+    hot = torch.nonzero(t2d)[:, 0]  # (Vd,)
+    d2.set_vocab_map(hot - torch.arange(hot.numel()), t2d)
+    with pytest.raises(HstapError, match=r"drafter.safetensors: its draft vocabulary .* is not this run's"):
+        checkpoint.load(ckpt, dict(CONFIG), d2)
 
 
 def test_keep_prunes_to_the_newest_and_best_is_a_copy_without_optimizer(tmp_path):

@@ -288,7 +288,7 @@ def test_the_prepared_draft_vocab_carries_through_capture_to_train(assets, tmp_p
     assert rec == {"file": "vocab_map.safetensors", "sha256": sha256_bytes(copied), "size": 96}
 
     def drafter_vocab(out, **kw):
-        train(_cfg(assets, tmp_path / out, steps=1, eval_frac=0.0, **kw))  # draft_vocab stays at its 32000 default
+        train(_cfg(assets, tmp_path / out, steps=1, eval_frac=0.0, **kw))  # draft_vocab unset: the map's size
         d, meta = load_drafter(tmp_path / out)
         return d.config.draft_vocab_size, meta["vocab_map_sha256"]
 
@@ -334,6 +334,11 @@ def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
     assert torch.equal(d.d2t.cpu(), torch.from_numpy(want_d2t))
     prepared_d2t, _ = load_vocab_map(str(assets["prepared"]))
     assert prepared_d2t.numel() == 96  # the prepared map was there, and was not used
+    d, _ = run("data-map", draft_vocab=50, data=str(assets["prepared"]))  # --data's map of 96 ids: likewise
+    assert torch.equal(d.d2t.cpu(), torch.from_numpy(want_d2t))
     with pytest.raises(HstapError, match="--draft-vocab 60: the vocab map of .* has 96 draft ids"):
         run("conflict", draft_vocab=60, vocab_map=str(assets["prepared"]))
     assert not (tmp_path / "conflict").exists()
+    with pytest.raises(HstapError, match=r"drafter.safetensors: its draft vocabulary \(50 ids\) is not this run's "
+                                         r"\(96 ids\); resume with the run's --draft-vocab"):
+        train(_cfg(assets, tmp_path / "fifty", steps=2, eval_frac=0.0, resume=True))  # resumed without its flag
