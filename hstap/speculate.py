@@ -301,11 +301,6 @@ class NgramIndex:
         return []
 
 
-def ngram_propose(ids: list[int], k: int, max_ngram: int = 3) -> list[int]:
-    """Prompt lookup on a whole list at once (`NgramIndex(max_ngram, ids).propose(k)`)."""
-    return NgramIndex(max_ngram, ids).propose(k)
-
-
 @torch.no_grad()
 def ngram_generate(target, prompt_ids, max_new_tokens: int = 256, k: int = 5, max_ngram: int = 3,
                    temperature: float = 0.0, eos_ids=(), generator=None) -> tuple[list[int], dict]:

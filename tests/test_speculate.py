@@ -12,7 +12,7 @@ import torch
 
 from hstap.common import HstapError
 from hstap.drafter import DrafterCache
-from hstap.speculate import (NgramIndex, drafter_extend, new_cache, ngram_generate, ngram_propose, prefill, spec_step,
+from hstap.speculate import (NgramIndex, drafter_extend, new_cache, ngram_generate, prefill, spec_step,
                              speculative_generate, target_forward, target_generate)
 from tests._speculate_fixtures import (StubDrafter, StubTarget, chi2_pvalue, load_tiny_target, oracle_drafter,
                                        random_drafter, random_prompts)
@@ -290,9 +290,9 @@ def test_sampling_distribution_equals_target(kw, N):
 
 # --- small pieces and errors ------------------------------------------------------------------------------------------
 def test_ngram_propose():
-    assert ngram_propose([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]  # 3-gram match, continuation runs into the suffix
-    assert ngram_propose([1, 2, 9, 1, 2, 3, 4, 2], 2) == [3, 4]  # latest 1-gram match of "2" is at index 4
-    assert ngram_propose([1, 2, 3], 4) == []
+    assert NgramIndex(3, [5, 6, 7, 8, 9, 5, 6, 7]).propose(3) == [8, 9, 5]  # 3-gram match, runs into the suffix
+    assert NgramIndex(3, [1, 2, 9, 1, 2, 3, 4, 2]).propose(2) == [3, 4]  # latest 1-gram match of "2" is at index 4
+    assert NgramIndex(3, [1, 2, 3]).propose(4) == []
 
 
 def test_ngram_index_grown_token_by_token_equals_a_full_scan():
