@@ -339,6 +339,9 @@ def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
     with pytest.raises(HstapError, match="--draft-vocab 60: the vocab map of .* has 96 draft ids"):
         run("conflict", draft_vocab=60, vocab_map=str(assets["prepared"]))
     assert not (tmp_path / "conflict").exists()
+    with pytest.raises(HstapError, match="--draft-vocab 60: the vocab map of .* has 96 draft ids"):  # no store to count
+        run("online", draft_vocab=60, store=None, online=True, data=str(assets["prepared"]), aux_layers="1,3,4")
+    assert not (tmp_path / "online").exists()
     with pytest.raises(HstapError, match=r"drafter.safetensors: its draft vocabulary \(50 ids\) is not this run's "
                                          r"\(96 ids\); resume with the run's --draft-vocab"):
         train(_cfg(assets, tmp_path / "fifty", steps=2, eval_frac=0.0, resume=True))  # resumed without its flag
