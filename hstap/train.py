@@ -171,7 +171,7 @@ class TrainConfig:
     attn: str = field(default="auto", metadata={"choices": ["auto", "flex", "sdpa", "causal"]})
     """TTT attention: flex (auto on CUDA) and sdpa (auto on CPU) are exact; causal approximates (no TTT diagonal)."""
     compile: bool = True
-    """torch.compile the decoder layers' dense parts and the CE (CUDA only): 1.6x eager's tok/s at the reference shape."""
+    """torch.compile the decoder layers' dense parts and the CE (CUDA only): 1.6x eager's tok/s (reference shape)."""
     fsdp: bool = False
     """Shard with FSDP2 (fully_shard) instead of DDP when running under torchrun."""
     workers: int = -1
