@@ -13,6 +13,11 @@ the kept nodes are the best N-1 overall, ties again to the lower number, so a pa
 and numbered first) is kept before its child: ancestor-closed. At T > 0 only the chain is built here (children are
 Gumbel-top-1 draws from q, as speculate.py draws them); trees at T > 0 stay with the eager decoder.
 
+No sort or torch.topk kernel runs at T = 0: the children are `top_k` of the logits (their log-probs: minus the
+logsumexp, log_softmax's values up to rounding), the level fronts and kept nodes come from `ranks` (pairwise
+comparisons), the accepted path from a cumulative sum. On the H200 torch.topk took ~30-44 us a call for the one or two
+rows of a draft level, `top_k` 7-12 us (benchmarks/RESULTS.md, ninth session).
+
 Acceptance at T = 0: node i is good when its token is the target's argmax at its parent; the accepted nodes are those
 whose ancestors (itself included) are all good. Siblings carry distinct tokens (top-k of one distribution, mapped to
 distinct target ids), so at most one child of a node is good, and the accepted nodes are one path from the root:
@@ -71,12 +76,70 @@ def gumbel(u: torch.Tensor) -> torch.Tensor:
     return -(-u.clamp_min(1e-20).log()).log()
 
 
+def _one_pass_top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (f, V) -> (values, ids) (f, k): k max-with-index passes, each over x with the ids taken so far masked."""
+    ar = torch.arange(x.shape[-1], device=x.device)  # (V,)
+    vals, ids = [], []
+    masked = x
+    for j in range(k):
+        v, i = masked.max(-1, keepdim=True)  # (f, 1): the first id of the largest value
+        vals.append(v)
+        ids.append(i)
+        if j + 1 < k:
+            masked = masked.masked_fill(ar == i, float("-inf"))  # (f, V)
+    return torch.cat(vals, -1), torch.cat(ids, -1)
+
+
+TOPK_CHUNK = 128  # ids per first-stage block of top_k
+
+
+def top_k(x: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (f, V), finite -> its k largest values per row and their ids (f, k), descending, ties to the lower id.
+
+    Two stages over blocks of `chunk` ids (0: one stage): the top k of every block, then the top k of those (the k
+    largest of a row are among its blocks' top k). Under torch.compile a stage is a few small reductions over many
+    blocks in parallel, where one pass over a whole row runs in one thread block per row; torch.topk's radix select
+    took 32-44 us a call on the H200 for the one or two rows of a draft level (benchmarks/bench_rows.py).
+    Candidates stay in block order, so ties still go to the lower id."""
+    f, V = x.shape
+    c = chunk
+    if not c or V % c or V < 4 * c or k > c:
+        return _one_pass_top_k(x, k)
+    B = V // c
+    v, i = _one_pass_top_k(x.reshape(f * B, c), k)  # (f*B, k) each block's best, ids within the block
+    i = i + (torch.arange(f * B, device=x.device) % B * c)[:, None]  # (f*B, k) ids in the row
+    v, j = _one_pass_top_k(v.reshape(f, B * k), k)  # (f, k)
+    return v, i.reshape(f, B * k).gather(-1, j)
+
+
+def ranks(s: torch.Tensor) -> torch.Tensor:
+    """s (m,), finite -> each element's place in a stable descending sort (m,): a permutation of 0..m-1, ties to the
+    lower index. One small fused reduction over the m x m comparisons instead of a sort kernel."""
+    ar = torch.arange(s.shape[0], device=s.device)  # (m,)
+    ahead = (s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (ar[None, :] < ar[:, None]))  # (m, m): j before i
+    return ahead.sum(-1)
+
+
+def first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the first n True entries of mask (m,) bool, in order (n,); 0 where it has fewer."""
+    ar = torch.arange(mask.shape[0], device=mask.device)  # (m,)
+    at = mask.long().cumsum(0) - 1  # (m,) place of a True entry among the True ones
+    return ((at[None, :] == torch.arange(n, device=mask.device)[:, None]) & mask[None, :]).long().mul(ar).sum(-1)
+
+
+def best(s: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of the n largest of s (m,), finite, in descending order, ties to the lower index (a stable descending
+    sort's first n)."""
+    ar = torch.arange(s.shape[0], device=s.device)  # (m,)
+    return ((ranks(s)[None, :] == torch.arange(n, device=s.device)[:, None]) * ar).sum(-1)  # (n,)
+
+
 def _children(drafter, h: torch.Tensor, k: int, temperature: float, u: torch.Tensor | None):
     """h (f, H) -> top-k children per row: log-probs (f, k), draft ids (f, k), the distribution drawn from or None."""
     logits = drafter.compute_logits(h).float()  # (f, Vd)
     if temperature == 0:
-        lp, idx = torch.log_softmax(logits, -1).topk(k, -1)  # (f, k)
-        return lp, idx, None
+        top, idx = top_k(logits, k)  # (f, k): the order of log_softmax(logits), computed on the logits
+        return top - torch.logsumexp(logits, -1, keepdim=True), idx, None  # log-probs (f, k)
     q = torch.softmax(logits / temperature, -1)  # (f, Vd)
     logq = q.log()
     idx = (logq + gumbel(u)).topk(k, -1).indices  # Gumbel-top-k: draws without replacement, in order
@@ -116,8 +179,7 @@ def draft(drafter, dcache, h_last: torch.Tensor, root: torch.Tensor, start: torc
     base = 0
     for d in range(1, D):
         sc = scores[-1]  # (m,) this level's candidates, numbered base..base+m-1
-        order = rk if shape.chain else torch.sort(sc, descending=True, stable=True).indices[:k]  # (k,) best k,
-        # ties to the lower number (a chain level holds one node)
+        order = rk if shape.chain else best(sc, k)  # (k,) best k, ties to the lower number (a chain level: 1 node)
         own = fslot[None, :] == ((d - 1) * k + rk)[:, None]  # (k, F) each front node's own drafter slot
         if d == 1:
             anc = own
@@ -161,15 +223,16 @@ def draft_chain(drafter, dcache, h_last: torch.Tensor, root: torch.Tensor, start
 
 def _select(shape: TreeShape, root, tok, score, par, dep, q) -> dict:
     """Keep the best N-1 candidates (C,) by score, in number order, and build the node arrays and ancestor matrix."""
-    N, C, dev = shape.N, shape.C, tok.device
+    N, dev = shape.N, tok.device
     zero = torch.zeros(1, dtype=torch.long, device=dev)
     if shape.chain:  # every candidate is kept, each the child of the one before
         ar = torch.arange(N, device=dev)
         return {"tok": torch.cat([root.view(1), tok]), "parent": (ar - 1).clamp_min(0), "q": q,
                 "anc": torch.ones(N, N, dtype=torch.bool, device=dev).tril(), "depth": ar}
-    keep = torch.sort(score, descending=True, stable=True).indices[:N - 1].sort().values  # (N-1,)
-    inv = torch.zeros(C + 1, dtype=torch.long, device=dev).index_copy_(
-        0, keep + 1, torch.arange(1, N, device=dev))  # candidate number + 1 -> node index (the root's "-1" -> 0)
+    kept = ranks(score) < N - 1  # (C,) the best N-1, ties to the lower number
+    keep = first_true(kept, N - 1)  # (N-1,) their numbers, in number order
+    node = kept.long().cumsum(0)  # (C,) node index of a kept candidate: the kept ones up to it (the root is node 0)
+    inv = torch.cat([zero, torch.where(kept, node, 0)])  # (C+1,) candidate number + 1 -> node index (root's -1 -> 0)
     parent = torch.cat([zero, inv.index_select(0, par.index_select(0, keep) + 1)])  # (N,)
     eye = torch.eye(N, dtype=torch.bool, device=dev)
     anc = eye
@@ -193,7 +256,7 @@ def accept_greedy(logits: torch.Tensor, tok: torch.Tensor, parent: torch.Tensor,
         good = good & valid
     onpath = ~(anc & ~good[None]).any(-1)  # (N,) every ancestor good
     a = onpath.sum() - 1
-    path = torch.sort(torch.where(onpath, ar, ar + N)).indices[:P]  # (P,) the path in depth order, then padding
+    path = first_true(onpath, P)  # (P,) nodes are numbered parents first: number order is depth order; then roots
     y = am.index_select(0, path.index_select(0, a.view(1)))[0]
     return a, path, y
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hstap.common import HstapError
-from hstap.device_tree import TreeShape, draft
+from hstap.device_tree import TreeShape, accept_greedy, best, draft, ranks, top_k
 from hstap.drafter import DrafterCache
 from hstap.fastdecode import FastDecoder
 from hstap.draft_tree import draft_tree, tree_mask
@@ -81,6 +81,35 @@ def test_greedy_equals_eager_and_target(tiny_models, mt):
     out, st = fd.ngram_generate(prompt + ref[:20] + prompt, 30)  # repeats: n-gram drafts get accepted
     eager, est = ngram_generate(target, prompt + ref[:20] + prompt, 30)
     assert out == eager and st["accept_counts"] == est["accept_counts"]
+
+
+def test_sort_free_selections_equal_sorts():
+    """top_k / ranks / best (the device tree's sort-free selections) equal topk and a stable descending sort, ties
+    to the lower index; the greedy acceptance's path equals the sorted on-path nodes."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 300, generator=g)
+    v, i = top_k(x, 4)
+    rv, ri = x.topk(4, -1)
+    assert torch.equal(v, rv) and torch.equal(i, ri)
+    tied = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0]])
+    assert top_k(tied, 4)[1].tolist() == [[1, 2, 4, 5]]
+    wide = torch.randn(3, 8192, generator=g)  # two stages (blocks of ids), ties across blocks
+    assert torch.equal(top_k(wide, 5)[1], wide.topk(5, -1).indices)
+    wide[1] = 0.0
+    wide[1, [7000, 300, 5]] = 2.0
+    assert top_k(wide, 5)[1][1].tolist() == [5, 300, 7000, 0, 1]
+    for s in (torch.randn(37, generator=g), torch.randint(0, 4, (37,), generator=g).float()):
+        order = torch.sort(s, descending=True, stable=True).indices
+        assert torch.equal(ranks(s).argsort(), order) and torch.equal(best(s, 9), order[:9])
+    # a tree 0 -> {1, 2}, 1 -> {3}, 3 -> {4}; the target's argmax at each node
+    parent = torch.tensor([0, 0, 0, 1, 3])
+    anc = tree_mask([-1, 0, 0, 1, 3], 0, torch.float32, "cpu")[0, 0] == 0
+    tok = torch.tensor([9, 5, 6, 7, 8])
+    logits = torch.full((5, 10), -1.0)
+    for node, am in enumerate([5, 7, 0, 8, 2]):
+        logits[node, am] = 1.0
+    a, path, y = accept_greedy(logits, tok, parent, anc, P=5)
+    assert (int(a), path[:4].tolist(), int(y)) == (3, [0, 1, 3, 4], 2)
 
 
 @pytest.mark.parametrize("topk,depth,tokens", [(3, 4, 10), (2, 5, 8), (4, 3, 30), (3, 3, 50), (1, 5, 6)])
@@ -328,15 +357,30 @@ def test_lean_target_forward_equals_model(tiny_models, mt, attention, fuse_rows)
     torch.testing.assert_close(aux, ref_aux, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mt,attention,fuse_rows", [("llama", "sdpa", 0), ("qwen2", "math", 8)])
-def test_lean_target_decoding_equals_eager(tiny_models, mt, attention, fuse_rows):
+def test_fuse_bytes_caps_the_reductions():
+    """lean_target.linear: a few-row product is a broadcast sum only for weights up to fuse_bytes; above, F.linear
+    itself (bitwise)."""
+    from hstap.lean_target import linear
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 64, generator=g), torch.randn(48, 64, generator=g)  # w: 12 KiB of fp32
+    ref = torch.nn.functional.linear(x, w)
+    assert torch.equal(linear(x, w, None, 8, fuse_bytes=w.numel() * 4 - 1), ref)
+    assert torch.equal(linear(x, w, None, 8, fuse_bytes=w.numel() * 4), (x.unsqueeze(-2) * w).sum(-1))
+    torch.testing.assert_close(linear(x, w, None, 8), ref)
+
+
+@pytest.mark.parametrize("mt,attention,fuse_rows,fuse_bytes", [("llama", "sdpa", 0, 16 << 20),
+                                                               ("qwen2", "math", 8, 16 << 20),
+                                                               ("llama", "math", 16, 40 << 10)])
+def test_lean_target_decoding_equals_eager(tiny_models, mt, attention, fuse_rows, fuse_bytes):
     """Every method over the lean target layers (and the lean drafter) gives speculate.py's tokens and acceptance."""
     target = tiny_models[mt]
     prompt = _prompt(target.vocab_size, 8, seed=6)
     ref, _ = target_generate(target, prompt, 32)
     oracle = oracle_drafter(target, prompt + ref, second=range(len(prompt) + 1, len(prompt) + 32, 2))
     fd = FastDecoder(target, oracle, max_len=64, target_layers="lean", lean=True, attention=attention,
-                     fuse_rows=fuse_rows)
+                     fuse_rows=fuse_rows, fuse_bytes=fuse_bytes)
     assert fd.lt is not None
     assert fd.target_generate(prompt, 32)[0] == ref
     assert fd.ngram_generate(prompt, 32, k=3)[0] == ngram_generate(target, prompt, 32, k=3)[0] == ref
