@@ -51,7 +51,7 @@ from hstap.common import HstapError
 from hstap.cudagraph import Clock, GraphPolicy, Step
 from hstap.device_tree import TreeShape
 from hstap.lean_drafter import LeanDrafter
-from hstap.lean_target import lean_target
+from hstap.lean_target import FUSE_MAX_BYTES, lean_target
 from hstap.fast_steps import (
     decode_body,
     decode_buffers,
@@ -133,12 +133,14 @@ class FastDecoder:
     (hstap.lean_target: fused weights, one attention call per layer; a target outside the Llama family, or one whose
     lean forward differs from the model's, keeps its HF layers after one printed line); attention: how the lean
     paths attend, "sdpa" (one fused kernel) or "math" (two matrix products and a softmax, for the compiler to
-    fuse); fuse_rows: in the lean paths, products of at most this many rows as broadcast sums the compiler fuses
-    (hstap.lean_target.linear; for compiled steps: eager, it materialises rows x weight)."""
+    fuse); fuse_rows: in the lean paths, products of at most this many rows (and of weights of at most fuse_bytes)
+    as broadcast sums the compiler fuses (hstap.lean_target.linear; for compiled steps: eager, it materialises
+    rows x weight)."""
 
     def __init__(self, target, drafter=None, max_len: int = 1024, graphs: bool | None = None,
                  compile: bool | None = None, log=None, inductor: dict | None = None, lean: bool = False,
-                 target_layers: str = "hf", attention: str = "sdpa", fuse_rows: int = 0):
+                 target_layers: str = "hf", attention: str = "sdpa", fuse_rows: int = 0,
+                 fuse_bytes: int = FUSE_MAX_BYTES):
         self.target, self.drafter, self.dev = target, drafter, target.device
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         if graphs and self.dev.type != "cuda":
@@ -151,7 +153,7 @@ class FastDecoder:
             raise HstapError(f"fastdecode.py: target_layers / attention: expected hf|lean / sdpa|math, got "
                              f"{target_layers!r} / {attention!r}")
         self.target_layers, self.attention, self.lt = target_layers, attention, None
-        self.fuse_rows = fuse_rows
+        self.fuse_rows, self.fuse_bytes = fuse_rows, fuse_bytes
         self.unsupported: str | None = None
         self._said: set[str] = set()
         self.host_reads = 0  # device -> host reads inside decoding loops: the host syncs
@@ -180,7 +182,7 @@ class FastDecoder:
         if self.lt is not None:
             self.lt.resize(S)
         elif self.target_layers != "hf":
-            self.lt, why = lean_target(self.target, S, self.attention, self.fuse_rows)
+            self.lt, why = lean_target(self.target, S, self.attention, self.fuse_rows, self.fuse_bytes)
             if why:
                 self._say("lean-target", f"lean target layers unavailable ({why}): the model's own layers run")
                 self.target_layers = "hf"
@@ -188,7 +190,8 @@ class FastDecoder:
             c = self.drafter.config
             self.dcache = DrafterStaticCache(c.num_key_value_heads, c.head_dim, S, self.drafter.fc.weight.dtype,
                                              self.hot.device)
-            self.dstep = LeanDrafter(self.drafter, S, self.attention, self.fuse_rows) if self.lean else self.drafter
+            self.dstep = LeanDrafter(self.drafter, S, self.attention, self.fuse_rows, self.fuse_bytes) \
+                if self.lean else self.drafter
         self.steps: dict = {}
 
     def _forward(self, layers: tuple):

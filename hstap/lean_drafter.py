@@ -23,16 +23,17 @@ import torch
 import torch.nn.functional as F
 
 from hstap.drafter import Eagle3Drafter, rotate
-from hstap.lean_target import attend, linear
+from hstap.lean_target import FUSE_MAX_BYTES, attend, linear
 
 
 class LeanDrafter:
     """Duck-typed like Eagle3Drafter where the decoding steps use it: `config`, `d2t`, `project`, `compute_logits`
     and the call `(ids, hidden, pos, cache, mask) -> h_out`; positions must be < max_len (the rotary tables)."""
 
-    def __init__(self, drafter, max_len: int, attention: str = "sdpa", fuse_rows: int = 0):
+    def __init__(self, drafter, max_len: int, attention: str = "sdpa", fuse_rows: int = 0,
+                 fuse_bytes: int = FUSE_MAX_BYTES):
         self.drafter, self.config, self.d2t, self.attention = drafter, drafter.config, drafter.d2t, attention
-        self.fuse_rows = fuse_rows  # few-row products as fused reductions (hstap.lean_target.linear)
+        self.fuse_rows, self.fuse_bytes = fuse_rows, fuse_bytes  # few-row products as reductions (lean_target.linear)
         self.fused = type(drafter).forward is Eagle3Drafter.forward
         m = drafter.midlayer
         a = m.self_attn
@@ -52,13 +53,16 @@ class LeanDrafter:
         fc = self.drafter.fc
         if aux.dim() == 4:
             aux = aux.flatten(-2)  # (B, T, K*Ht)
-        return linear(aux.to(fc.weight.dtype), fc.weight, fc.bias, self.fuse_rows)  # (B, T, H)
+        return self._linear(aux.to(fc.weight.dtype), fc.weight, fc.bias)  # (B, T, H)
 
     def compute_logits(self, h_out: torch.Tensor) -> torch.Tensor:
         d = self.drafter
         if not self.fused or type(d).compute_logits is not Eagle3Drafter.compute_logits:
             return d.compute_logits(h_out)
-        return linear(d.norm(h_out), d.lm_head.weight, d.lm_head.bias, self.fuse_rows)  # (B, T, Vd)
+        return self._linear(d.norm(h_out), d.lm_head.weight, d.lm_head.bias)  # (B, T, Vd)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, w, b, self.fuse_rows, self.fuse_bytes)
 
     def __call__(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, cache,
                  attn_mask: torch.Tensor) -> torch.Tensor:
@@ -76,7 +80,7 @@ class LeanDrafter:
         sin = self.sin.index_select(0, p).view(B, 1, T, hd)
         x = torch.cat([m.input_layernorm(emb), m.hidden_norm(hidden)], dim=-1)  # (1, T, 2H)
         fr = self.fuse_rows
-        q, k, v = linear(x, self.wqkv, None, fr).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = self._linear(x, self.wqkv, None).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (1, nh, T, hd)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (1, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
@@ -86,6 +90,6 @@ class LeanDrafter:
         mask = attn_mask.expand(g, T, attn_mask.shape[-1]).reshape(g * T, -1)  # (g*T, S)
         out = attend(qg, keys, values, mask, hd ** -0.5, self.attention, g * fr)  # (1, nkv, g*T, hd)
         out = out.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)  # SDPA may return a strided layout
-        r = linear(out, m.self_attn.o_proj.weight, m.self_attn.o_proj.bias, fr) + hidden  # (1, T, H)
-        gate, up = linear(m.post_attention_layernorm(r), self.wgu, None, fr).split(self.inter, dim=-1)  # (1, T, I)
-        return linear(F.silu(gate) * up, m.mlp.down_proj.weight, m.mlp.down_proj.bias, fr) + r  # (1, T, H) pre-norm
+        r = self._linear(out, m.self_attn.o_proj.weight, m.self_attn.o_proj.bias) + hidden  # (1, T, H)
+        gate, up = self._linear(m.post_attention_layernorm(r), self.wgu, None).split(self.inter, dim=-1)  # (1, T, I)
+        return self._linear(F.silu(gate) * up, m.mlp.down_proj.weight, m.mlp.down_proj.bias) + r  # (1, T, H) pre-norm

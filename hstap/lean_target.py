@@ -44,18 +44,22 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 FUSE_MAX_BYTES = 16 << 20
-"""Largest weight a few-row product is written as a reduction for (`linear`): it is read once per row, so it must sit
-in L2 (50 MB on an H200) for that to cost no more than one GEMM's read; the 8B shape's matrices do not."""
+"""Default largest weight a few-row product is written as a reduction for (`linear`'s fuse_bytes): it is read once
+per row, so it must sit in L2 (50 MB on an H200) for that to cost no more than one GEMM's read; the 8B shape's
+matrices do not. benchmarks/bench_rows.py (RESULTS.md, ninth session) finds the reduction slower than cuBLAS from
+~3 MB up at 2-16 rows on the reference target's shapes (fused gate/up 3.1 MB, lm_head 12.6 MB); a lower cap has not
+been measured end to end yet (bench_decode's `fusedR/MB+cdt` variants)."""
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fuse_rows: int = 0) -> torch.Tensor:
-    """x (..., K) @ w (N, K)^T (+ b). With at most `fuse_rows` rows (and a weight of at most FUSE_MAX_BYTES) as a
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fuse_rows: int = 0,
+           fuse_bytes: int = FUSE_MAX_BYTES) -> torch.Tensor:
+    """x (..., K) @ w (N, K)^T (+ b). With at most `fuse_rows` rows (and a weight of at most fuse_bytes) as a
     broadcast product summed over K, which torch.compile emits as one reduction fused with its neighbours (a norm
     before, a residual or activation after), as coordinate-descent tuning does by itself for ONE row; a GEMM library
     call fuses with nothing and adds a split-K reduction kernel. The same sum, in another order: equal up to
     rounding. Eager, this materialises (rows, N, K): only for compiled steps (fuse_rows 0 elsewhere)."""
     rows = x.numel() // x.shape[-1]
-    if 1 < rows <= fuse_rows and w.numel() * w.element_size() <= FUSE_MAX_BYTES:
+    if 1 < rows <= fuse_rows and w.numel() * w.element_size() <= fuse_bytes:
         y = (x.unsqueeze(-2) * w).sum(-1)  # (..., N)
     else:
         y = F.linear(x, w)
@@ -106,10 +110,11 @@ class LeanTarget:
     """forward(cache, layers, ids, pos, mask, rows) with fast_steps.run_target's contract, on `target`'s weights;
     positions must be < max_len (the rotary tables; `resize` rebuilds them for a longer cache)."""
 
-    def __init__(self, target, max_len: int, attention: str = "sdpa", fuse_rows: int = 0):
+    def __init__(self, target, max_len: int, attention: str = "sdpa", fuse_rows: int = 0,
+                 fuse_bytes: int = FUSE_MAX_BYTES):
         if attention not in ("sdpa", "math"):
             raise ValueError(f"attention: expected 'sdpa' or 'math', got {attention!r}")
-        self.target, self.attention, self.fuse_rows = target, attention, fuse_rows
+        self.target, self.attention, self.fuse_rows, self.fuse_bytes = target, attention, fuse_rows, fuse_bytes
         cfg = target.config
         a0 = target.layers[0].self_attn
         self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -147,11 +152,15 @@ class LeanTarget:
         h = t.embed_tokens(ids)  # (1, T, H)
         ar = torch.arange(T, device=ids.device)
         fr = self.fuse_rows
+
+        def lin(x, w, b):
+            return linear(x, w, b, fr, self.fuse_bytes)
+
         for i, layer in enumerate(t.layers):
             a, m, c = layer.self_attn, layer.mlp, cache.layers[i]
             x = layer.input_layernorm(h)  # (1, T, H)
             w, bias = self.qkv[i]
-            q, k, v = linear(x, w, bias, fr).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q, k, v = lin(x, w, bias).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
             q, k, v = q.view(B, T, nh, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
             if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
                 q, k = a.q_norm(q), a.k_norm(k)
@@ -166,26 +175,26 @@ class LeanTarget:
             qg = q.reshape(B, nkv, g * T, hd)  # query head i*g+j (kv head i) -> rows j*T.. of group i
             o = attend(qg, c.keys, c.values, mg, self.scale, self.attention, g * fr)  # (1, nkv, g*T, hd)
             o = o.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
-            h = h + linear(o, a.o_proj.weight, a.o_proj.bias, fr)  # (1, T, H)
-            gate, up = linear(layer.post_attention_layernorm(h), *self.gu[i], fr).split(self.inter, dim=-1)
-            h = h + linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias, fr)  # (1, T, H)
+            h = h + lin(o, a.o_proj.weight, a.o_proj.bias)  # (1, T, H)
+            gate, up = lin(layer.post_attention_layernorm(h), *self.gu[i]).split(self.inter, dim=-1)
+            h = h + lin(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias)  # (1, T, H)
             if i in want:
                 grabbed[want[i]] = h
         final = t.norm(h)  # (1, T, H)
         aux = torch.stack(grabbed, dim=2) if layers else final.unsqueeze(2)  # (1, T, K, H)
         head_in = final[0] if rows is None else final[0].index_select(0, rows)  # (T or R, H)
         head = t.lm_head
-        logits = linear(head_in, head.weight, head.bias, fr) if isinstance(head, torch.nn.Linear) else t.logits(head_in)
+        logits = lin(head_in, head.weight, head.bias) if isinstance(head, torch.nn.Linear) else t.logits(head_in)
         return logits.float(), aux[0]
 
 
-def lean_target(target, max_len: int, attention: str = "sdpa", fuse_rows: int = 0) -> tuple[LeanTarget | None,
-                                                                                           str | None]:
+def lean_target(target, max_len: int, attention: str = "sdpa", fuse_rows: int = 0,
+                fuse_bytes: int = FUSE_MAX_BYTES) -> tuple[LeanTarget | None, str | None]:
     """(LeanTarget, None), or (None, why not) for a target whose layers it does not reproduce."""
     why = _supported(target)
     if why:
         return None, why
     try:
-        return LeanTarget(target, max_len, attention, fuse_rows), None
+        return LeanTarget(target, max_len, attention, fuse_rows, fuse_bytes), None
     except (ValueError, AttributeError) as e:
         return None, f"{type(e).__name__}: {e}"
