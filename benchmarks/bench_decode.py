@@ -19,7 +19,9 @@ Variants (VARIANTS; --variants for target-only decoding, --spec-variants for the
 engine's default path, `cdt` = gpt-fast's inductor settings (fastdecode.INDUCTOR_CDT), `lean` = the lean draft step
 (FastDecoder(lean=True)), `lean+cdt` both, `leant(+cdt)` also the lean target layers (target_layers="lean"),
 `leanm+cdt` that with both lean paths attending as matrix products (attention="math"), `fused+cdt` that with the
-products of up to 8 rows written as fused reductions (fuse_rows=8): fastdecode.FUSED, `hstap eval --kernels fused`.
+products of up to 8 rows written as fused reductions (fuse_rows=8): fastdecode.FUSED, `hstap eval --kernels fused`;
+`fusedR+cdt` (R a number) is FUSED with fuse_rows=R (for trees of more than 8 nodes), `fusedR/M+cdt` also with
+fuse_bytes=M MiB (the largest weight written as a reduction; benchmarks/bench_rows.py).
 The first spec variant runs every --chains length and --trees shape; the others run target-only and the headline
 chain (k = --k) for the comparison. Nothing is picked: every row is printed.
 
@@ -139,6 +141,11 @@ VARIANTS = {"base": {}, "cdt": {"inductor": "cdt"}, "lean": {"lean": True},
 def variant_kw(name: str) -> dict:
     from hstap.fastdecode import INDUCTOR_CDT
 
+    rows, _, mb = name.removeprefix("fused").removesuffix("+cdt").partition("/")
+    if name.startswith("fused") and name.endswith("+cdt") and rows.isdigit() and (mb.isdigit() or not mb):
+        from hstap.fastdecode import FUSED  # fusedR[/MB]+cdt: FUSED with fuse_rows R (and fuse_bytes MB MiB)
+
+        return {**FUSED, "fuse_rows": int(rows), **({"fuse_bytes": int(mb) << 20} if mb else {})}
     if name not in VARIANTS:
         raise SystemExit(f"bench_decode.py: --variants: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
     from hstap.fastdecode import FUSED
@@ -332,8 +339,8 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     a.chains = [int(x) for x in a.chains.split(",") if x]
     a.trees = parse_trees(a.trees)
-    a.variants, a.spec_variants = a.variants.split(","), a.spec_variants.split(",")
-    a.big_variants = a.big_variants.split(",")
+    a.variants, a.spec_variants = [v for v in a.variants.split(",") if v], [v for v in a.spec_variants.split(",") if v]
+    a.big_variants = [v for v in a.big_variants.split(",") if v]
     for v in a.variants + a.spec_variants + a.big_variants:
         variant_kw(v)
     if a.tie_tol is None:
