@@ -134,6 +134,9 @@ class LeanTarget:
         cos, sin = self.target.base.rotary_emb(torch.zeros(1, 1, 1, dtype=w.dtype, device=w.device), pos)
         self.cos, self.sin = cos[0], sin[0]  # (S, hd): the model's own rotary (scaling included)
 
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, w, b, self.fuse_rows, self.fuse_bytes)
+
     def forward(self, cache, layers: list[int], ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                 rows: torch.Tensor | None = None):
         """ids (1, T) at positions pos (1, T), additive mask (1, 1, T, S), written at the cache's slots
@@ -152,10 +155,7 @@ class LeanTarget:
         h = t.embed_tokens(ids)  # (1, T, H)
         ar = torch.arange(T, device=ids.device)
         fr = self.fuse_rows
-
-        def lin(x, w, b):
-            return linear(x, w, b, fr, self.fuse_bytes)
-
+        lin = self._linear
         for i, layer in enumerate(t.layers):
             a, m, c = layer.self_attn, layer.mlp, cache.layers[i]
             x = layer.input_layernorm(h)  # (1, T, H)
