@@ -139,17 +139,14 @@ VARIANTS = {"base": {}, "cdt": {"inductor": "cdt"}, "lean": {"lean": True},
 
 
 def variant_kw(name: str) -> dict:
-    from hstap.fastdecode import INDUCTOR_CDT
+    from hstap.fastdecode import FUSED, INDUCTOR_CDT
 
     rows, _, mb = name.removeprefix("fused").removesuffix("+cdt").partition("/")
     if name.startswith("fused") and name.endswith("+cdt") and rows.isdigit() and (mb.isdigit() or not mb):
-        from hstap.fastdecode import FUSED  # fusedR[/MB]+cdt: FUSED with fuse_rows R (and fuse_bytes MB MiB)
-
+        # fusedR[/MB]+cdt: FUSED with fuse_rows R (and fuse_bytes MB MiB)
         return {**FUSED, "fuse_rows": int(rows), **({"fuse_bytes": int(mb) << 20} if mb else {})}
     if name not in VARIANTS:
         raise SystemExit(f"bench_decode.py: --variants: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
-    from hstap.fastdecode import FUSED
-
     kw = dict(VARIANTS[name])
     if kw.pop("fused", False):
         kw = dict(FUSED)  # what `hstap eval --kernels fused` runs

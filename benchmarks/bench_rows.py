@@ -1,7 +1,7 @@
 """Few-row products and selections on the GPU, by row count: what a verify of R tree nodes (or a draft level of R
 nodes) pays per kernel on a small target, and where `fuse_rows` (hstap.lean_target.linear) should stop.
 
-    python benchmarks/bench_rows.py --target DIR          # the target's own matrix shapes; CUDA only; ~2 min
+    python benchmarks/bench_rows.py --target DIR          # the target's own matrix shapes; CUDA only; ~3 min
 
 Products x (R, K) @ w (N, K)^T in fp32 for the target's matrices (fused q/k/v, o, fused gate/up, down, lm_head):
     cublas   F.linear (the baseline: what a GEMM library call costs, captured in a CUDA graph)
