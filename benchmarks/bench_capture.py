@@ -39,13 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hstap.store.writer as writer_mod  # noqa: E402
 from hstap.batching import pack_by_tokens  # noqa: E402
-from hstap.engines.hf import run_capture  # noqa: E402
-from hstap.engines.staging import PinnedPool  # noqa: E402
+from hstap.capture.hf import run_capture  # noqa: E402
+from hstap.capture.staging import PinnedPool  # noqa: E402
 from hstap.layers import default_aux_layers  # noqa: E402
+from hstap.models.target import Target  # noqa: E402
 from hstap.store.format import store_bytes_per_token  # noqa: E402
 from hstap.store.reader import open_store  # noqa: E402
 from hstap.store.writer import StoreWriter  # noqa: E402
-from hstap.target import Target  # noqa: E402
 
 LLAMA_8B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)

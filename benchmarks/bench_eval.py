@@ -9,7 +9,7 @@ Rows: target (plain decoding with a KV cache: the 1.00x reference), ngram (k = -
 eagle3-tree (--tree topk,depth,tokens), and baseline-chain / baseline-tree when --baseline-drafter is given (e.g. an
 EAGLE-1-style final-state drafter from `hstap train --aux-layers final`). Each method runs one warm-up prompt first.
 Greedy (temperature 0) by default: every output is checked against the target's (near-ties in low precision are
-reported, not failed; see hstap/evaluate.py). tau = tokens from verify forwards / verify forwards; tokens/s includes
+reported, not failed; see hstap/spec/evaluate.py). tau = tokens from verify forwards / verify forwards; tokens/s includes
 the prefill. Prints a table, then one JSON line.
 """
 
@@ -24,16 +24,16 @@ from pathlib import Path
 
 import torch
 
-from hstap.evaluate import check_lossless, eos_ids, load_prompts, read_sim_tau, run_method, sim_chain_tau
-from hstap.speculate import ngram_generate, speculative_generate, target_generate
+from hstap.spec.drivers import ngram_generate, speculative_generate, target_generate
+from hstap.spec.evaluate import check_lossless, eos_ids, load_prompts, read_sim_tau, run_method, sim_chain_tau
 
 
 def build_tiny(root: Path) -> dict:
     """A random tiny Llama target with a chat tokenizer, a random EAGLE-3 drafter, a random final-state drafter and a
     JSONL of prompts, all written under root."""
-    from hstap.drafter import DrafterConfig, Eagle3Drafter
-    from hstap.export import save_drafter
+    from hstap.export.drafter_dir import save_drafter
     from hstap.layers import fc_slots
+    from hstap.models.drafter import DrafterConfig, Eagle3Drafter
     from hstap.toy import build_random_target, build_tokenizer, sample_texts
 
     texts = sample_texts()
@@ -90,8 +90,8 @@ def main(argv=None) -> int:
         ap.error("--target, --drafter and --data are required (or --tiny)")
     topk, depth, tokens = (int(x) for x in args.tree.split(","))
 
-    from hstap.evaluate import load_any_drafter
     from hstap.model_dir import load_target
+    from hstap.spec.evaluate import load_any_drafter
 
     target, tok = load_target(args.target, device=args.device, dtype=args.dtype)
     dev = target.device

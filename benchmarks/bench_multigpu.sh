@@ -85,7 +85,7 @@ check_store() {
   run "$1" 240 "$PY" - "$2" "$3" "${4:-}" <<'EOF'
 import json, os, sys, time
 import torch
-from hstap.data import load_prepared
+from hstap.data.prepare import load_prepared
 from hstap.store.reader import open_store
 path, prep, other = sys.argv[1], sys.argv[2], sys.argv[3]
 t0 = time.perf_counter()

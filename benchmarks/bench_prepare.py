@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hstap.conversations import read_conversations
-from hstap.data import PrepareConfig, prepare
+from hstap.data.conversations import read_conversations
+from hstap.data.prepare import PrepareConfig, prepare
+from hstap.data.vocab import build_vocab_map
 from hstap.model_dir import load_tokenizer
-from hstap.vocab import build_vocab_map
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "reference"
 

@@ -1,5 +1,5 @@
 """Few-row products and selections on the GPU, by row count: what a verify of R tree nodes (or a draft level of R
-nodes) pays per kernel on a small target, and where `fuse_rows` (hstap.lean_target.linear) should stop.
+nodes) pays per kernel on a small target, and where `fuse_rows` (hstap.models.lean_target.linear) should stop.
 
     python benchmarks/bench_rows.py --target DIR          # the target's own matrix shapes; CUDA only; ~3 min
 
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hstap.device_tree import top_k  # noqa: E402
-from hstap.fastdecode import INDUCTOR_CDT  # noqa: E402
+from hstap.spec.device_tree import top_k  # noqa: E402
+from hstap.spec.fast import INDUCTOR_CDT  # noqa: E402
 
 REP = 20
 

@@ -5,8 +5,8 @@
     python benchmarks/bench_train.py --shape ref --profile # the reference shape, + top-15 CUDA/CPU ops per config
     python benchmarks/bench_train.py --tiny                # CPU smoke test of the same code paths (seconds)
 
-One step is exactly `hstap train`'s: `hstap.train_data.Feed` (batch to the device, the target distribution in chunks
-under no_grad, every TTT step's counted rows) and `hstap.trainer.Trainer.step` (forward of the unrolled TTT steps under
+One step is exactly `hstap train`'s: `hstap.train.data.Feed` (batch to the device, the target distribution in chunks
+under no_grad, every TTT step's counted rows) and `hstap.train.trainer.Trainer.step` (forward of the unrolled TTT steps under
 bf16 autocast with fp32 master weights, the fused chunked lm_head + objective, backward, clipping, fused AdamW), with a
 TrainConfig of train's defaults; the step's figures are read (a host sync) once per 10 steps, as --log-every 10 does.
 
@@ -22,7 +22,7 @@ Shapes.
   pinned host memory and copied per step as train's DataLoader batches are. Run once per --ref-configs entry: eager
   (train's defaults), eager-chunk16k (--ce-chunk 16384), compiled (--compile), compiled-chunk16k.
 
-Figures per run: ms/step, tok/s (real tokens), MFU (`hstap.ttt.ttt_flops` / time / --peak-tflops, 790 for an H200 in
+Figures per run: ms/step, tok/s (real tokens), MFU (`hstap.train.ttt.ttt_flops` / time / --peak-tflops, 790 for an H200 in
 bf16), peak memory and host syncs per timed step (CUDA: torch.cuda.set_sync_debug_mode("warn") warnings counted).
 Warm-up steps (compilation) are excluded; timed steps are synchronised at both ends. --profile adds torch.profiler's
 top-15 ops by self CUDA time and by self CPU time over 3 more steps (to stderr, and to
@@ -55,11 +55,11 @@ from types import SimpleNamespace
 import torch
 
 from hstap import dist as D
-from hstap.drafter import DrafterConfig, Eagle3Drafter
-from hstap.train import TrainConfig
-from hstap.train_data import Feed
-from hstap.trainer import Trainer
-from hstap.ttt import ttt_flops
+from hstap.models.drafter import DrafterConfig, Eagle3Drafter
+from hstap.train.data import Feed
+from hstap.train.stage import TrainConfig
+from hstap.train.trainer import Trainer
+from hstap.train.ttt import ttt_flops
 
 REF_CONFIGS = {"eager": (False, 4096), "eager-chunk16k": (False, 16384), "compiled": (True, 4096),
                "compiled-chunk16k": (True, 16384)}

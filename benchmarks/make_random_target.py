@@ -7,11 +7,11 @@ Target: Llama-3.1-8B-shaped by default (32 layers, H 4096, 32/8 heads of 128, in
 head, rope 500000), `--tiny` = 8 layers, H 128, vocab 1000. Weights are HF's own init (normal, std 0.02) in --dtype
 (bf16), built directly on the GPU when one is available (`_from_config` under `torch.device`: no CPU init), saved with
 `save_pretrained` (safetensors + config.json). No tokenizer is written: `hstap capture` then checks the prepared data by
-vocab_size and the largest token id only (hstap.capture.check_tokenizer).
+vocab_size and the largest token id only (hstap.capture.stage.check_tokenizer).
 
-Prepared set: the layout `hstap prepare` writes (hstap.data): an Arrow dataset (`save_to_disk`) with id (str),
+Prepared set: the layout `hstap prepare` writes (hstap.data.prepare): an Arrow dataset (`save_to_disk`) with id (str),
 input_ids (list[int32], uniform in [0, vocab)), loss_mask (list[int8], all 1), plus token_freq.safetensors,
-vocab_map.safetensors (the --draft-vocab most frequent ids, hstap.vocab.build_vocab_map) and meta.json (format
+vocab_map.safetensors (the --draft-vocab most frequent ids, hstap.data.vocab.build_vocab_map) and meta.json (format
 "hstap-prepared", tokenizer and chat template None). Both outputs are built in a hidden temp sibling and renamed into
 place; an existing one is refused unless --force. Prints one JSON line (sizes and timings).
 """
@@ -95,14 +95,14 @@ def make_target(out: Path, shape: dict, dtype: str, device: str, seed: int, forc
 
 
 def make_prepared(out: Path, vocab: int, samples: int, seq: int, draft_vocab: int, seed: int, force: bool) -> dict:
-    """A prepared set of `samples` random sequences of `seq` tokens (the layout of hstap.data._prepare_into)."""
+    """A prepared set of `samples` random sequences of `seq` tokens (the layout of hstap.data.prepare._prepare_into)."""
     import datasets
     import pyarrow as pa
     from safetensors.numpy import save as st_save
 
     from hstap.common import atomic_write_bytes, atomic_write_json
-    from hstap.data import record_batch
-    from hstap.vocab import build_vocab_map, check_vocab_map
+    from hstap.data.prepare import record_batch
+    from hstap.data.vocab import build_vocab_map, check_vocab_map
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)

@@ -29,7 +29,7 @@ for split in train eval; do
   timeout "${TG:-170}" $H generate --target $T --data $REF/corpus/$split.jsonl.gz --out "$W/regen-$split.jsonl" \
     --device $DEV --dtype fp32 --batch-size "$GEN_BS" --max-new-tokens $n ${MAXS:+--max-samples $MAXS} 2>&1 | grep -v "^generate:" | tail -2
   # a cut run may leave a torn last line: drop it (what generate's resume does)
-  python3 -c "from hstap.generate import recover_output as r; print(len(r('$W/regen-$split.jsonl')), 'records')"
+  python3 -c "from hstap.data.generate import recover_output as r; print(len(r('$W/regen-$split.jsonl')), 'records')"
   gzip -1 -c "$W/regen-$split.jsonl" > "$OUT/regen-$split.jsonl.gz"
 done
 

@@ -12,7 +12,7 @@ teacher-forced replay no longer follow the same text). OUT: the table, variants.
 2 steps per variant: the same stages and code paths, in about a minute.
 
 Stages.
-1. split + prepare: the train conversations are split by a hash of their id (`hstap.train_data.is_eval`, VAL_FRAC)
+1. split + prepare: the train conversations are split by a hash of their id (`hstap.train.data.is_eval`, VAL_FRAC)
    into train and VALIDATION; the first NP eval conversations are the eval prompts, prepared whole and in EP parts
    (one `hstap eval` process per part). Draft vocabulary 8192 (the target's: full coverage).
 2. capture (side by side): train split in bf16 and in fp8, validation and eval prompts in bf16 (aux layers: the
@@ -24,7 +24,7 @@ Stages.
    compiled on CUDA; 0: --compile false, eager, as the fifth and sixth sessions' recipes were measured). Selection
    uses validation figures only. A variant that runs out of GPU memory is trained again afterwards, fewer at a time.
 4. replay (every variant, one process): chain-5 tau replayed on the NP eval prompts' answers with the best checkpoint
-   (teacher-forced TTT evaluation + `hstap.ttt.replay_chain`; on the target's own greedy answers this is what chain
+   (teacher-forced TTT evaluation + `hstap.train.ttt.replay_chain`; on the target's own greedy answers this is what chain
    decoding does round for round, RESULTS.md: within 0.6% of measured).
 5. measure (MEASURE variants, default base, best; "best" = the highest validation chain-5 replay): `hstap eval`,
    chain k=5, greedy, NT new tokens, fp32, lossless check against target-only decoding, EP processes per variant side
@@ -185,7 +185,7 @@ def source(s: dict, split: str) -> Path:
 
 def prepare(s: dict, W: Path, log: Log) -> None:
     """Train/validation split by id hash, the eval prompts (whole and in EP parts), each prepared."""
-    from hstap.train_data import is_eval
+    from hstap.train.data import is_eval
     train, evals = read_jsonl_gz(source(s, "train"), s["MAXS"]), read_jsonl_gz(source(s, "eval"), s["NP"])
     if len(evals) < s["NP"] or s["NP"] % s["EP"]:
         sys.exit(f"quality_variants: NP={s['NP']} eval prompts in EP={s['EP']} equal parts: {len(evals)} available")
@@ -267,10 +267,10 @@ def replay(runs: dict[str, Path], store: Path, target: Path, dev: str, k: int = 
     import torch
 
     from hstap.batching import Rows, collate, pack_by_tokens
-    from hstap.export import load_drafter
+    from hstap.export.drafter_dir import load_drafter
     from hstap.model_dir import target_head
     from hstap.store.reader import open_store
-    from hstap.ttt import TTTModel, replay_chain, target_distribution
+    from hstap.train.ttt import TTTModel, replay_chain, target_distribution
 
     st = open_store(store)
     rows = Rows(st, list(range(len(st))), prepared=False)
@@ -326,7 +326,7 @@ def measure(s: dict, W: Path, names: list[str]) -> dict[str, dict]:
         m["rounds"] += e["verify_forwards"]
         m["prompts"] += r["num_prompts"]
         m["lossless"] = None if m["lossless"] is None else bool(m["lossless"] and r.get("lossless"))
-        m["engine"] = r.get("engine") or m["engine"] or "eager (hstap.speculate)"
+        m["engine"] = r.get("engine") or m["engine"] or "eager (hstap.spec.drivers)"
     for m in res.values():
         m["tau"] = m["tokens"] / m["rounds"] if m["rounds"] else None
         m["complete"] = all(rc == 0 for rc in m["rc"]) and m["prompts"] == s["NP"]

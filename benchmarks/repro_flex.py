@@ -5,10 +5,10 @@
 
 The recorded failure: a run resumed after SIGKILL died compiling flex_attention (inductor NoValidChoicesError, query
 (7, 4, 79, 16)). Every case runs the real code path in a new interpreter with its own inductor cache (one case shares a
-cache on purpose): `hstap.ttt.TTTModel(attn="flex")` on a random drafter, batches (B, T) in the given order, 2 TTT
+cache on purpose): `hstap.train.ttt.TTTModel(attn="flex")` on a random drafter, batches (B, T) in the given order, 2 TTT
 steps, forward + backward. Knobs: head_dim, query heads per kv head (G), bf16 autocast or fp32, the flex region's
 `dynamic` (None = dynamo's default, True, or `maybe_mark_dynamic` on the batch and length dims), and
-`hstap.drafter.FLEX_KERNEL_OPTIONS` as shipped (the fix: the main kernel always) or {} (torch's default choice).
+`hstap.models.drafter.FLEX_KERNEL_OPTIONS` as shipped (the fix: the main kernel always) or {} (torch's default choice).
 
 `predicted` is the cause under test, computed here without a GPU: inductor lowers a call whose batch (and head count)
 is static and whose query is shorter than 128 to its flex-decoding kernel with BLOCK_M = next_pow2(T * G), and drops
@@ -100,9 +100,9 @@ def predicted(case: dict) -> str:
 def run_case(case: dict) -> dict:
     import torch
 
-    import hstap.drafter as dr
-    from hstap.drafter import DrafterConfig, Eagle3Drafter
-    from hstap.ttt import TTTModel, step_rows, target_distribution
+    import hstap.models.drafter as dr
+    from hstap.models.drafter import DrafterConfig, Eagle3Drafter
+    from hstap.train.ttt import TTTModel, step_rows, target_distribution
 
     if not case["force"]:
         dr.FLEX_KERNEL_OPTIONS = {}  # torch's own kernel choice (before the fix)

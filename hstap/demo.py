@@ -137,7 +137,7 @@ def check_toy_target(target: str, records: list[dict]) -> dict:
 def split_records(cfg: DemoConfig) -> tuple[list[dict], list[dict]]:
     """The demo's conversations (--data, else Python's documentation), shuffled by --seed, cut to --max-samples and
     split into (train, held-out eval)."""
-    from hstap.conversations import read_conversations
+    from hstap.data.conversations import read_conversations
 
     if cfg.data:
         records = [{"id": i, "conversations": m} for i, m in read_conversations(cfg.data)]
@@ -155,10 +155,10 @@ def split_records(cfg: DemoConfig) -> tuple[list[dict], list[dict]]:
 def demo(cfg: DemoConfig) -> dict:
     import torch
 
-    from hstap.capture import CaptureConfig, capture
-    from hstap.data import PrepareConfig, prepare
-    from hstap.evaluate import EvalConfig, evaluate
-    from hstap.train import TrainConfig, train
+    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.data.prepare import PrepareConfig, prepare
+    from hstap.spec.evaluate import EvalConfig, evaluate
+    from hstap.train.stage import TrainConfig, train
 
     t_start = time.perf_counter()
     out = Path(cfg.out).resolve()
@@ -250,7 +250,7 @@ def demo(cfg: DemoConfig) -> dict:
 
 def _generate(cfg: DemoConfig, target: str, src: Path, dst: Path, summary: dict, rows: list) -> Path:
     """Stage 1: the target's greedy answers to the training prompts -> dst."""
-    from hstap.generate import GenerateConfig, generate
+    from hstap.data.generate import GenerateConfig, generate
 
     t0 = _stage(1, "generate: the target rewrites the training answers (greedy)")
     g = generate(GenerateConfig(data=[str(src)], out=str(dst), target=target, max_new_tokens=cfg.generate_tokens,

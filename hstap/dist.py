@@ -2,10 +2,10 @@
 wrapping.
 
 The one place that reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK: `torchrun_env`) and picks a process's
-device (`local_device`). Training joins an NCCL (CUDA) or gloo (CPU) group with `init_dist`; capture (engines/hf.py)
+device (`local_device`). Training joins an NCCL (CUDA) or gloo (CPU) group with `init_dist`; capture (capture/hf.py)
 joins a gloo group used only for barriers and the final counts with `init_barrier`.
 
-Model code (`drafter.py`) never sees ranks; `train.py` calls these from outside, torchtitan-style. Everything degrades
+Model code (`models/drafter.py`) never sees ranks; `train/stage.py` calls these from outside, torchtitan-style. Everything degrades
 to a no-op in a plain single process (no RANK/WORLD_SIZE in the environment), so the same code path trains on a laptop.
 
     torchrun --nproc-per-node 8 -m hstap.cli train --store S --target T --out RUN            # DDP

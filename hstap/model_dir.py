@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError, one_line, sha256_bytes
-from hstap.target import Target
+from hstap.models.target import Target
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

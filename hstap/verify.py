@@ -6,34 +6,7 @@ Three modes (exit status 2 with a one-line reason on failure; the per-layer tabl
     hstap verify --store S --target DIR           recompute --samples samples with the embedded HF engine and compare
     hstap verify --a S1 --b S2                    two captures of the same data (engines, dtypes, fp8 vs bf16), by id
 
-Metrics, per stored layer and for `final`, over every compared token ("reference" = the recomputation, or store --b):
-- `cos_min` / `cos_mean`: cosine similarity of the stored and reference vectors of each token (min / mean over tokens).
-- `rel_max`: max over tokens of max_i |x_i - r_i| / max_i |r_i|: the error relative to the token's largest component
-  (elementwise relative errors are meaningless for components near zero).
-- `ulp_max` / `ulp_p99`: |x - r| / ulp_bf16(|r|) per element, where ulp_bf16(r) = 2^(floor(log2 |r|) - 7) is the spacing
-  of bf16 numbers at the reference value's magnitude (2^-133 below bf16's smallest normal). `ulp_p99` is the 99th
-  percentile of one sample, the worst sample reported. Rounding an exact value to bf16 costs <= 0.5 ulp.
-
-Pass/fail tolerances, by the coarsest stored dtype and by whether any computation involved (the capture engine's
-`compute_dtype`, the recomputation's `--compute-dtype`) ran in bf16/fp16. Calibrated on the reference target
-(../shared/reference/target-tiny, 8 layers, H=384) and the test targets on CPU (see tests/test_verify.py); observed
-values in brackets (worst layer of the reference target), limits chosen with margin but far from what a wrong or
-shifted layer gives (adjacent layers of the reference target: cos_min 0.54-0.74, rel_max > 1; of the random test
-targets, whose residual stream is dominated by the embedding: cos_min 0.97, rel_max 0.21):
-
-| store | compute | cos_min >= | rel_max <= | ulp_p99 <= | observed [cos_min, rel_max, ulp_p99] |
-|---|---|---|---|---|---|
-| fp32 | fp32 | 0.99999 | 1e-4 | 1 | near-exact (batched capture vs one-sample recompute) [1.0, 1.1e-6, 0.002] |
-| bf16 | fp32 | 0.9999 | 0.01 | 1 | rounding to bf16 only [0.999998, 0.0038, 0.495] |
-| fp32 or bf16 | bf16 | 0.995 | 0.1 | - | bf16 arithmetic through the layers [0.99967, 0.026, 139] |
-| fp8 | fp32 | 0.998 | 0.07 | - | e4m3 with per-token scales: rel <= 16/448 [0.99952, 0.0357, -] |
-| fp8 | bf16 | 0.99 | 0.12 | - | [0.99926, 0.052, -] |
-
-ulps are gated only when nothing but rounding separates the two (fp32 compute, fp32/bf16 store): bf16 arithmetic and
-fp8's per-token scales make errors proportional to the token's norm, so components far below it show huge ulp errors
-by construction (reported, not gated); cosine and rel_max bound what matters there. Independently of the tolerances, a
-stored slot fails when another target state matches it at less than half its relative L2 error: on the random test
-targets, adjacent layers are close enough (cos_min 0.97) that only this rule and rel_max tell a bf16 shift apart.
+Metrics and pass/fail tolerances (by the coarsest stored dtype and the compute dtypes involved) are `hstap/parity.py`'s.
 
 Layer-offset detection (recompute mode): one forward pass per sample keeps every decoder layer's output (hooks on all
 layers, `Target.capture`), plus the embeddings and the final-norm output. Each stored layer is matched to the candidate
@@ -45,24 +18,13 @@ train before training unless --skip-verify) raises with that message, so a misma
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from hstap.common import HstapError, atomic_write_json
 from hstap.layers import EMBEDDINGS, last_layer, reference_ids, reference_index
-
-# (store dtype class, compute class) -> limits; None = not checked. See the table in the module docstring.
-TOLERANCES: dict[tuple[str, str], dict[str, float | None]] = {
-    ("fp32", "fp32"): {"cos_min": 0.99999, "rel_max": 1e-4, "ulp_p99": 1.0},
-    ("bf16", "fp32"): {"cos_min": 0.9999, "rel_max": 0.01, "ulp_p99": 1.0},
-    ("fp32", "bf16"): {"cos_min": 0.995, "rel_max": 0.1, "ulp_p99": None},
-    ("bf16", "bf16"): {"cos_min": 0.995, "rel_max": 0.1, "ulp_p99": None},
-    ("fp8", "fp32"): {"cos_min": 0.998, "rel_max": 0.07, "ulp_p99": None},
-    ("fp8", "bf16"): {"cos_min": 0.99, "rel_max": 0.12, "ulp_p99": None},
-}
-_RANK = {"fp32": 0, "bf16": 1, "fp8": 2}
+from hstap.parity import compute_class, finish_stats, layer_stats, merge_stats, tolerance, violations
 
 
 @dataclass
@@ -104,83 +66,7 @@ class VerifyConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# metrics
-
-
-def ulp_bf16(r: torch.Tensor) -> torch.Tensor:
-    """Spacing of bf16 numbers at |r|: 2^(floor(log2 |r|) - 7), with 2^-133 below the smallest normal 2^-126."""
-    _, e = torch.frexp(r.abs().float().clamp_min(2.0 ** -126))  # |r| = m * 2^e, m in [0.5, 1): floor(log2|r|) = e - 1
-    return torch.ldexp(torch.ones_like(r, dtype=torch.float32), e - 8)
-
-
-def _cos(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Per-token cosine (T,) of (T, H) tensors, in float64; two zero vectors count as identical."""
-    x, r = x.double(), r.double()
-    nx, nr = x.norm(dim=-1), r.norm(dim=-1)
-    cos = (x * r).sum(-1) / (nx * nr).clamp_min(1e-300)
-    return torch.where((nx == 0) & (nr == 0), torch.ones_like(cos), cos)
-
-
-def layer_stats(x: torch.Tensor, r: torch.Tensor, ulps: bool = True) -> dict:
-    """Metrics of one sample's stored (T, H) `x` against the reference (T, H) `r` (see the module docstring)."""
-    x, r = x.float(), r.float()
-    cos = _cos(x, r)  # (T,)
-    d = (x - r).abs()  # (T, H)
-    rmax = r.abs().amax(-1)  # (T,)
-    dmax = d.amax(-1)  # (T,)
-    rel = torch.where(rmax > 0, dmax / rmax.clamp_min(1e-30), torch.where(dmax > 0, math.inf, 0.0))  # (T,)
-    out = {"cos_min": float(cos.min()), "cos_sum": float(cos.sum()), "tokens": int(x.shape[0]),
-           "rel_max": float(rel.max()), "l2_err": float(d.double().pow(2).sum()), "l2_ref": float(r.double().pow(2).sum())}
-    if ulps:
-        u = (d / ulp_bf16(r)).flatten()  # (T*H,)
-        k = max(1, math.ceil(0.99 * u.numel()))
-        out |= {"ulp_max": float(u.max()), "ulp_p99": float(torch.kthvalue(u.cpu(), k).values)}
-    return out
-
-
-def _merge(acc: dict | None, s: dict) -> dict:
-    if acc is None:
-        return dict(s)
-    out = {"cos_min": min(acc["cos_min"], s["cos_min"]), "cos_sum": acc["cos_sum"] + s["cos_sum"],
-           "tokens": acc["tokens"] + s["tokens"], "rel_max": max(acc["rel_max"], s["rel_max"]),
-           "l2_err": acc["l2_err"] + s["l2_err"], "l2_ref": acc["l2_ref"] + s["l2_ref"]}
-    if "ulp_max" in s:
-        out |= {"ulp_max": max(acc["ulp_max"], s["ulp_max"]), "ulp_p99": max(acc["ulp_p99"], s["ulp_p99"])}
-    return out
-
-
-def _finish(acc: dict) -> dict:
-    rel_l2 = math.sqrt(acc["l2_err"] / acc["l2_ref"]) if acc["l2_ref"] > 0 else (0.0 if acc["l2_err"] == 0 else math.inf)
-    out = {"cos_min": acc["cos_min"], "cos_mean": acc["cos_sum"] / max(acc["tokens"], 1), "rel_max": acc["rel_max"],
-           "rel_l2": rel_l2}
-    if "ulp_max" in acc:
-        out |= {"ulp_max": acc["ulp_max"], "ulp_p99": acc["ulp_p99"]}
-    return out
-
-
-def _violations(m: dict, tol: dict) -> list[str]:
-    bad = []
-    if not m["cos_min"] >= tol["cos_min"]:
-        bad.append(f"cosine {m['cos_min']:.6f} < {tol['cos_min']}")
-    if not m["rel_max"] <= tol["rel_max"]:
-        bad.append(f"max relative error {m['rel_max']:.3g} > {tol['rel_max']}")
-    if tol["ulp_p99"] is not None and "ulp_p99" in m and not m["ulp_p99"] <= tol["ulp_p99"]:
-        bad.append(f"p99 error {m['ulp_p99']:.3g} bf16 ulps > {tol['ulp_p99']:g}")
-    return bad
-
-
-def _compute_class(*names: str | None) -> str:
-    """'bf16' if any computation ran in a 16-bit float type, else 'fp32'."""
-    for n in names:
-        n = str(n or "").lower()
-        if any(s in n for s in ("bf16", "bfloat16", "fp16", "float16", "half", "fp8", "float8")):
-            return "bf16"
-    return "fp32"
-
-
-def tolerance(store_dtypes: list[str], compute: str) -> tuple[str, dict]:
-    sd = max(store_dtypes, key=lambda d: _RANK[d])
-    return f"{sd} store, {compute} compute", TOLERANCES[(sd, compute)]
+# helpers
 
 
 def _pick(n: int, k: int) -> list[int]:
@@ -299,7 +185,7 @@ def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: in
         cos = dots / (xx.sqrt()[:, :, None] * rr.sqrt()[:, None]).clamp_min(1e-30)  # (T, K+1, C)
         sums.cosmin = torch.minimum(sums.cosmin, cos.amin(0).double().cpu())
         for k in range(slots):
-            sums.acc[k] = _merge(sums.acc[k], layer_stats(stored[:, k], refs[:, reference_index(claimed[k])],
+            sums.acc[k] = merge_stats(sums.acc[k], layer_stats(stored[:, k], refs[:, reference_index(claimed[k])],
                                                           ulps=s.dtype != "fp8"))
     return sums
 
@@ -311,14 +197,14 @@ def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list
     rel_l2 = (sums.err / sums.ref2.clamp_min(1e-300)).sqrt()  # (K+1, C)
     layers = []
     for k in range(K + 1):
-        m = _finish(sums.acc[k])
+        m = finish_stats(sums.acc[k])
         name = "final" if k == K else f"layer {claimed[k]}"
         best = int(rel_l2[k].argmin())
         bj = cand[best]
         row = {"name": name, "layer": None if k == K else claimed[k], **m, "best_match": _label(bj, N),
                "best_rel_l2": float(rel_l2[k, best]), "best_cos_min": float(sums.cosmin[k, best]),
                "best_per_sample": [_label(cand[v[k]], N) for v in sums.votes]}
-        bad = _violations(m, tol)
+        bad = violations(m, tol)
         if bj != claimed[k] and float(rel_l2[k, best]) < 0.5 * m["rel_l2"]:
             bad.append(f"{_label(bj, N)} matches better (relative L2 error {float(rel_l2[k, best]):.3g} "
                        f"vs {m['rel_l2']:.3g})")
@@ -353,7 +239,7 @@ def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = 
     `target`: an already loaded hstap Target (its device/dtype are used) to skip loading."""
     s, target, engine, notes = _open_checked(store_path, target_dir, device, compute_dtype, target)
     N = target.num_layers
-    compute = _compute_class(engine.get("compute_dtype"), str(target.dtype))
+    compute = compute_class(engine.get("compute_dtype"), str(target.dtype))
     tol_name, tol = tolerance([s.dtype], compute)
     claimed = list(s.layers) + [N]  # stored aux slots, then `final` (the final-norm output, id N in reference_ids)
     problems: list[str] = []
@@ -388,7 +274,7 @@ def compare_stores(a: str, b: str, samples: int | None = None) -> dict:
         raise HstapError(f"{a} and {b} share no sample id ({len(sa)} and {len(sb)} samples): not captures of the "
                          "same data")
     picked = [common[j] for j in _pick(len(common), samples)] if samples else common
-    compute = _compute_class((sa.manifest.get("engine") or {}).get("compute_dtype"),
+    compute = compute_class((sa.manifest.get("engine") or {}).get("compute_dtype"),
                              (sb.manifest.get("engine") or {}).get("compute_dtype"))
     tol_name, tol = tolerance([sa.dtype, sb.dtype], compute)
     ulps = "fp8" not in (sa.dtype, sb.dtype)
@@ -412,13 +298,13 @@ def compare_stores(a: str, b: str, samples: int | None = None) -> dict:
         tokens += int(xa["input_ids"].shape[0])
         for j, (_, ka, kb) in enumerate(slots):
             u, v = (xa["final"], xb["final"]) if ka is None else (xa["aux"][:, ka], xb["aux"][:, kb])
-            acc[j] = _merge(acc[j], layer_stats(u, v, ulps=ulps))
+            acc[j] = merge_stats(acc[j], layer_stats(u, v, ulps=ulps))
     metrics = []
     for j, (name, ka, _) in enumerate(slots):
         if acc[j] is None:
             continue
-        m = _finish(acc[j])
-        bad = _violations(m, tol)
+        m = finish_stats(acc[j])
+        bad = violations(m, tol)
         row = {"name": name, **m, "ok": not bad}
         if bad:
             row["problem"] = f"{name}: {'; '.join(bad)}"

@@ -35,7 +35,7 @@ def make_prepared(tokenizer_dir: Path, out: Path, n: int, seed: int = 0, chat_te
     import contextlib
     import io
 
-    from hstap.data import PrepareConfig, prepare
+    from hstap.data.prepare import PrepareConfig, prepare
 
     jsonl = write_corpus(out.parent / f"{out.name}.jsonl", n, seed, **kw)
     with contextlib.redirect_stdout(io.StringIO()):

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from hstap.drafter import DrafterConfig, Eagle3Drafter
+from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 
 V, VD, H, KA = 24, 6, 16, 2
 

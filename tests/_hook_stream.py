@@ -1,4 +1,4 @@
-"""A stream of prefill batches through the SGLang capture hook (the real `sglang` types, as tests/test_sglang_hook.py
+"""A stream of prefill batches through the SGLang capture hook (the real `sglang` types, as tests/capture/test_sglang_hook.py
 drives it), in the test process or in a child process that a test kills while the hook's writer thread commits shards.
 
 Each request is one prepared row, whole, in an EXTEND batch of its own; its hidden states are known in advance
@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from _procs import redirect_output
 from _sglang_fixtures import forward_batch, import_sglang, logits_root, publish_server_args
 
@@ -36,7 +35,7 @@ def attach(store: Path, data: Path, target: Path, **cfg):
     from sglang.srt.model_executor.hook_manager import register_forward_hooks
     from transformers import AutoConfig
 
-    from hstap.engines.sglang_protocol import hook_spec
+    from hstap.capture.sglang.protocol import hook_spec
 
     root = logits_root(AutoConfig.from_pretrained(target))
     register_forward_hooks(root, json.loads(json.dumps([hook_spec(store, data, LAYERS, **cfg)])))
@@ -47,7 +46,7 @@ def attach(store: Path, data: Path, target: Path, **cfg):
 
 def feed(root, ds, rows, session: str, delay: float = 0.0) -> None:
     """One EXTEND batch per row (the request whole), `delay` seconds apart."""
-    from hstap.engines.sglang_protocol import encode_rid
+    from hstap.capture.sglang.protocol import encode_rid
 
     for row in rows:
         e = expected(ds, row)
@@ -63,7 +62,7 @@ def stream_child(argv: list[str], env: dict, log_path: str, store: str, data: st
     os.environ.update(env)
     redirect_output(log_path)
     torch.set_num_threads(1)
-    from hstap.data import load_prepared
+    from hstap.data.prepare import load_prepared
 
     root, hook = attach(Path(store), Path(data), Path(target), flush_s=0.05, shard_tokens=64)
     print("streaming", flush=True)

@@ -19,9 +19,9 @@ from pathlib import Path
 PRELOAD = ["torch", "numpy", "datasets", "pyarrow", "safetensors", "tqdm", "transformers", "torch.distributed",
            "torch.distributed.fsdp", "torch.nn.parallel", "transformers.models.llama.modeling_llama",
            "transformers.models.llama.configuration_llama", "transformers.models.auto.modeling_auto",
-           "transformers.models.auto.tokenization_auto", "hstap.cli", "hstap.capture", "hstap.engines.hf",
-           "hstap.store.reader", "hstap.store.writer", "hstap.data", "hstap.target", "hstap.layers", "hstap.train",
-           "hstap.drafter", "hstap.export", "hstap.dist", "_capture_fixtures", "_train_fixtures"]
+           "transformers.models.auto.tokenization_auto", "hstap.cli", "hstap.capture.stage", "hstap.capture.hf",
+           "hstap.store.reader", "hstap.store.writer", "hstap.data.prepare", "hstap.models.target", "hstap.layers", "hstap.train.stage",
+           "hstap.models.drafter", "hstap.export.stage", "hstap.dist", "_capture_fixtures", "_train_fixtures"]
 
 _CTX = None
 

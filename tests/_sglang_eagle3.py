@@ -1,5 +1,5 @@
 """SGLang's EAGLE-3 draft model (`LlamaForCausalLMEagle3`, sglang 0.5.23 srt/models/llama_eagle3.py) re-implemented
-from its source, for tests/test_export.py: its weight loader (tables read from the installed source) and its forward,
+from its source, for tests/export/test_export.py: its weight loader (tables read from the installed source) and its forward,
 so an SGLang export is checked against what SGLang would load and compute, without a GPU or a server."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _rmsnorm(x, w, eps, residual=None):
 
 
 def sglang_forward(params: dict, c: dict, input_ids: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor):
-    """One sequence through SGLang's draft model, written from its forward code (no shared code with hstap.drafter).
+    """One sequence through SGLang's draft model, written from its forward code (no shared code with hstap.models.drafter).
 
     llama_eagle3.py LlamaModel.forward L217-269: embeds = embed_tokens(ids); fc when the hidden width differs from the
     embedding's (L237-247); layer 0 (LlamaDecoderLayer.forward L97-119): residual = hidden; hidden = hidden_norm(hidden);

@@ -76,7 +76,7 @@ def make_prepared(tokenizer_dir: Path, out: Path, recs: list[dict]) -> Path:
     import contextlib
     import io
 
-    from hstap.data import PrepareConfig, prepare
+    from hstap.data.prepare import PrepareConfig, prepare
 
     jsonl = out.parent / f"{out.name}.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -87,8 +87,8 @@ def make_prepared(tokenizer_dir: Path, out: Path, recs: list[dict]) -> Path:
 
 def create_store(target: Path, data: Path, out: Path, layers: list[int], dtype: str = "fp32") -> dict:
     """What the driver does before it sends requests: create the store with the target's header."""
-    from hstap.capture import store_header
-    from hstap.data import read_meta
+    from hstap.capture.stage import store_header
+    from hstap.data.prepare import read_meta
     from hstap.model_dir import target_fingerprint
     from hstap.store.writer import StoreWriter
 
@@ -155,7 +155,7 @@ def forward_batch(mode: str, rids: list, ext: list[int] | None, pre: list[int] |
 
 def serve(argv: list[str]) -> None:
     """`serve PORT_FILE TARGET_DIR -- <sglang launch_server args>`: an HTTP server with SGLang's /server_info,
-    /get_server_info and /generate, whose "model" is the HF target (hstap.target.Target) and whose scheduler packs
+    /get_server_info and /generate, whose "model" is the HF target (hstap.models.target.Target) and whose scheduler packs
     prefill-only requests into chunked EXTEND batches of `--chunked-prefill-size` tokens, builds real ForwardBatches and
     calls SGLang's real LogitsProcessor, to which `register_forward_hooks` attached the `--forward-hooks` specs."""
     import http.server

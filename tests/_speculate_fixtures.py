@@ -14,18 +14,18 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from hstap.drafter import DrafterConfig, Eagle3Drafter
 from hstap.layers import fc_slots
+from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 
 
 def load_tiny_target(path):
-    """(Target, tokenizer) through engines/hf.py when it exists, else straight from transformers (fp32, CPU)."""
+    """(Target, tokenizer) through capture/hf.py when it exists, else straight from transformers (fp32, CPU)."""
     try:
         from hstap.model_dir import load_target
     except ImportError:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from hstap.target import Target
+        from hstap.models.target import Target
 
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         return Target(model), AutoTokenizer.from_pretrained(str(path))

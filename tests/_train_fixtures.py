@@ -1,10 +1,10 @@
 """Assets and child processes for the training tests.
 
 Assets: a tiny random Llama target (6 layers, H=64, its lm_head scaled up so that the target distribution is peaked and
-a drafter has something to learn), a prepared set of stdlib-documentation chats (hstap.data.prepare, a 96-token draft
-vocabulary) and an fp32 store captured from it by the real capture stage (hstap.capture, layers 1,3,4).
+a drafter has something to learn), a prepared set of stdlib-documentation chats (hstap.data.prepare.prepare, a 96-token draft
+vocabulary) and an fp32 store captured from it by the real capture stage (hstap.capture.stage, layers 1,3,4).
 
-Child processes: `hstap.train` runs as real processes (gloo process groups across them), forked from the shared
+Child processes: `hstap.train.stage` runs as real processes (gloo process groups across them), forked from the shared
 forkserver of `_procs`. Children run single-threaded, like the in-process reference runs.
 """
 
@@ -21,12 +21,13 @@ from pathlib import Path
 import _procs
 from _procs import free_port, redirect_output, start_forkserver  # noqa: F401 (re-exported)
 
+
 def build_assets(root: Path, tokenizer, n: int = 28, with_store: bool = True) -> dict:
     """target/, prepared/ and (with_store) store/ (fp32) under root; returns their paths."""
     import torch
 
-    from hstap.capture import CaptureConfig, capture
-    from hstap.data import PrepareConfig, prepare
+    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.data.prepare import PrepareConfig, prepare
     from hstap.toy import build_random_target, stdlib_conversations
 
     target = root / "target"
@@ -68,7 +69,7 @@ def _child(argv: list[str], env: dict, log_path: str) -> None:
     torch.set_num_threads(1)
     from hstap.cli import make_config
     from hstap.common import HstapError
-    from hstap.train import TrainConfig, train
+    from hstap.train.stage import TrainConfig, train
 
     try:
         train(make_config("train", TrainConfig, list(argv)))

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _capture(target, prepared, out, device, compute, dtype, **kw):
-    from hstap.capture import CaptureConfig, capture
+    from hstap.capture.stage import CaptureConfig, capture
 
     with contextlib.redirect_stdout(io.StringIO()):
         return capture(CaptureConfig(target=str(target), data=str(prepared), out=str(out), layers="1,2,4", dtype=dtype,
@@ -55,7 +55,7 @@ def test_gpu_capture_matches_cpu_fp32(tiny_llama, tmp_path, dtype):
 def test_flex_ttt_matches_sdpa_with_grads(monkeypatch, num_layers, loss, compile_):
     import _drafter_fixtures as td
 
-    from hstap.ttt import TTTModel, plan_rows, target_distribution
+    from hstap.train.ttt import TTTModel, plan_rows, target_distribution
 
     # flex_attention's CUDA kernels need head_dim >= 16: a wider copy of the CPU test's fixture
     monkeypatch.setattr(td, "DrafterConfig", _wide)
@@ -77,7 +77,7 @@ def test_flex_ttt_matches_sdpa_with_grads(monkeypatch, num_layers, loss, compile
 
 
 def _wide(**kw):
-    from hstap.drafter import DrafterConfig
+    from hstap.models.drafter import DrafterConfig
 
     kw.update(num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     return DrafterConfig(**kw)
@@ -87,7 +87,7 @@ def test_gpu_speculative_greedy_equals_target(tiny_llama):
     from _speculate_fixtures import random_drafter
 
     from hstap.model_dir import load_target
-    from hstap.speculate import speculative_generate, target_generate
+    from hstap.spec.drivers import speculative_generate, target_generate
 
     target, _ = load_target(tiny_llama, device="cuda", dtype="fp32")
     prompt = [1, 3, 50, 60, 70, 2, 4]
@@ -101,7 +101,7 @@ def test_gpu_speculative_greedy_equals_target(tiny_llama):
 def test_gpu_training_bf16_runs(tiny_llama, tmp_path):
     from _capture_fixtures import make_prepared
 
-    from hstap.train import TrainConfig, train
+    from hstap.train.stage import TrainConfig, train
 
     prepared = make_prepared(tiny_llama, tmp_path / "prep", 40)
     _capture(tiny_llama, prepared, tmp_path / "store", "cuda", "bf16", "bf16")
@@ -117,7 +117,7 @@ def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_ll
     """The writer hands the store views of pinned buffers and takes them back after the shard commit: a buffer
     reused too early would corrupt committed samples. Compare bitwise with the copying path; count pinned buffers."""
     from hstap.batching import pack_by_tokens
-    from hstap.engines import hf
+    from hstap.capture import hf
     from hstap.model_dir import load_target
     from hstap.store.reader import open_store
     from hstap.store.writer import StoreWriter
@@ -146,7 +146,7 @@ def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_ll
     assert len(batches) > 12 and stats["zero_copy"]["pinned_allocations"] <= 8
 
 
-# --- the fast decoder (hstap.fastdecode): CUDA graphs == eager, one host sync per round ---------------------------
+# --- the fast decoder (hstap.spec.fast): CUDA graphs == eager, one host sync per round ---------------------------
 def _fast_setup(path, vocab_draft=None, aux=(1, 2, 3)):
     from _speculate_fixtures import random_drafter
 
@@ -177,8 +177,8 @@ def vocab8(tmp_path_factory):
 
 @pytest.mark.parametrize("which", ["llama", "qwen3", "deepseek_v3", "vocab8"])
 def test_gpu_fastdecode_graphs_equal_eager(which, tiny_llama, tiny_qwen3, tiny_deepseek, vocab8):
-    from hstap.fastdecode import FastDecoder
-    from hstap.speculate import ngram_generate, speculative_generate, target_generate
+    from hstap.spec.drivers import ngram_generate, speculative_generate, target_generate
+    from hstap.spec.fast import FastDecoder
 
     path = {"llama": tiny_llama, "qwen3": tiny_qwen3, "deepseek_v3": tiny_deepseek, "vocab8": vocab8}[which]
     target, drafter = _fast_setup(path, aux=(0, 1, 2))
@@ -218,7 +218,7 @@ def test_gpu_fastdecode_graphs_equal_eager(which, tiny_llama, tiny_qwen3, tiny_d
 def test_gpu_fastdecode_one_host_sync_per_round(tiny_llama):
     import warnings
 
-    from hstap.fastdecode import FastDecoder
+    from hstap.spec.fast import FastDecoder
 
     target, drafter = _fast_setup(tiny_llama)
     fd = FastDecoder(target, drafter, max_len=256, compile=False)
@@ -245,9 +245,9 @@ def test_gpu_fastdecode_one_host_sync_per_round(tiny_llama):
 def test_gpu_fastdecode_compiled_equals_eager(tiny_llama, kernels):
     """torch.compile'd steps inside the graphs (the default on CUDA): the same tokens; compiling takes minutes.
     fused: fastdecode.FUSED (`hstap eval --kernels fused`): the lean target and drafter layers, math attention,
-    few-row products as fused reductions, coordinate-descent tuning; also the same acceptance as speculate.py."""
-    from hstap.fastdecode import FUSED, FastDecoder
-    from hstap.speculate import ngram_generate, speculative_generate, target_generate
+    few-row products as fused reductions, coordinate-descent tuning; also the same acceptance as spec/drivers.py."""
+    from hstap.spec.drivers import ngram_generate, speculative_generate, target_generate
+    from hstap.spec.fast import FUSED, FastDecoder
 
     target, drafter = _fast_setup(tiny_llama)
     said: list[str] = []
@@ -279,8 +279,8 @@ def test_flex_first_call_on_a_short_static_batch_compiles(dtype):
     must compile (no SDPA fallback) and agree with the SDPA path (fp32: to 1e-4)."""
     import _drafter_fixtures as td
 
-    from hstap.drafter import DrafterConfig, Eagle3Drafter
-    from hstap.ttt import TTTModel, step_rows, target_distribution
+    from hstap.models.drafter import DrafterConfig, Eagle3Drafter
+    from hstap.train.ttt import TTTModel, step_rows, target_distribution
 
     torch._dynamo.reset()  # forget earlier graphs and dynamic-shape history: this call compiles static, as a fresh run
     g = torch.Generator().manual_seed(0)
@@ -317,7 +317,7 @@ def test_flex_first_call_on_a_short_static_batch_compiles(dtype):
 
 @pytest.fixture(scope="module")
 def train_assets(tiny_tokenizer, tmp_path_factory):
-    """tests/test_train.py's assets (28 samples, an fp32 store): the run that failed on resume ran on these."""
+    """tests/train/test_train.py's assets (28 samples, an fp32 store): the run that failed on resume ran on these."""
     from _train_fixtures import build_assets
 
     return build_assets(tmp_path_factory.mktemp("cuda-train"), tiny_tokenizer[0])
@@ -339,7 +339,7 @@ def test_cuda_training_sigkill_then_resume_follows_the_uninterrupted_trajectory(
     losses equal an uninterrupted CUDA run's within rtol 5e-3.
 
     Why that tolerance: resume restores the fp32 weights, AdamW state, schedule, data position and RNG exactly (on CPU
-    fp32 the resumed trajectory is bitwise the uninterrupted one, tests/test_train.py); what remains on CUDA is which
+    fp32 the resumed trajectory is bitwise the uninterrupted one, tests/train/test_train.py); what remains on CUDA is which
     compiled kernels ran: a resumed process compiles its first shapes static where the uninterrupted one runs dynamic
     graphs, so inductor's reductions (flex backward's delta, fused epilogues) may sum in another order, in bf16
     autocast: ~1e-3 relative per attention output, far below the several percent by which the loss moves from one
@@ -396,7 +396,7 @@ def capture_data(tiny_llama, tmp_path_factory):
     one sample per batch: the resumed runs below pack the same batches, so their values must be bitwise equal)."""
     from _capture_fixtures import make_prepared, store_samples
 
-    from hstap.capture import CaptureConfig, capture
+    from hstap.capture.stage import CaptureConfig, capture
 
     root = tmp_path_factory.mktemp("cuda-capture")
     prepared = make_prepared(tiny_llama, root / "prep", 120, seed=4)

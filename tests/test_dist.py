@@ -1,6 +1,6 @@
 """hstap.dist in one process: torchrun's environment and its errors, the device rule, the single-process no-op
 collectives, agree, grad_sync's contexts, full_state_dict and the RNG state round trip. (Two real gloo ranks run in
-tests/test_capture_procs.py and tests/test_train.py.)"""
+tests/capture/test_hf_procs.py and tests/train/test_train.py.)"""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def test_parse_and_check_layers():
 def test_hf_index_matches_hidden_states(tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    from hstap.target import Target
+    from hstap.models.target import Target
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     N = model.config.num_hidden_layers

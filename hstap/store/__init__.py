@@ -2,4 +2,5 @@
 `hstap.store.format` is the versioned on-disk format (its docstring is the spec) and what reader and writer share
 (constants, fp8 quantization, header checks, manifest and part files, `merge_manifest`, the file checksum);
 `hstap.store.reader` reads a store memory-mapped (`open_store`, `Store`); `hstap.store.writer` writes one with the
-commit protocol (`StoreWriter`)."""
+commit protocol (`StoreWriter`); `hstap.store.consumer` records the shards a following trainer consumed
+(consumer.json) and the window its writers wait for."""

@@ -2,7 +2,7 @@
 which shards a consuming trainer (`hstap train --follow --consume`) has used up and deleted, and the window of shard
 files its writers keep to.
 
-The trainer (`hstap.follow`) is the only process that writes the record; readers (`open_store`) drop the consumed
+The trainer (`hstap.train.follow`) is the only process that writes the record; readers (`open_store`) drop the consumed
 shards' entries; writers (`StoreWriter`) wait in `wait_for_room` while their share of the window is full.
 """
 

@@ -56,7 +56,7 @@ Nothing is ever padded.
                   resumed it with another world size ("Writers and the end of writing"); absent in older stores
     vocab_map     optional (added without a version bump: readers ignore keys they do not know): {file
                   ("vocab_map.safetensors", relative to STORE), sha256 (of the file's bytes), size (draft ids N)}, the
-                  prepared set's draft vocabulary map (d2t, t2d: hstap/vocab.py), copied by capture atomically after
+                  prepared set's draft vocabulary map (d2t, t2d: hstap/data/vocab.py), copied by capture atomically after
                   the manifest is created; `hstap train --store STORE` uses it unless given another map
     capture_config, git_commit, ...   any other keys of the writer's header, stored as given
     created       ISO-8601 UTC creation time; created_unix: the same in seconds since the epoch

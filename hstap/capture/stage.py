@@ -1,0 +1,228 @@
+"""`hstap capture`: run the target over a prepared set and store the hidden states an EAGLE-3 drafter trains on.
+
+    hstap capture --target MODEL_DIR --data PREPARED --out STORE             # one GPU (bf16), or the CPU (fp32)
+    torchrun --nproc-per-node 8 -m hstap.cli capture --target MODEL_DIR --data PREPARED --out STORE
+    hstap capture --target ../shared/reference/target-tiny --data runs/prepared --out runs/store \
+        --dtype fp32 --device cpu
+
+What is stored per sample (format: `hstap/store/format.py`): input_ids, loss_mask, `aux` = outputs of the decoder layers
+`--layers` (canonical ids, default [1, N//2-1, N-4]) and `final` = the final-norm output, in `--dtype`.
+
+Resumable: a sample is written once its shard commits; killing the run (even with SIGKILL) loses at most the open
+shards, and re-running the same command skips every committed sample. A store made with another target, tokenizer,
+layer set or dtype is refused unless `--new` (which wipes it). Data prepared with another tokenizer than the target's
+is refused, and so is data rendered with another chat template than the target's (unless --allow-template-mismatch).
+The prepared set's draft vocabulary map is copied into the store (STORE/vocab_map.safetensors, its sha256 in the
+header), so that `hstap train --store STORE` uses the vocabulary chosen at prepare (--draft-vocab).
+
+Multi-GPU: under torchrun each rank takes samples rank::world_size, runs its own copy of the model on cuda:LOCAL_RANK
+and writes its own shards; rank 0 merges the manifest after a barrier (a gloo process group is used only for barriers
+and the final counts; torchrun's environment is read by hstap/dist.py). Engines, each owning its capture loop:
+`hf` (embedded, capture/hf.py), `sglang` (a server with the hstap plugin and hook, capture/sglang/hook.py, driven by
+capture/sglang/driver.py) and `vllm-import` (convert vLLM extract_hidden_states output, capture/vllm/importer.py). This module
+holds what they share: the config, the tokenizer check, the store header and the summary pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from hstap.common import HstapError, atomic_write_bytes, git_commit
+
+# --engine NAME -> "module:function" that runs it. Loaded on use: the config is checked before torch or any engine is
+# imported, and this module depends on no engine (each engine owns its capture loop and uses the pieces below).
+ENGINES = {"hf": "hstap.capture.hf:capture_hf", "sglang": "hstap.capture.sglang.driver:run_sglang_capture",
+           "vllm-import": "hstap.capture.vllm.importer:import_vllm"}
+DTYPES = ("bf16", "fp8", "fp32")
+
+
+@dataclass
+class CaptureConfig:
+    target: str
+    """Target model directory (HF format: config.json, safetensors weights, tokenizer)."""
+    data: str
+    """Prepared dataset directory (output of `hstap prepare`, made with the target's tokenizer)."""
+    out: str
+    """Store directory to create or resume (see hstap/store/format.py for the format)."""
+    layers: str = ""
+    """Comma-separated canonical layer ids to tap (output of decoder layer i); empty = EAGLE-3's [1, N//2-1, N-4]."""
+    dtype: str = "bf16"
+    """Storage dtype: bf16, fp8 (float8_e4m3fn + one fp32 scale per token per layer, ~half the bytes) or fp32
+    (exact)."""
+    batch_tokens: int = 16384
+    """Batch budget: samples are length-sorted and packed so that batch_size * longest <= this (a longer one runs
+    alone)."""
+    device: str = "auto"
+    """cpu, cuda or auto (cuda when available). Under torchrun each rank uses cuda:LOCAL_RANK."""
+    compute_dtype: str = "auto"
+    """Dtype the target runs in: auto (fp32 on CPU, bf16 on CUDA), fp32 or bf16."""
+    max_samples: int | None = None
+    """Capture only the first N samples of the prepared set (all by default)."""
+    new: bool = False
+    """Wipe an existing store at --out instead of resuming it (needed when target, layers or dtype changed)."""
+    shard_tokens: int = 1 << 20
+    """Close a shard after this many tokens (or shard_mb, whichever comes first). A kill loses only the open shard."""
+    shard_mb: int = 1024
+    """Close a shard once it holds this many MiB. An open shard is held in host memory until written, so this bounds
+    the writer's memory ((K+1)*H*2 bytes/token in bf16: 32 KiB/token for an 8B target)."""
+    queue_size: int = 4
+    """Batches waiting for the writer thread before the GPU waits for storage."""
+    engine: str = "hf"
+    """hf (run the target in this process), sglang (capture through a running SGLang server) or vllm-import (convert
+    hidden states written by vLLM's extract_hidden_states)."""
+    server: str | None = None
+    """sglang engine: base URL of the SGLang server, e.g. http://127.0.0.1:30000."""
+    src: str | None = None
+    """vllm-import engine: directory of vLLM extract_hidden_states output to import."""
+    vllm_layers: str | None = None
+    """vllm-import engine: the vLLM layer ids of the captured states (input of layer j), comma-separated."""
+    concurrency: int = 8
+    """sglang engine: requests in flight."""
+    allow_template_mismatch: bool = False
+    """Capture data rendered with another chat template than the target's (refused by default: the drafter would
+    learn from conversations laid out unlike the ones it will serve)."""
+
+    def __post_init__(self):
+        for name, allowed in (("dtype", DTYPES), ("engine", ENGINES), ("device", ("auto", "cpu", "cuda")),
+                              ("compute_dtype", ("auto", "fp32", "bf16"))):
+            v = getattr(self, name)
+            if v not in allowed and not (name == "device" and isinstance(v, str) and v.startswith("cuda:")):
+                raise HstapError(f"--{name.replace('_', '-')}: expected one of {', '.join(allowed)}, got {v!r}")
+        for name in ("batch_tokens", "shard_tokens", "shard_mb", "queue_size", "concurrency"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise HstapError(f"--{name.replace('_', '-')}: expected a positive integer, got {v!r}")
+        if self.max_samples is not None and (isinstance(self.max_samples, bool) or not isinstance(self.max_samples, int)
+                                             or self.max_samples < 0):
+            raise HstapError(f"--max-samples: expected a non-negative integer, got {self.max_samples!r}")
+        if self.layers is None:
+            self.layers = ""
+        # Absolute paths, so that config.json replays the run from any working directory.
+        for name in ("target", "data", "out", "src"):
+            v = getattr(self, name)
+            if v:
+                setattr(self, name, os.path.abspath(v))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def capture(cfg: CaptureConfig) -> dict:
+    """Capture hidden states into cfg.out; prints and returns a summary (rank 0's has the totals of all ranks)."""
+    module, name = ENGINES[cfg.engine].split(":")
+    return getattr(importlib.import_module(module), name)(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pieces every engine uses (capture/hf.py, capture/sglang/driver.py, capture/vllm/importer.py)
+
+
+def check_tokenizer(data: str, meta: dict, target_block: dict, max_token_id=None) -> None:
+    """Refuse prepared data tokenized by another tokenizer than the target's.
+
+    With a tokenizer in the target directory the two tokenizer_sha256 must match; without one, the prepared vocabulary
+    must fit the target's embedding (vocab_size, and `max_token_id()` when given, a callable: it scans the data)."""
+    want, got = target_block.get("tokenizer_sha256"), meta.get("tokenizer_sha256")
+    meta_path = Path(data) / "meta.json"
+    if want is not None:
+        if got != want:
+            raise HstapError(f"{meta_path}:1: tokenizer_sha256: the data was prepared with the tokenizer of "
+                             f"{meta.get('tokenizer')!r} ({str(got)[:12]}), not the target's ({want[:12]}, "
+                             f"{target_block['path']}); re-run hstap prepare --tokenizer {target_block['path']}")
+        return
+    V = int(target_block["vocab_size"])
+    if int(meta.get("vocab_size", 0)) > V:
+        raise HstapError(f"{meta_path}:1: vocab_size: the data's tokenizer has {meta.get('vocab_size')} tokens, "
+                         f"more than the target's {V} embedding rows (prepared with another tokenizer?)")
+    if max_token_id is not None:
+        mx = max_token_id()
+        if mx is not None and mx >= V:
+            raise HstapError(f"{data}: token id {mx} is out of the target's vocabulary (0..{V - 1}); "
+                             "prepared with another tokenizer?")
+
+
+def check_template(data: str, meta: dict, target_block: dict, allow: bool = False) -> None:
+    """Refuse prepared data rendered with another chat template than the target's (both hashes known and different),
+    unless `allow` (--allow-template-mismatch). Data or a target without a template hash passes."""
+    want, got = target_block.get("chat_template_sha256"), meta.get("chat_template_sha256")
+    if want is None or got is None or want == got or allow:
+        return
+    raise HstapError(f"{Path(data) / 'meta.json'}:1: chat_template_sha256: the data was rendered with chat template "
+                     f"{got[:12]} ({meta.get('chat_template')}), the target's is {want[:12]} ({target_block['path']}); "
+                     f"re-run hstap prepare without --chat-template, or pass --allow-template-mismatch")
+
+
+def store_header(target_block: dict, engine: dict, dtype: str, layers: list[int], cfg,
+                 data_meta: dict | None = None) -> dict:
+    """The StoreWriter header (see hstap/store/format.py). `data` records what the samples were rendered and tokenized
+    with; `vocab_map` the prepared set's draft vocabulary map (`hstap.data.vocab.vocab_map_record`), when it has one."""
+    from hstap.data.vocab import vocab_map_record
+
+    h = {"target": target_block, "engine": engine, "dtype": dtype, "layers": list(layers),
+         "hidden_size": int(target_block["hidden_size"]),
+         "capture_config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg or {}),
+         "git_commit": git_commit()}
+    if data_meta is not None:
+        keys = ("tokenizer", "tokenizer_sha256", "chat_template", "chat_template_sha256", "vocab_size", "max_len")
+        h["data"] = {k: data_meta.get(k) for k in keys}
+        rec = vocab_map_record((cfg.get("data") if isinstance(cfg, dict) else getattr(cfg, "data", None)) or "")
+        if rec is not None:
+            h["vocab_map"] = rec
+    return h
+
+
+def copy_vocab_map(data: str, out: str) -> None:
+    """Copy PREPARED/vocab_map.safetensors into the store (atomically) when the store's header records that very file
+    (same sha256) and the store lacks it: after the store is created, or on the resume of a run killed before.
+    A store created from another prepared set keeps its own map (with a note)."""
+    from hstap.data.vocab import VOCAB_MAP_FILE, vocab_map_record
+    from hstap.store.format import load_manifest
+
+    rec, stored = vocab_map_record(data), load_manifest(Path(out)).get("vocab_map")
+    if rec is None or stored is None:
+        return
+    if rec["sha256"] != stored.get("sha256"):
+        print(f"capture: note: {out} keeps the draft vocabulary map it was created with ({stored.get('size')} ids), "
+              f"not {data}'s ({rec['size']} ids)", file=sys.stderr)
+        return
+    dst = Path(out) / VOCAB_MAP_FILE
+    src_bytes = (Path(data) / VOCAB_MAP_FILE).read_bytes()
+    if not dst.is_file() or dst.read_bytes() != src_bytes:
+        atomic_write_bytes(dst, src_bytes)
+
+
+def short_id(sample_id: str, n: int = 60) -> str:
+    """A sample id for a message: repr, cut to n characters (ids can be anything, e.g. 5000 characters)."""
+    r = repr(sample_id)
+    return r if len(r) <= n else r[:n] + f"...({len(sample_id)} chars)"
+
+
+def store_totals(out: str, num_aux: int, hidden: int, dtype: str) -> dict:
+    """What the store at `out` holds now (samples, tokens, bytes, bytes per token) and the bytes-per-token formula."""
+    from hstap.store.format import store_bytes_per_token
+    from hstap.store.reader import open_store
+
+    s = open_store(out)
+    entries = s.manifest["shards"]
+    tok = sum(int(e["tokens"]) for e in entries)
+    b = sum(int(e["bytes"]) for e in entries)
+    return {"store_samples": len(s), "store_tokens": tok, "store_bytes": b,
+            "bytes_per_token": round(b / tok, 2) if tok else 0.0,
+            "bytes_per_token_formula": store_bytes_per_token(num_aux, hidden, dtype)}
+
+
+def progress_bar(rank: int, total_tokens: int):
+    """A tqdm bar of captured tokens on rank 0 when stderr is a terminal, else None."""
+    if rank != 0 or not sys.stderr.isatty():  # a log file gets the summary lines, not a progress bar
+        return None
+    from tqdm import tqdm
+
+    # tok/s and ETA come from tqdm's rate; samples and GB handed to the store go in the postfix
+    return tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="capture", file=sys.stderr, disable=None,
+                dynamic_ncols=True)

@@ -1,0 +1,221 @@
+"""The `vllm-import` engine: import the hidden states vLLM's `extract_hidden_states` method writes into an hstap store.
+
+    hstap capture --engine vllm-import --src HS_DIR --vllm-layers 2,4,5,8 --data PREPARED --target MODEL --out STORE
+
+What vLLM writes (vLLM >= 0.18, `--speculative-config '{"method": "extract_hidden_states", ...}'` with the
+`ExampleHiddenStatesConnector`; speculators' `file` backend is the same connector): one safetensors file per
+request, `hidden_states` [T, L, H] (the server's dtype) and `token_ids` [T]. Slot l holds vLLM id `ids[l]` = the
+residual stream entering layer `ids[l]`; id N (= num_hidden_layers) is the last layer's output *before* the final
+norm. The ids are not in the file: `--vllm-layers` repeats the server's `eagle_aux_hidden_state_layer_ids`
+(parsed by `hstap.layers.parse_vllm_layers`: the last id must be N).
+
+How they become a store sample:
+ - aux = the slots before the last, canonical ids `hstap.layers.from_vllm(ids[:-1])` (id j -> output of layer j-1);
+ - final = the target's final RMSNorm applied to the last slot (which must be id N): the norm weight is read from the
+   target's safetensors and applied in fp32 with the config's `rms_norm_eps`, `x * rsqrt(mean(x^2) + eps) * w`, exactly
+   as HF's LlamaRMSNorm (Gemma-style `(1 + w)` norms are refused);
+ - the sample is found by name, `hs_{i}.safetensors` = row i of the prepared set (speculators' naming), else by its
+   token ids (any other name, e.g. vLLM's request id). Its token ids must equal the prepared sample's, else the import
+   stops with an error naming the file: input_ids and loss_mask are taken from the prepared set.
+
+Pickle-based stores (SpecForge / EAGLE `.ckpt`, ModelOpt `.pt`, speculators' legacy `data_{i}.pt`, any `.pt/.pth/.bin/
+.pkl`) are refused before anything is read: unpickling runs arbitrary code. Nothing here ever unpickles.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from hstap.capture.stage import check_template, check_tokenizer, copy_vocab_map, short_id, store_header
+from hstap.common import HstapError, write_run_config
+from hstap.data.prepare import load_prepared, read_meta
+from hstap.layers import parse_layers, parse_vllm_layers
+from hstap.model_dir import target_fingerprint
+from hstap.store.writer import StoreWriter
+
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
+_HS_NAME = re.compile(r"^hs_(\d+)\.safetensors$")
+NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight", "norm.weight")
+OFFSET_NORM_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")  # RMSNorm with (1 + weight): not this formula
+
+
+def refuse_pickles(src: Path) -> None:
+    bad = sorted(p for p in src.rglob("*") if p.is_file() and p.name.lower().endswith(PICKLE_SUFFIXES))
+    if bad:
+        raise HstapError(f"{bad[0]}: pickle-based hidden-state files ({len(bad)} in {src}, e.g. SpecForge/EAGLE "
+                         ".ckpt or torch.save .pt) are not read: unpickling can run arbitrary code. Re-capture with "
+                         "vLLM's extract_hidden_states (safetensors) or hstap capture, or convert them with a trusted "
+                         "script")
+
+
+def load_final_norm(target: str | Path) -> tuple[torch.Tensor, float, str]:
+    """(final norm weight (H,) float32, rms_norm_eps, the key read) from the target's safetensors and config.json."""
+    from safetensors import safe_open
+
+    p = Path(target)
+    cfg = json.loads((p / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    mtype = text.get("model_type") or cfg.get("model_type")
+    if mtype in OFFSET_NORM_TYPES:
+        raise HstapError(f"{p / 'config.json'}: model_type {mtype!r} uses a (1 + weight) RMSNorm; vllm-import only "
+                         "implements the Llama-style final norm")
+    eps = text.get("rms_norm_eps", cfg.get("rms_norm_eps"))
+    if eps is None:
+        raise HstapError(f"{p / 'config.json'}: rms_norm_eps: missing (needed to apply the final norm)")
+    index = p / "model.safetensors.index.json"
+    files = sorted(p.glob("*.safetensors"))
+    if index.is_file():
+        wm = json.loads(index.read_text()).get("weight_map", {})
+        for k in NORM_KEYS:
+            if k in wm:
+                files = [p / wm[k]]
+                break
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            keys = set(h.keys())
+            for k in NORM_KEYS:
+                if k in keys:
+                    return h.get_tensor(k).to(torch.float32), float(eps), k
+    raise HstapError(f"{p}: no final norm weight ({' / '.join(NORM_KEYS)}) in the target's safetensors")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(T, H) -> (T, H) float32: the final RMSNorm in fp32."""
+    x = x.to(torch.float32)  # (T, H)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _token_key(ids) -> tuple:
+    return tuple(int(x) for x in ids)
+
+
+def import_vllm(cfg) -> dict:
+    """Import cfg.src into cfg.out (cfg: CaptureConfig with target, data, out, src, vllm_layers, layers, dtype, new,
+    max_samples, shard_tokens). Returns the summary it prints."""
+    from safetensors import safe_open
+
+    t0 = time.perf_counter()
+    src, files = _source_files(cfg.src)
+    meta = read_meta(cfg.data)
+    ds = load_prepared(cfg.data)
+    n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
+    tb = target_fingerprint(cfg.target)
+    check_tokenizer(cfg.data, meta, tb)
+    check_template(cfg.data, meta, tb, cfg.allow_template_mismatch)
+    N, H = tb["num_layers"], tb["hidden_size"]
+    vids, layers = parse_vllm_layers(cfg.vllm_layers, N)
+    if cfg.layers and parse_layers(cfg.layers, N) != layers:
+        raise HstapError(f"--layers {cfg.layers} disagrees with --vllm-layers {cfg.vllm_layers} (canonical {layers}); "
+                         "leave --layers empty")
+    weight, eps, norm_key = load_final_norm(cfg.target)
+    if tuple(weight.shape) != (H,):
+        raise HstapError(f"{cfg.target}: {norm_key} has shape {tuple(weight.shape)}, expected ({H},)")
+
+    rows = _Rows(ds, n, cfg.data)
+    engine = {"name": "vllm-import", "version": "vllm extract_hidden_states", "device": "import", "compute_dtype": None,
+              "vllm_layers": vids, "final": f"rms_norm({norm_key}, eps={eps}) of vLLM id {N}",
+              "src": str(src.resolve())}
+    header = store_header(tb, engine, cfg.dtype, layers, cfg, meta)
+    samples = tokens = skipped = 0
+    with StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens) as w:
+        copy_vocab_map(cfg.data, cfg.out)
+        committed = w.committed_ids()
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                keys = set(h.keys())
+                if not {"hidden_states", "token_ids"} <= keys:
+                    raise HstapError(f"{f}: expected tensors hidden_states and token_ids (vLLM extract_hidden_states), "
+                                     f"found {sorted(keys)}")
+                tok = h.get_tensor("token_ids").reshape(-1)  # (T,)
+                row = rows.row_of(f, tok)
+                if row is None:
+                    continue  # beyond --max-samples
+                sid = rows.ids[row]
+                if sid in committed:
+                    skipped += 1
+                    continue
+                hs = h.get_tensor("hidden_states")  # (T, L, H)
+            aux, final = _sample_states(f, hs, int(tok.numel()), vids, H, weight, eps)  # (T, K, H), (T, H)
+            w.add(sid, tok.long(), torch.as_tensor(ds[row]["loss_mask"], dtype=torch.uint8), aux, final)
+            samples += 1
+            tokens += int(tok.numel())
+    write_run_config(cfg.out, "capture", cfg)
+    missing = n - len(rows.used)
+    summary = {"samples": samples, "tokens": tokens, "skipped_committed": skipped, "files": len(files),
+               "prepared_without_file": missing, "layers": layers, "vllm_layers": vids, "dtype": cfg.dtype,
+               "seconds": round(time.perf_counter() - t0, 3), "out": cfg.out}
+    print(f"capture: imported {samples} samples ({tokens} tokens) from {len(files)} vLLM files in {src}; {skipped} "
+          f"already in the store; {missing} prepared samples have no file; layers {layers} (vLLM ids {vids}), "
+          f"final = final norm of vLLM id {N}")
+    return summary
+
+
+def _source_files(src: str | None) -> tuple[Path, list[Path]]:
+    """--src and the safetensors files in it (sorted, hidden ones skipped), after refusing pickle-based files."""
+    if not src:
+        raise HstapError("--src: required with --engine vllm-import (the directory vLLM wrote its hidden states to)")
+    src = Path(src)
+    if not src.is_dir():
+        raise HstapError(f"--src {src}: not a directory")
+    refuse_pickles(src)
+    files = sorted(p for p in src.rglob("*.safetensors") if p.is_file() and not p.name.startswith("."))
+    if not files:
+        raise HstapError(f"--src {src}: no .safetensors files")
+    return src, files
+
+
+class _Rows:
+    """Which prepared row a vLLM file holds: `hs_{i}.safetensors` is row i (speculators' naming), any other name is
+    found by its token ids. Each row comes from one file at most (`used`: row -> file)."""
+
+    def __init__(self, ds, n: int, data: str):
+        self.ds, self.n, self.data = ds, n, data
+        self.ids = [str(x) for x in ds.select_columns(["id"])[:n]["id"]]
+        self.by_tokens: dict[tuple, list[int]] = {}  # built on the first file not named hs_{row} (needs every row's tokens)
+        self.used: dict[int, Path] = {}
+
+    def row_of(self, f: Path, tok: torch.Tensor) -> int | None:
+        """The row of file `f`, whose token_ids are `tok` (T,); None when its name is a row beyond --max-samples."""
+        m = _HS_NAME.match(f.name)
+        if m:
+            row = int(m.group(1))
+            if row >= len(self.ds):
+                raise HstapError(f"{f}: names row {row}, the prepared set has {len(self.ds)} rows")
+            if row >= self.n:
+                return None
+            want = self.ds[row]["input_ids"]
+            if _token_key(tok) != _token_key(want):
+                raise HstapError(f"{f}: token_ids ({tok.numel()} tokens) differ from prepared row {row} "
+                                 f"(id {short_id(self.ids[row])}, {len(want)} tokens): another prepared set, or "
+                                 "include_output_tokens?")
+        else:
+            if not self.by_tokens:
+                for i, t in enumerate(self.ds.select_columns(["input_ids"])[:self.n]["input_ids"]):
+                    self.by_tokens.setdefault(_token_key(t), []).append(i)
+            cands = [r for r in self.by_tokens.get(_token_key(tok), []) if r not in self.used]
+            if not cands:
+                raise HstapError(f"{f}: its token_ids ({tok.numel()} tokens) match no sample of {self.data} "
+                                 "(another prepared set, or include_output_tokens?)")
+            row = cands[0]
+        if row in self.used:
+            raise HstapError(f"{f}: row {row} was already imported from {self.used[row]}")
+        self.used[row] = f
+        return row
+
+
+def _sample_states(f: Path, hs: torch.Tensor, T: int, vids: list[int], H: int, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden_states (T, L, H) of file `f` (T tokens) -> (aux (T, K, H) as stored, final (T, H) = the final norm of the
+    last slot)."""
+    if hs.dim() != 3 or tuple(hs.shape) != (T, len(vids), H):
+        raise HstapError(f"{f}: hidden_states has shape {tuple(hs.shape)}, expected ({T}, {len(vids)}, {H}) "
+                         f"for --vllm-layers {','.join(map(str, vids))} and hidden size {H}")
+    if not torch.isfinite(hs).all():
+        raise HstapError(f"{f}: hidden_states contain NaN/Inf")
+    final = rms_norm(hs[:, -1], weight, eps)  # (T, H) float32
+    return hs[:, :-1], final  # (T, K, H), (T, H)

@@ -1,0 +1,375 @@
+"""`hstap generate`: regenerate the assistant turns of a chat corpus with the target, so the drafter learns the target's
+own distribution instead of whoever wrote the corpus.
+
+    hstap generate --target TARGET_DIR --data corpus.jsonl --out regen.jsonl            # embedded HF engine
+    hstap generate --server http://127.0.0.1:30000 --data corpus.jsonl --out regen.jsonl  # SGLang / vLLM / hstap.data.serve
+
+What is regenerated: system and user turns are kept verbatim; every existing assistant turn is replaced, in order, and
+turn i is generated from the conversation *as regenerated so far* (turns before i already replaced), which is what the
+target would have seen in a real multi-turn chat. No turn is added: a conversation ending in a user turn keeps that
+trailing user turn unanswered, and a conversation without assistant turns is written back unchanged (both are counted).
+
+Engines:
+- embedded (`--target DIR`, hstap/data/decode.py): the HF model in this process, batched across conversations
+  (`batch_size` at a time; left-padded prompts, one KV cache, finished rows dropped from the batch), CPU or GPU, greedy
+  (`temperature 0`) or sampled (temperature + top_p). A turn stops at an end-of-turn/eos token (not kept in the text)
+  or `max_new_tokens`.
+- server (`--server URL`, hstap/data/openai_client.py): any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM,
+  `python -m hstap.data.serve`); `concurrency` conversations in flight (threads, stdlib urllib), retries with exponential
+  backoff on connection errors, HTTP 5xx and 429 (honouring Retry-After), `retries` times at most, then the run stops
+  (finished records are kept).
+
+Sampling is reproducible per turn: the seed of each turn is derived from (`seed`, conversation id, turn index), so a
+conversation's output doesn't depend on which batch or thread it landed in, nor on a resume.
+
+Output: JSONL, one `{"id", "conversations": [{"role", "content"}]}` record per input conversation (the format
+`hstap prepare` reads, same ids as the input). Records are appended one by one with fsync, in completion order (which
+may differ from the input order; conversations the run skips are left out). Resume: rerunning the same command skips
+the ids already in the output; a truncated last line left by a crash is dropped first (the file is truncated at its
+last newline). `--new` starts over. The resolved config goes to `<out>.config.json` (`out` is a file, so not
+`config.json` in a directory); a resume refuses to mix in outputs made with other generation settings.
+
+Note: the regenerated text is what the target produced, decoded; re-rendering it through the chat template and
+re-tokenizing (as `prepare` does) gives the target's tokens except where the tokenizer's canonical split differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hstap.common import HstapError, atomic_write_json, run_meta
+from hstap.data.decode import EmbeddedEngine
+from hstap.data.openai_client import ChatClient, RequestRejected
+
+STAGE = "generate"
+# Settings that change what is generated: a resume with any of them changed would mix two distributions in one file.
+_RESUME_KEYS = ("target", "server", "model", "max_new_tokens", "temperature", "top_p", "seed")
+
+
+@dataclass
+class GenerateConfig:
+    data: list[str]
+    """Input conversation files (JSON/JSONL, optionally .gz), as `hstap prepare` reads them."""
+    out: str
+    """Output JSONL file (appended record by record; rerunning resumes). The run config goes to `<out>.config.json`."""
+    target: str | None = None
+    """Target model directory for the embedded engine (give this or --server)."""
+    server: str | None = None
+    """Base URL of an OpenAI-compatible server (SGLang, vLLM, hstap.data.serve), e.g. http://127.0.0.1:30000."""
+    model: str | None = None
+    """Model name sent to the server (default: the first model listed by /v1/models)."""
+    max_new_tokens: int = 512
+    """Most tokens generated per assistant turn."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = all)."""
+    seed: int = 0
+    """Base seed; each turn samples with a seed derived from (seed, conversation id, turn index)."""
+    batch_size: int = 8
+    """Embedded engine: conversations generated together in one batch."""
+    concurrency: int = 8
+    """Server engine: conversations in flight at once."""
+    device: str = "cpu"
+    """Embedded engine: torch device (cpu, cuda, cuda:1, auto)."""
+    dtype: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
+    """Embedded engine: compute dtype (auto = bf16 on GPU, fp32 on CPU)."""
+    max_samples: int | None = None
+    """Use only the first N input conversations (counting those already in the output)."""
+    retries: int = 5
+    """Server engine: retries of a request after a connection error, HTTP 5xx or 429, before the run stops."""
+    backoff: float = 1.0
+    """Server engine: seconds before the first retry; doubles on each retry (at most 60 s)."""
+    timeout: float = 600.0
+    """Server engine: seconds to wait for one response."""
+    on_error: str = field(default="fail", metadata={"choices": ["fail", "skip"]})
+    """A malformed input record or a request the server rejects (HTTP 4xx other than 429): stop, or skip it."""
+    new: bool = False
+    """Discard an existing output file and start over instead of resuming."""
+
+    def __post_init__(self):
+        if isinstance(self.data, str):
+            self.data = [self.data]
+        if not self.data:
+            raise HstapError("generate: data: give at least one input file")
+        if (self.target is None) == (self.server is None):
+            raise HstapError("generate: give exactly one of --target (embedded engine) or --server "
+                             "(OpenAI-compatible URL)")
+        if self.server is not None and not self.server.startswith(("http://", "https://")):
+            raise HstapError(f"generate: server: {self.server!r} is not an http(s) URL")
+        for name, lo in (("max_new_tokens", 1), ("batch_size", 1), ("concurrency", 1), ("retries", 0)):
+            if getattr(self, name) < lo:
+                raise HstapError(f"generate: {name}: must be >= {lo}, got {getattr(self, name)}")
+        if self.max_samples is not None and self.max_samples < 0:
+            raise HstapError(f"generate: max_samples: must be >= 0, got {self.max_samples}")
+        if self.temperature < 0:
+            raise HstapError(f"generate: temperature: must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise HstapError(f"generate: top_p: must be in (0, 1], got {self.top_p}")
+        if self.backoff < 0 or self.timeout <= 0:
+            raise HstapError("generate: backoff must be >= 0 and timeout > 0")
+        # Absolute paths, so that `<out>.config.json` replays from anywhere and a resume compares like with like.
+        self.data = [os.path.abspath(d) for d in self.data]
+        self.out = os.path.abspath(self.out)
+        if self.target is not None:
+            self.target = os.path.abspath(self.target)
+        if self.out in self.data:
+            raise HstapError(f"generate: out: {self.out} is also an input file")
+
+
+def turn_seed(seed: int, sample_id: str, turn: int) -> int:
+    """Seed of one assistant turn: independent of batching, threads and resumes (31 bits: every server accepts it)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{sample_id}:{turn}".encode()).digest()[:4], "little") >> 1
+
+
+# ------------------------------------------------------------------------------------------------------------ output
+
+
+def recover_output(path: str | Path) -> set[str]:
+    """Ids already in an output file, read line by line. A last line cut short by a crash (no newline at the end) is
+    dropped by truncating the file at the last newline, which is atomic and costs nothing however large the file is
+    (rewriting a copy would double the disk use); a bad line anywhere else is an error (the file was edited, or is not
+    ours)."""
+    path = Path(path)
+    if not path.exists():
+        return set()
+    ids: set[str] = set()
+    good = 0  # bytes up to the end of the last complete line
+    tail = b""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                tail = line
+                break
+            good += len(line)
+            if not line.strip():
+                continue
+            try:
+                sid = json.loads(line)["id"]
+            except (ValueError, KeyError, TypeError):
+                raise HstapError(f"{path}:{n}: not a generate output record; fix it or pass --new") from None
+            if sid in ids:
+                raise HstapError(f"{path}:{n}: id {sid!r} appears twice; fix it or pass --new")
+            ids.add(sid)
+    if tail:
+        print(f"hstap generate: {path}: dropping a truncated last line ({len(tail)} bytes) left by an interrupted run",
+              file=sys.stderr)
+        with open(path, "r+b") as f:
+            f.truncate(good)
+            f.flush()
+            os.fsync(f.fileno())
+    return ids
+
+
+class _Appender:
+    """Appends one JSON line per record and fsyncs it, so a crash loses at most the record being written."""
+
+    def __init__(self, path: Path):
+        self.f = open(path, "ab")
+
+    def write(self, sample_id: str, messages: list[dict]) -> None:
+        self.f.write((json.dumps({"id": sample_id, "conversations": messages}, ensure_ascii=False) + "\n").encode())
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _check_resume(cfg: GenerateConfig, out: Path, cfg_path: Path) -> None:
+    if not cfg_path.exists() or not out.exists() or out.stat().st_size == 0:
+        return
+    try:
+        old = json.loads(cfg_path.read_text()).get("config", {})
+    except ValueError:
+        return  # unreadable old config: nothing to compare against; it is rewritten below
+    diff = [k for k in _RESUME_KEYS if k in old and old[k] != getattr(cfg, k)]
+    if diff:
+        was = ", ".join(f"{k}={old[k]!r}" for k in diff)
+        raise HstapError(f"{out}: existing output was generated with {was}; use the same settings to resume, "
+                         f"or pass --new to start over")
+
+
+def _todo(cfg: GenerateConfig, done: set[str], stats: dict) -> Iterator[tuple[str, list[dict]]]:
+    from hstap.data.conversations import conversation_id, read_conversations
+
+    seen: dict[str, str] = {}  # id -> digest of its messages: an exact duplicate is skipped, as prepare does
+    n = 0
+    for sid, messages in read_conversations(cfg.data, on_error=cfg.on_error):
+        if cfg.max_samples is not None and n >= cfg.max_samples:
+            return
+        digest = conversation_id(messages)
+        if sid in seen:
+            if seen[sid] == digest:
+                stats["duplicates"] += 1
+                continue
+            msg = f"{', '.join(cfg.data)}: id {sid!r} is used by two different conversations"
+            if cfg.on_error == "fail":
+                raise HstapError(msg)
+            print(f"hstap generate: skipping the second: {msg}", file=sys.stderr)
+            stats["skipped"] += 1
+            continue
+        seen[sid] = digest
+        n += 1
+        if sid in done:
+            stats["already_done"] += 1
+            continue
+        yield sid, [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+# -------------------------------------------------------------------------------------------------------------- runs
+
+
+def _run_embedded(cfg: GenerateConfig, todo, emit, stats: dict) -> None:
+    eng = EmbeddedEngine(cfg.target, cfg.device, cfg.dtype)
+    batch: list[tuple[str, list[dict]]] = []
+    for item in todo:
+        batch.append(item)
+        if len(batch) == cfg.batch_size:
+            _embedded_batch(cfg, eng, batch, emit, stats)
+            batch = []
+    if batch:
+        _embedded_batch(cfg, eng, batch, emit, stats)
+
+
+def _embedded_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats: dict) -> None:
+    # Turn k of every conversation is generated in one batch; turn k+1 needs turn k's text, so turns go in order.
+    convs = [msgs for _, msgs in batch]
+    slots = [[i for i, m in enumerate(msgs) if m["role"] == "assistant"] for msgs in convs]
+    failed: set[int] = set()
+    for k in range(max((len(s) for s in slots), default=0)):
+        rows, prompts = [], []
+        for c, s in enumerate(slots):
+            if k < len(s) and c not in failed:
+                ids = eng.prompt_ids(convs[c][:s[k]])
+                if eng.max_len and len(ids) >= eng.max_len:
+                    msg = (f"{batch[c][0]}: assistant turn {k}: prompt of {len(ids)} tokens fills the context "
+                           f"({eng.max_len})")
+                    if cfg.on_error == "fail":
+                        raise HstapError(f"generate: {msg}")
+                    print(f"hstap generate: skipping {msg}", file=sys.stderr)
+                    failed.add(c)
+                    continue
+                rows.append((c, s[k]))
+                prompts.append(ids)
+        if not rows:
+            continue
+        t0 = time.perf_counter()
+        res = eng.complete(prompts, [cfg.max_new_tokens] * len(rows), [cfg.temperature] * len(rows),
+                           [cfg.top_p] * len(rows), [turn_seed(cfg.seed, batch[c][0], k) for c, _ in rows])
+        stats["gen_seconds"] += time.perf_counter() - t0
+        for (c, i), (text, toks, fin) in zip(rows, res):
+            convs[c][i] = {"role": "assistant", "content": text}
+            stats["assistant_turns"] += 1
+            stats["generated_tokens"] += len(toks)
+            stats["truncated_turns"] += fin == "length"
+    for c, (sid, _) in enumerate(batch):
+        if c in failed:
+            stats["skipped"] += 1
+        else:
+            emit(sid, convs[c], no_assistant=not slots[c])
+
+
+def _run_server(cfg: GenerateConfig, todo, emit, stats: dict) -> None:
+    client = ChatClient(cfg.server, cfg.retries, cfg.backoff, cfg.timeout)
+    model = cfg.model or client.first_model()
+    stats["model"] = model
+
+    def one(sid: str, msgs: list[dict]):
+        slots = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        toks, fins = 0, []
+        for k, i in enumerate(slots):
+            try:
+                text, fin, n = client.chat(model, msgs[:i], cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+                                           turn_seed(cfg.seed, sid, k))
+            except RequestRejected as e:
+                return sid, msgs, slots, toks, fins, e
+            msgs[i] = {"role": "assistant", "content": text}
+            toks += n
+            fins.append(fin)
+        return sid, msgs, slots, toks, fins, None
+
+    def collect(fut: Future):
+        sid, msgs, slots, toks, fins, err = fut.result()
+        stats["assistant_turns"] += len(fins)
+        stats["generated_tokens"] += toks
+        stats["truncated_turns"] += sum(f == "length" for f in fins)
+        if err is not None:
+            if cfg.on_error == "fail":
+                raise HstapError(f"generate: {sid}: {err} (pass --on-error skip to leave it out)")
+            print(f"hstap generate: skipping {sid}: {err}", file=sys.stderr)
+            stats["skipped"] += 1
+        else:
+            emit(sid, msgs, no_assistant=not slots)
+
+    t0 = time.perf_counter()
+    pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="hstap-generate")
+    pending: set[Future] = set()
+    try:
+        for sid, msgs in todo:
+            pending.add(pool.submit(one, sid, msgs))
+            if len(pending) >= 2 * cfg.concurrency:  # bounded read-ahead: the input may be far larger than memory
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    collect(f)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                collect(f)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        stats["gen_seconds"] += time.perf_counter() - t0
+        stats["retried"] = client.retried
+
+
+def generate(cfg: GenerateConfig) -> dict:
+    """Regenerate the assistant turns of `cfg.data` into `cfg.out` (resumable); returns the summary it printed."""
+    out = Path(cfg.out)
+    if out.is_dir():
+        raise HstapError(f"generate: out: {out} is a directory; give a .jsonl file path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path = out.with_name(out.name + ".config.json")
+    if cfg.new and out.exists():
+        out.unlink()
+    _check_resume(cfg, out, cfg_path)
+    done = recover_output(out)
+    atomic_write_json(cfg_path, run_meta(STAGE, cfg))
+    stats = {"conversations": 0, "already_done": 0, "duplicates": 0, "skipped": 0, "no_assistant": 0,
+             "assistant_turns": 0, "truncated_turns": 0, "generated_tokens": 0, "gen_seconds": 0.0}
+    writer = _Appender(out)
+    last_print = [time.perf_counter()]
+
+    def emit(sid: str, msgs: list[dict], no_assistant: bool) -> None:
+        writer.write(sid, msgs)
+        stats["conversations"] += 1
+        stats["no_assistant"] += no_assistant
+        if time.perf_counter() - last_print[0] > 30:
+            last_print[0] = time.perf_counter()
+            print(f"hstap generate: {stats['conversations']} written, {stats['generated_tokens']} tokens",
+                  file=sys.stderr)
+
+    t0 = time.perf_counter()
+    try:
+        todo = _todo(cfg, done, stats)
+        (_run_embedded if cfg.target is not None else _run_server)(cfg, todo, emit, stats)
+    finally:
+        writer.close()
+    secs = time.perf_counter() - t0
+    gen_s = stats.pop("gen_seconds")
+    summary = {"out": str(out), "engine": "embedded" if cfg.target is not None else "server", **stats,
+               "seconds": round(secs, 3),
+               "tokens_per_s": round(stats["generated_tokens"] / gen_s, 1) if gen_s > 0 else None}
+    tps = f", {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
+    print(f"hstap generate: {stats['conversations']} conversations written ({stats['assistant_turns']} answers, "
+          f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens) in {secs:.1f} s"
+          f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped; wrote {out}")
+    return summary
+

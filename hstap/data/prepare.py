@@ -1,0 +1,453 @@
+"""`hstap prepare`: chat conversations -> token ids + assistant loss mask + draft vocabulary map.
+
+    hstap prepare --tokenizer ../shared/reference/target-tiny --data examples/tiny_chat.jsonl --out runs/prepared
+    hstap prepare --tokenizer MODEL_DIR --data train.jsonl.gz more/ --out PREPARED --num-proc 8 --draft-vocab 32000
+
+Inputs (read by `hstap.data.conversations`): `.jsonl`, `.json` (a list, or JSON Lines), `.parquet`, `.jsonl.gz`/`.json.gz`,
+or directories of them (recursive, sorted, hidden entries skipped). Errors name `file:line` (Parquet: the 1-based
+row). Format, per record: ShareGPT {"conversations": [{"from": "system|human|gpt", "value"}]}, OpenAI {"messages":
+[{"role", "content"}]}, or {"conversations": [{"role", "content"}]} (the reference corpus). A record's `id` is kept,
+else it is `conversation_id(messages)`: sha256 of the normalised conversation as compact key-sorted JSON, 16 hex
+digits. Ids are unique in the output: an exact duplicate is skipped (counted), a reused id with other content is a bad
+record.
+
+Loss mask. It is 1 on the tokens the assistant emits, found in the rendered text with no template special-cased (so it
+works for templates without `{% generation %}` markers):
+  1. F = template(conversation).
+  2. For each assistant message k, render again with its content replaced by a sentinel: A + S + B. The template must
+     reproduce F around it, F = A + C + B; C, the content as the template prints it (e.g. after Llama-3's `| trim`),
+     is the content span.
+  3. End of turn: render the conversation cut after message k (with the sentinel). What follows the sentinel there,
+     without trailing whitespace, is how the template closes a turn when the conversation would end there; the
+     end-of-turn text is its longest common prefix with B, again without trailing whitespace. For the reference
+     template that is `<|end|>`, for Llama-3 `<|eot_id|>`, for ChatML `<|im_end|>`; the newline after it and the next
+     header are not part of it. A template that emits nothing after the content gets no end-of-turn tokens.
+  4. F is tokenized once with offsets. Token i is 1 iff it carries a character of an assistant content span, or it
+     lies entirely inside that message's end-of-turn text and is not part of a trailing run of whitespace-only tokens.
+     So a BPE token straddling header and content (`Ġanswer` in `Assistant: answer`, the space being the header's)
+     is 1: the assistant emits it. A token only partly inside the end-of-turn text is 0: its text is not common to
+     both renderings (e.g. `<|user|>` when the common text ends in `<|`).
+The ids equal `tokenizer.apply_chat_template(messages, tokenize=True)`; `render_prompt` renders the same way with the
+generation prompt, so eval prompts are a prefix of the training sequences. Rejected: per-template regexes over the
+rendered text (SpecForge: one registry entry per model family) and `{% generation %}` markers (few templates have them).
+
+Output directory PREPARED (built in a hidden temp sibling, fsynced, renamed at the end; an existing one is refused):
+  Arrow dataset (`datasets.save_to_disk`; `load_prepared`): id (str), input_ids (list[int32]), loss_mask (list[int8])
+  token_freq.safetensors  token_freq int64 [V]: counts of loss-masked tokens (V = len(tokenizer))
+  vocab_map.safetensors   d2t int64 [N] (hot id - draft index), t2d bool [V] (the draft vocabulary map: hstap/data/vocab.py)
+  meta.json               tokenizer/chat-template sha256, vocab_size, max_len, counts, draft vocab size and coverage
+  config.json             the resolved PrepareConfig (replay: `hstap prepare --config PREPARED/config.json --out NEW`)
+
+Tokenization runs in `--num-proc` forked workers over chunks of records, collected in input order, so the output does
+not depend on the number of processes. (Spawned workers would each re-import transformers, seconds per worker.)
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import chain, islice
+from pathlib import Path
+
+import numpy as np
+
+from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, one_line, write_run_config
+from hstap.data.conversations import BadRecord, count_skip, expand_paths, iter_records
+from hstap.data.vocab import build_vocab_map, check_vocab_map
+from hstap.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
+
+CHUNK = 64  # records per worker task: large enough to amortise IPC, small enough to keep workers busy
+
+
+@dataclass
+class PrepareConfig:
+    tokenizer: str
+    """Directory with the target's HF fast tokenizer (usually the target model directory)."""
+    data: list[str]
+    """Conversation files (.jsonl, .json, .parquet; .jsonl.gz/.json.gz) or directories of them."""
+    out: str
+    """Output directory for the prepared set; refused if it exists."""
+    max_len: int = 2048
+    """Truncate each tokenized conversation to this many tokens (counted in meta.json)."""
+    draft_vocab: int = 32000
+    """Draft vocabulary size: the most frequent loss-masked tokens (clamped to the tokenizer's vocabulary)."""
+    num_proc: int = 1
+    """Worker processes for rendering and tokenization (output is identical for any value)."""
+    chat_template: str | None = None
+    """Jinja chat template file to use instead of the tokenizer's own."""
+    on_error: str = field(default="fail", metadata={"choices": ["fail", "skip"]})
+    """Bad records: 'fail' stops with one error naming file:line; 'skip' skips them and counts them in meta.json."""
+
+    def __post_init__(self):
+        if isinstance(self.data, str):
+            self.data = [self.data]
+        if not self.data:
+            raise HstapError("--data: give at least one file or directory")
+        for name in ("max_len", "draft_vocab", "num_proc"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise HstapError(f"--{name.replace('_', '-')}: expected a positive integer, got {v!r}")
+        if self.on_error not in ("fail", "skip"):
+            raise HstapError(f"--on-error: expected 'fail' or 'skip', got {self.on_error!r}")
+        # Absolute paths, so that config.json replays the run from any working directory.
+        self.tokenizer = os.path.abspath(self.tokenizer)
+        self.data = [os.path.abspath(p) for p in self.data]
+        self.out = os.path.abspath(self.out)
+        if self.chat_template is not None:
+            self.chat_template = os.path.abspath(self.chat_template)
+
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - template code can raise anything (raise_exception, TypeError, ...)
+        raise BadRecord("template_error", f"chat template: {one_line(e)}") from None
+
+
+def _sentinel(text: str) -> str:
+    s = "\ue000hstap\ue001"  # private-use characters: survive trim/strip and never occur in real text
+    while s in text:
+        s += "\ue001"
+    return s
+
+
+def _find_once(text: str, s: str, k: int) -> int:
+    i = text.find(s)
+    if i < 0 or text.find(s, i + 1) >= 0:
+        raise BadRecord("template_error", f"messages[{k}]: the chat template does not print the assistant content "
+                                          "exactly once, so it cannot be located")
+    return i
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int, int]]]:
+    """The rendered conversation and, per assistant message, (content start, content end, end-of-turn end) character
+    offsets in it (see the module docstring for the rule). Raises BadRecord when the template defeats the rule."""
+    full = _render(tokenizer, messages)
+    sent = _sentinel(full)
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        alt = [*messages[:k], {**m, "content": sent}, *messages[k + 1:]]
+        marked = _render(tokenizer, alt)
+        i = _find_once(marked, sent, k)
+        before, after = marked[:i], marked[i + len(sent):]
+        if len(before) + len(after) > len(full) or not full.startswith(before) or not full.endswith(after):
+            raise BadRecord("template_error", f"messages[{k}]: the chat template prints the rest of the conversation "
+                                              "differently when this assistant content changes; cannot locate it")
+        start, end = len(before), len(full) - len(after)
+        if k + 1 < len(messages):
+            cut = _render(tokenizer, alt[:k + 1])
+            closing = cut[_find_once(cut, sent, k) + len(sent):].rstrip()
+        else:
+            closing = after.rstrip()
+        eot = os.path.commonprefix([after, closing]).rstrip()
+        spans.append((start, end, end + len(eot)))
+    return full, spans
+
+
+def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids (T,) int32, loss_mask (T,) int8) of a normalised conversation, untruncated."""
+    text, spans = assistant_spans(tokenizer, messages)
+    # The backend directly: same ids as tokenizer(text, add_special_tokens=False) (what apply_chat_template does),
+    # without the Python-side overhead, and never the parallel batch path (workers are the parallelism).
+    enc = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+    ids = np.asarray(enc.ids, dtype=np.int32)  # (T,)
+    offsets = np.fromiter(chain.from_iterable(enc.offsets), np.int64, 2 * len(ids)).reshape(-1, 2)  # (T, 2) char spans
+    starts = offsets[:, 0]  # (T,)
+    ends = np.maximum(offsets[:, 1], starts + 1)  # (T,) a zero-width token counts as one character wide
+    mask = np.zeros(len(ids), dtype=np.int8)  # (T,)
+    for start, end, eot_end in spans:
+        mask[(starts < end) & (ends > start)] = 1  # carries a content character
+        eot = np.flatnonzero((starts >= end) & (ends <= eot_end))  # entirely inside the end-of-turn text
+        while len(eot) and text[starts[eot[-1]]:ends[eot[-1]]].isspace():
+            eot = eot[:-1]
+        mask[eot] = 1
+    return ids, mask
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` under the chat template with the generation prompt (what eval/generate feed the target).
+    Tokenized exactly like prepare's training sequences."""
+    text = _render(tokenizer, messages, add_generation_prompt=True)
+    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+# ------------------------------------------------------------------------------------------------ prepared output
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """meta.json of a prepared set (path: PREPARED/ or the meta.json file)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "meta.json"
+    try:
+        meta = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise HstapError(f"{p}: not found (not a prepared dataset? run hstap prepare)") from None
+    except (OSError, ValueError) as e:
+        raise HstapError(f"{p}: cannot read: {one_line(e)}") from None
+    if not isinstance(meta, dict) or meta.get("format") != "hstap-prepared":
+        raise HstapError(f"{p}: not an hstap prepared-data meta.json")
+    return meta
+
+
+def load_prepared(path: str | os.PathLike):
+    """The prepared `datasets.Dataset`: id (str), input_ids (list[int]), loss_mask (list[int] 0/1)."""
+    import datasets
+
+    p = Path(path)
+    read_meta(p)
+    if not (p / "state.json").is_file():
+        raise HstapError(f"{p}: no Arrow dataset here (state.json missing)")
+    return datasets.load_from_disk(str(p))
+
+
+def prepared_columns(ds, n: int) -> tuple[list[str], list[int]]:
+    """(ids, lengths) of the first n rows of a prepared set, read column-wise from Arrow (no Python lists of tokens)."""
+    import pyarrow.compute as pc
+
+    if getattr(ds, "_indices", None) is not None:
+        ds = ds.flatten_indices()
+    ids = [str(x) for x in ds.data.column("id").slice(0, n).to_pylist()]
+    lens = pc.list_value_length(ds.data.column("input_ids").slice(0, n)).to_pylist()
+    return ids, [int(x or 0) for x in lens]
+
+
+def max_token_id(ds, n: int):
+    """The largest token id in the first n rows of a prepared set (None when they hold no token)."""
+    import pyarrow.compute as pc
+
+    col = ds.data.column("input_ids").slice(0, n)
+    return pc.max(pc.list_flatten(col)).as_py()
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer, max_len: int):
+    _WORKER.update(tokenizer=tokenizer, max_len=max_len)
+
+
+def _work(items: list[tuple]) -> list[tuple]:
+    """Tokenize a chunk: ("rec", loc, id, messages) -> ("ok", id, ids, mask, truncated) | ("skip"/"error", reason,
+    message); other items pass through so that every outcome keeps its input position."""
+    tok, max_len = _WORKER["tokenizer"], _WORKER["max_len"]
+    out = []
+    for item in items:
+        if item[0] != "rec":
+            out.append(item)
+            continue
+        _, loc, rid, messages = item
+        try:
+            ids, mask = tokenize_conversation(tok, messages)
+        except BadRecord as e:
+            out.append(("error", e.reason, f"{loc}: {e}"))
+            continue
+        truncated, had_assistant = len(ids) > max_len, bool(mask.any())
+        ids, mask = ids[:max_len], mask[:max_len]  # (T,) with T <= max_len
+        if not mask.any():
+            reason = "truncated_away" if had_assistant else "no_assistant"
+            out.append(("skip", reason, f"{loc}: no assistant token" + (" within --max-len" if had_assistant else "")))
+            continue
+        out.append(("ok", rid, ids, mask, truncated))
+    return out
+
+
+def _items(files: list[Path]) -> Iterator[tuple]:
+    """Work items in input order, with ids made unique: exact duplicates skipped, conflicting ones bad."""
+    seen: dict[str, int] = {}  # id -> 64 bits of the conversation's digest: ~100 bytes per record in memory
+    for loc, item in iter_records(files):
+        if isinstance(item, BadRecord):
+            yield ("error", item.reason, str(item))
+            continue
+        rid, messages, digest = item
+        h = int(digest[:16], 16)
+        if rid not in seen:
+            seen[rid] = h
+            yield ("rec", loc, rid, messages)
+        elif seen[rid] == h:
+            yield ("skip", "duplicate", f"{loc}: duplicate of an earlier record with id {rid!r}")
+        else:
+            yield ("error", "conflicting_id", f"{loc}: id: {rid!r} is already used by an earlier, different "
+                                              "conversation")
+
+
+def _ordered_map(fn, chunks: Iterator[list], pool, depth: int) -> Iterator[list]:
+    """map(fn, chunks) in order with at most `depth` chunks in flight (Pool.imap would read the whole input)."""
+    if pool is None:
+        yield from map(fn, chunks)
+        return
+    pending: deque = deque()
+    for c in chunks:
+        pending.append(pool.apply_async(fn, (c,)))
+        if len(pending) >= depth:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def record_batch(rids: list[str], ids: list[np.ndarray], masks: list[np.ndarray]):
+    """One Arrow RecordBatch of prepared rows: id (string), input_ids (list of int32), loss_mask (list of int8)."""
+    import pyarrow as pa
+
+    offsets = np.zeros(len(ids) + 1, dtype=np.int32)  # (B+1,) one chunk: far below 2**31 tokens
+    np.cumsum([len(x) for x in ids], out=offsets[1:])
+    return pa.RecordBatch.from_arrays(
+        [pa.array(rids, pa.string()),
+         pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(ids))),
+         pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(masks)))],
+        names=["id", "input_ids", "loss_mask"])
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+def prepare(cfg: PrepareConfig) -> dict:
+    """Tokenize cfg.data into cfg.out (see the module docstring); prints and returns a summary."""
+    t0 = time.perf_counter()
+    out = Path(cfg.out)
+    if out.exists():
+        raise HstapError(f"{out}: already exists (prepare never overwrites; remove it or choose another --out)")
+    files = expand_paths(cfg.data)
+    tok = load_tokenizer(cfg.tokenizer, cfg.chat_template)
+    template = chat_template_of(tok, cfg.chat_template or cfg.tokenizer)
+    try:  # a template the mask rule cannot follow fails here once, not once per record
+        assistant_spans(tok, [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}])
+    except BadRecord as e:
+        raise HstapError(f"{cfg.chat_template or cfg.tokenizer}: {e}") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result should be a normal directory
+    try:
+        summary = _prepare_into(cfg, files, tok, template, tmp)
+        _fsync_tree(tmp)
+        if out.exists():
+            raise HstapError(f"{out}: appeared while preparing; the result is not moved there")
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    elapsed = time.perf_counter() - t0
+    summary.update(out=str(out), elapsed_s=round(elapsed, 3), num_proc=cfg.num_proc,
+                   samples_per_s=round(summary["written"] / elapsed, 1),
+                   tokens_per_s=round(summary["total_tokens"] / elapsed, 1))
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(summary["skipped"].items())) or "none"
+    dv = summary["draft_vocab"]
+    print(f"prepare: {summary['read']} read, {summary['written']} written ({summary['truncated']} truncated to "
+          f"{cfg.max_len} tokens), {summary['skipped_total']} skipped ({skipped})")
+    print(f"prepare: {summary['total_tokens']} tokens, {summary['masked_tokens']} loss-masked; {elapsed:.2f} s with "
+          f"{cfg.num_proc} process(es): {summary['samples_per_s']:.0f} samples/s, "
+          f"{summary['tokens_per_s']:.0f} tokens/s")
+    note = f" (asked {cfg.draft_vocab}: clamped to the vocabulary, identity map)" if dv < cfg.draft_vocab else ""
+    print(f"prepare: draft vocab {dv}{note} covers {summary['coverage_pct']:.2f}% of loss-masked tokens")
+    print(f"prepare: wrote {out}")
+    return summary
+
+
+def _prepare_into(cfg: PrepareConfig, files: list[Path], tok, template: str, tmp: Path) -> dict:
+    import datasets
+    import pyarrow as pa
+    from safetensors.numpy import save as st_save
+    from tqdm import tqdm
+
+    V = len(tok)
+    freq = np.zeros(V, dtype=np.int64)  # (V,)
+    batches, skipped = [], Counter()
+    counts = Counter(read=0, written=0, truncated=0, total_tokens=0)
+    items = _items(files)
+    chunks = iter(lambda: list(islice(items, CHUNK)), [])
+    _init_worker(tok, cfg.max_len)
+    pool = None
+    if cfg.num_proc > 1:
+        # fork: workers inherit the loaded tokenizer and imported modules (no per-worker import of transformers).
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        pool = ctx.Pool(cfg.num_proc, initializer=_init_worker, initargs=(tok, cfg.max_len))
+    try:
+        bar = tqdm(unit=" samples", disable=None, desc="prepare", file=sys.stderr)
+        for results in _ordered_map(_work, chunks, pool, 4 * cfg.num_proc):
+            rids, ids, masks = [], [], []
+            for r in results:
+                counts["read"] += 1
+                if r[0] == "ok":
+                    rids.append(r[1])
+                    ids.append(r[2])
+                    masks.append(r[3])
+                    counts["truncated"] += r[4]
+                elif r[0] == "error" and cfg.on_error == "fail":
+                    raise HstapError(r[2])
+                else:
+                    count_skip(skipped, r[1], r[2], warn=r[0] == "error")
+            if rids:
+                batches.append(record_batch(rids, ids, masks))
+                flat_ids, flat_mask = np.concatenate(ids), np.concatenate(masks)  # (sum T,)
+                freq += np.bincount(flat_ids[flat_mask.astype(bool)], minlength=V)
+                counts["written"] += len(rids)
+                counts["total_tokens"] += len(flat_ids)
+            bar.update(len(results))
+        bar.close()
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        _WORKER.clear()
+    skipped.pop(None, None)
+    if counts["written"] == 0:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) or "no records"
+        raise HstapError(f"{', '.join(map(str, cfg.data))}: no sample with an assistant token to write ({reasons})")
+
+    schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+    ds = datasets.Dataset(datasets.table.InMemoryTable(pa.Table.from_batches(batches, schema=schema)))
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        ds.save_to_disk(str(tmp))
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+    d2t, t2d = build_vocab_map(freq, cfg.draft_vocab)
+    check_vocab_map(d2t, t2d, V)
+    masked = int(freq.sum())
+    coverage = 100.0 * float(freq[t2d].sum()) / masked
+    atomic_write_bytes(tmp / "token_freq.safetensors", st_save({"token_freq": freq}))
+    atomic_write_bytes(tmp / "vocab_map.safetensors", st_save({"d2t": d2t, "t2d": t2d}))
+    summary = {
+        "read": counts["read"], "written": counts["written"], "truncated": counts["truncated"],
+        "skipped": dict(sorted(skipped.items())), "skipped_total": sum(skipped.values()),
+        "masked_tokens": masked, "total_tokens": counts["total_tokens"],
+        "draft_vocab": len(d2t), "coverage_pct": round(coverage, 4),
+    }
+    meta = {
+        "format": "hstap-prepared", "format_version": 1,
+        "tokenizer": cfg.tokenizer, "tokenizer_sha256": tokenizer_sha256(tok),
+        "chat_template": cfg.chat_template or "tokenizer", "chat_template_sha256": chat_template_sha256(template),
+        "vocab_size": V, "max_len": cfg.max_len, "data": [str(f) for f in files],
+        "counts": {k: summary[k] for k in ("read", "written", "truncated", "skipped", "skipped_total",
+                                           "masked_tokens", "total_tokens")},
+        "draft_vocab": {"requested": cfg.draft_vocab, "size": len(d2t), "clamped": len(d2t) < cfg.draft_vocab,
+                        "distinct_masked_tokens": int((freq > 0).sum()), "coverage_pct": summary["coverage_pct"]},
+    }
+    atomic_write_json(tmp / "meta.json", meta)
+    write_run_config(tmp, "prepare", cfg)
+    return summary

@@ -1,0 +1,156 @@
+"""Engine formats of a drafter: the SGLang and vLLM/speculators configs and tensor names, and reading an export back.
+
+- sglang: config.json for `LlamaForCausalLMEagle3` (llama fields + `eagle_config.eagle_aux_hidden_state_layer_ids` in
+  SGLang's convention, `hstap.layers.to_sglang`) and model.safetensors with `fc.weight`, `midlayer.*`, `norm.weight`,
+  `lm_head.weight`, `d2t`, `t2d`; no embedding (SGLang shares the target's).
+- vllm: a speculators `Eagle3Speculator` config.json (`transformer_layer_config`, `speculators_config` naming the
+  verifier, ids in vLLM's convention, `hstap.layers.to_vllm`), so `vllm serve DIR` needs no other flag; the same
+  model.safetensors (vLLM maps `midlayer.` -> `layers.0.`, `d2t` -> `draft_id_to_target_id`, skips `t2d`). A deeper
+  drafter (num_layers N > 1; SGLang loads one layer and is refused) is written in speculators' names: `layers.0.*` the
+  midlayer, `layers.i.*` plain Llama layers on H, `num_hidden_layers` N (vLLM's llama_eagle3 builds layers 1.. with
+  H-wide q/k/v and runs them as pre-norm Llama layers).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hstap.common import HstapError
+from hstap.export.drafter_dir import expected_state, load_drafter
+from hstap.layers import from_sglang, from_vllm, to_sglang, to_vllm
+from hstap.models.drafter import DrafterConfig, Eagle3Drafter, parse_rope
+
+# SGLang's LlamaForCausalLMEagle3 and vLLM's Eagle3LlamaForCausalLM read these names (no embedding: shared from target).
+ENGINE_KEYS = ("fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+               "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+               "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
+               "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+               "norm.weight", "lm_head.weight", "d2t", "t2d")
+HF_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+VLLM_NUM_AUX = 3  # vLLM's Eagle3LlamaForCausalLM builds fc with target_hidden_size * 3 inputs (hard-coded)
+
+
+def engine_state(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """The tensors of an engine export: ENGINE_KEYS for one layer; a deeper drafter in speculators' names, which vLLM's
+    Eagle3LlamaForCausalLM loads as they are: `layers.0.*` = the midlayer, `layers.i.*` plain Llama layers (no embed)."""
+    if num_layers == 1:
+        return {k: state[k] for k in ENGINE_KEYS}
+    return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()
+            if k != "embed_tokens.weight"}
+
+def _rope_fields(cfg: DrafterConfig) -> dict:
+    params = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": float(cfg.rope_theta)}
+    legacy = None if params["rope_type"] == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+    # transformers >= 5 reads rope_parameters; older engines read rope_theta / rope_scaling. They say the same thing.
+    return {"rope_theta": float(cfg.rope_theta), "rope_scaling": legacy, "rope_parameters": params}
+
+def llama_fields(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
+    """The LlamaConfig fields describing the drafter's decoder layers (shared by the sglang and vllm configs)."""
+    return {
+        "model_type": "llama", "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act,
+        "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+        "max_position_embeddings": cfg.max_position_embeddings, **_rope_fields(cfg), "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": HF_DTYPE[dtype], "dtype": HF_DTYPE[dtype],
+    }
+
+def sglang_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
+    ids = to_sglang(cfg.aux_layers, cfg.target_model_type)
+    if from_sglang(ids, cfg.target_model_type) != list(cfg.aux_layers):  # the conversion must round-trip exactly
+        raise HstapError(f"aux layers {cfg.aux_layers} cannot be expressed in SGLang's convention for "
+                         f"{cfg.target_model_type}")
+    return {"architectures": ["LlamaForCausalLMEagle3"], **llama_fields(cfg, dtype),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+
+def vllm_config(cfg: DrafterConfig, dtype: torch.dtype, verifier: str, verifier_arch: list[str], k: int) -> dict:
+    layer = {"architectures": ["LlamaForCausalLM"], **llama_fields(cfg, dtype)}
+    for key in ("draft_vocab_size", "target_hidden_size"):  # top-level speculators fields, copied over by vLLM
+        layer.pop(key)
+    return {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size, "eagle_aux_hidden_state_layer_ids": to_vllm(cfg.aux_layers),
+        # vLLM defaults norm_before_residual to True when the key is absent; hstap's residual is the un-normed fc output.
+        "norm_before_residual": False, "norm_before_fc": False,
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "accept_tolerance": 0.0,
+                                  "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": verifier, "architectures": verifier_arch},
+        },
+        "torch_dtype": HF_DTYPE[dtype], "dtype": HF_DTYPE[dtype],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# reading an export back (round trips; evaluating SGLang/vLLM-format drafters with hstap eval)
+
+
+def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, device="cpu",
+                  dtype=torch.float32) -> tuple[Eagle3Drafter, dict]:
+    """Load an exported directory (sglang, vllm or hf) as an Eagle3Drafter; returns (drafter in eval mode, config.json).
+
+    SGLang/vLLM files hold no embedding: pass the target's `embed_weight` (V, H). Aux layers come from
+    hstap_export.json when present, else from the config's ids (SGLang: `from_sglang`; vLLM: `from_vllm`).
+    """
+    p = Path(path)
+    if (p / "drafter.safetensors").is_file():
+        return load_drafter(p, device=device, dtype=dtype)
+    cpath, wpath = p / "config.json", p / "model.safetensors"
+    try:
+        conf = json.loads(cpath.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HstapError(f"{cpath}: cannot read: {e}") from None
+    info = json.loads((p / "hstap_export.json").read_text()) if (p / "hstap_export.json").is_file() else {}
+    if conf.get("speculators_model_type") == "eagle3":
+        layer = dict(conf["transformer_layer_config"])
+        layer.update(draft_vocab_size=conf["draft_vocab_size"], target_hidden_size=conf.get("target_hidden_size"))
+        ids = conf.get("eagle_aux_hidden_state_layer_ids") or []
+        mtype = info.get("target_model_type", "llama")
+        aux = info["aux_layers"] if "aux_layers" in info else from_vllm(ids)
+    elif "LlamaForCausalLMEagle3" in (conf.get("architectures") or []):
+        layer = conf
+        mtype = info.get("target_model_type", "llama")
+        ids = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
+        aux = info.get("aux_layers", from_sglang(ids, mtype) if ids else [])
+    else:
+        raise HstapError(f"{cpath}: neither an SGLang (LlamaForCausalLMEagle3) nor a speculators eagle3 config")
+    try:
+        with safe_open(str(wpath), framework="pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 -- missing or corrupt file: one line for the user
+        raise HstapError(f"{wpath}: cannot read: {type(e).__name__}: {e}") from None
+    if "fc.weight" not in state:
+        raise HstapError(f"{wpath}: no fc.weight")
+    state = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in state.items()}
+    ht = layer.get("target_hidden_size") or layer["hidden_size"]
+    num_aux = state["fc.weight"].shape[1] // ht  # (H, K*Ht): the file decides K
+    theta, scaling = parse_rope(layer)
+    dcfg = DrafterConfig(
+        hidden_size=layer["hidden_size"], num_attention_heads=layer["num_attention_heads"],
+        num_key_value_heads=layer.get("num_key_value_heads") or layer["num_attention_heads"],
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+        intermediate_size=layer["intermediate_size"], vocab_size=layer["vocab_size"],
+        draft_vocab_size=layer.get("draft_vocab_size") or layer["vocab_size"],
+        target_hidden_size=ht, num_aux=num_aux,
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=layer.get("max_position_embeddings", 2048), hidden_act=layer.get("hidden_act", "silu"),
+        target_model_type=mtype, aux_layers=list(aux), num_layers=int(layer.get("num_hidden_layers") or 1))
+    if "embed_tokens.weight" not in state:
+        if embed_weight is None:
+            raise HstapError(f"{wpath}: no embed_tokens.weight (shared with the target): pass the target's embedding")
+        state["embed_tokens.weight"] = embed_weight.detach().to("cpu")
+    model = Eagle3Drafter(dcfg)
+    want = set(expected_state(dcfg))
+    missing, extra = sorted(want - set(state)), sorted(set(state) - want)
+    if missing or extra:
+        raise HstapError(f"{wpath}: missing {missing}, unexpected {extra}")
+    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()}, strict=False)
+    model.to(device=device, dtype=dtype)
+    return model.eval(), conf

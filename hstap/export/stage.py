@@ -1,0 +1,172 @@
+"""`hstap export`: a trained drafter -> SGLang, vLLM/speculators, or a portable hstap-format copy, validated.
+
+    hstap export --run RUN --to sglang|vllm|hf --out DIR [--store STORE] [--target TARGET]
+
+- sglang / vllm: the engine's config.json and model.safetensors (`hstap/export/engines.py` says what each holds);
+- hf: the hstap format (`hstap/export/drafter_dir.py`), embedding included (`load_drafter(DIR)` reads it, for `hstap
+  eval`), plus a config.json that describes the model (not loadable by transformers).
+
+Every export also gets `hstap_export.json` (the export's run config and the drafter's provenance): `config.json` is the
+engine's model config here, so the run config cannot live there.
+
+Everything is checked before anything is written (`drafter_dir.validate_checkpoint`: one-line HstapError, nothing on
+disk). The output is written to a temp sibling and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from hstap.common import HstapError, atomic_write_json, fsync_dir, run_meta
+from hstap.export.drafter_dir import DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, validate_checkpoint
+from hstap.export.engines import HF_DTYPE, VLLM_NUM_AUX, engine_state, llama_fields, sglang_config, vllm_config
+from hstap.models.drafter import DrafterConfig
+
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class ExportConfig:
+    run: str
+    """A training RUN directory (its best/, else newest checkpoint) or a drafter directory in the hstap format."""
+    to: str = field(metadata={"choices": ["sglang", "vllm", "hf"]})
+    """Target format: sglang (LlamaForCausalLMEagle3), vllm (speculators Eagle3Speculator), hf (hstap format + config)."""
+    out: str
+    """Output directory (written to a temp sibling, then renamed; must not exist unless --overwrite)."""
+    dtype: str = field(default="auto", metadata={"choices": ["auto", "bf16", "fp32"]})
+    """Weight dtype: auto = bf16 for sglang/vllm, the checkpoint's own dtype for hf (so eval sees the same logits)."""
+    store: str | None = None
+    """Optional store path: refuse unless its layers (and hidden size, target) are the ones the drafter was trained on."""
+    target: str | None = None
+    """Optional target model directory: verifier name/architectures for vllm, and a check of vocab/hidden sizes."""
+    speculative_tokens: int = 3
+    """vllm only: speculative_tokens of the greedy proposal method (vLLM's default num_speculative_tokens)."""
+    overwrite: bool = False
+    """Replace an existing output directory (the old one is removed only after the new one is in place)."""
+
+    def __post_init__(self):
+        if self.to not in ("sglang", "vllm", "hf"):
+            raise HstapError(f"export: to: expected sglang, vllm or hf, got {self.to!r}")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise HstapError(f"export: dtype: expected auto, bf16 or fp32, got {self.dtype!r}")
+        if self.speculative_tokens < 1:
+            raise HstapError(f"export: speculative_tokens: must be >= 1, got {self.speculative_tokens}")
+
+def _target_info(cfg: ExportConfig, dcfg: DrafterConfig, meta: dict) -> tuple[str | None, list[str]]:
+    """(verifier path, architectures) from --target, else from the provenance store's target block."""
+    path = cfg.target or ((meta.get("store") or {}).get("target") or {}).get("path")
+    if path is None:
+        return None, []
+    cpath = Path(path) / "config.json"
+    if not cpath.is_file():
+        if cfg.target is not None:
+            raise HstapError(f"{cfg.target}: target: no config.json")
+        return str(path), []  # the provenance path may only exist on the serving machine
+    try:
+        tc = json.loads(cpath.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HstapError(f"{cpath}: cannot read: {e}") from None
+    if cfg.target is not None:
+        tc_text = tc.get("text_config", tc) if isinstance(tc.get("text_config"), dict) else tc
+        for key, mine in (("vocab_size", dcfg.vocab_size), ("hidden_size", dcfg.target_hidden_size)):
+            if key in tc_text and int(tc_text[key]) != mine:
+                raise HstapError(f"{cpath}: {key} {tc_text[key]} != the drafter's {mine}: not the target it was "
+                                 "trained for")
+    return str(path), list(tc.get("architectures") or [])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# export
+
+
+def _write_safetensors(path: Path, state: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    save_file(state, str(path), metadata=metadata)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished temp dir into place; an existing `out` (overwrite) is moved aside first, removed last."""
+    fsync_dir(tmp)
+    old = None
+    if out.exists():
+        if not overwrite:
+            raise HstapError(f"{out}: exists (pass --overwrite to replace it)")
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+def export(cfg: ExportConfig) -> dict:
+    """Validate the drafter, then write the chosen format to cfg.out (see the module docstring); returns a summary."""
+    d = resolve_drafter_dir(cfg.run)
+    out = Path(cfg.out)
+    if out.exists() and not cfg.overwrite:
+        raise HstapError(f"{out}: exists (pass --overwrite to replace it)")
+    meta, state = read_checkpoint(d)
+    dcfg = validate_checkpoint(d, meta, state, cfg.store)
+    src_dtype = state["lm_head.weight"].dtype
+    dtype = DTYPE_NAMES[cfg.dtype] if cfg.dtype != "auto" else (src_dtype if cfg.to == "hf" else torch.bfloat16)
+    if cfg.to in ("sglang", "vllm") and not dcfg.aux_layers:
+        raise HstapError(f"{d / 'drafter.json'}: this drafter reads only the target's final state (EAGLE-1 style, no aux "
+                         f"layers); {cfg.to} serves EAGLE-3 drafters, which fuse captured layers: export --to hf instead")
+    if cfg.to == "sglang" and dcfg.num_layers > 1:
+        raise HstapError(f"{d / 'drafter.json'}: SGLang's LlamaForCausalLMEagle3 loads one decoder layer and this "
+                         f"drafter has {dcfg.num_layers} (--draft-layers): export --to vllm or --to hf instead")
+    if cfg.to == "vllm" and dcfg.num_aux != VLLM_NUM_AUX:
+        raise HstapError(f"{d / 'drafter.json'}: vLLM's Eagle3LlamaForCausalLM fuses exactly {VLLM_NUM_AUX} aux layers; "
+                         f"this drafter has {dcfg.num_aux} ({dcfg.aux_layers})")
+    verifier, arch = _target_info(cfg, dcfg, meta)
+    if cfg.to == "sglang":
+        conf = sglang_config(dcfg, dtype)
+    elif cfg.to == "vllm":
+        if verifier is None:
+            raise HstapError("export --to vllm: the verifier path is unknown (the drafter has no store provenance): "
+                             "pass --target")
+        conf = vllm_config(dcfg, dtype, verifier, arch, cfg.speculative_tokens)
+    else:
+        conf = {"architectures": ["HstapEagle3Drafter"], "format": DRAFTER_FORMAT, **llama_fields(dcfg, dtype),
+                "aux_layers": list(dcfg.aux_layers), "target_model_type": dcfg.target_model_type}
+
+    cast = {k: (v.to(dtype) if v.dtype.is_floating_point else v).contiguous() for k, v in state.items()}
+    provenance = {k: v for k, v in meta.items() if k not in ("format", "version", "config")}
+    info = {**run_meta("export", cfg), "source": str(d), "format": cfg.to, "aux_layers": list(dcfg.aux_layers),
+            "target_model_type": dcfg.target_model_type, "drafter_config": dcfg.to_dict(), "provenance": provenance}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        if cfg.to == "hf":
+            _write_safetensors(tmp / "drafter.safetensors", cast, {"format": DRAFTER_FORMAT})
+            atomic_write_json(tmp / "drafter.json", {**meta, "export": {"source": str(d)}})
+            weights = "drafter.safetensors"
+        else:
+            _write_safetensors(tmp / "model.safetensors", engine_state(cast, dcfg.num_layers), {"format": "pt"})
+            weights = "model.safetensors"
+        atomic_write_json(tmp / "config.json", conf)
+        atomic_write_json(tmp / "hstap_export.json", info)
+        _publish(tmp, out, cfg.overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    summary = {"out": str(out), "format": cfg.to, "source": str(d), "dtype": HF_DTYPE[dtype], "weights": weights,
+               "aux_layers": list(dcfg.aux_layers),
+               "tensors": len(engine_state(cast, dcfg.num_layers)) if cfg.to != "hf" else len(cast)}
+    if cfg.to == "sglang":
+        summary["eagle_aux_hidden_state_layer_ids"] = conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    elif cfg.to == "vllm":
+        summary["eagle_aux_hidden_state_layer_ids"] = conf["eagle_aux_hidden_state_layer_ids"]
+    print(f"exported {d} -> {out} ({cfg.to}, {summary['dtype']}, aux layers {dcfg.aux_layers}"
+          + (f" = {cfg.to} ids {summary['eagle_aux_hidden_state_layer_ids']}" if cfg.to != "hf" else "") + ")")
+    return summary

@@ -1,0 +1,415 @@
+"""`hstap eval`: speculative decoding with a trained drafter, measured against target-only decoding on the same prompts
+and the same hardware in the same process.
+
+    hstap eval --target MODEL_DIR --drafter RUN --data PREPARED --out REPORT                       # chain, k=5
+    hstap eval --target MODEL_DIR --drafter RUN --data prompts.jsonl --mode tree --topk 8 --depth 6 --tokens 60 \
+               --baseline ngram --num-prompts 80 --device cuda --out REPORT
+
+Prompts: from a prepared dataset, each sample cut where its last assistant answer starts (the first token of the last
+run of loss_mask = 1); from a conversations JSONL, each conversation up to its last user turn, rendered with the chat
+template and the generation prompt (`hstap.data.prepare.render_prompt`); `{"id", "messages": [{"role": "user", ...}]}` works as
+is. Generation stops at an eos / end-of-turn id (kept in the output) or after --max-new-tokens.
+
+Methods, run one after the other over all prompts after one warm-up prompt each: `target` (plain decoding with a KV
+cache: the baseline), `ngram` (prompt lookup, with --baseline ngram, k = --k) and `eagle` (the drafter, --mode chain or
+tree), each with a progress line (prompts done / total, tokens/s). Figures: tau = tokens per target forward = tokens
+produced by verify forwards / verify forwards, the bonus token included (the same definition as training's sim_tau;
+the prefill's first token is excluded; SGLang's accept length counts it); per-position acceptance = fraction of rounds
+whose accepted draft reached depth i; tokens/s = generated tokens / wall time including the prefill, summed over
+prompts; speedup = tokens/s over the target's. With --drafter RUN and --mode chain, the training run's simulated tau
+for a chain of --k drafts is reported next to the measured one: `sim_chain_tau[k-1]` of the checkpoint's eval line in
+RUN/metrics.jsonl (chain decoding replayed round by round on the teacher-forced eval split, `hstap.train.ttt.replay_chain`;
+older runs: 1 + sum_{j<k} prod_{i<=j} acc_cond_i). It predicts the measured tau when the eval split holds the
+target's own outputs (`hstap generate`) and --k <= the run's --ttt.
+
+Losslessness: at temperature 0 every method's output must equal the target's, token for token. A mismatch is reported
+loudly and fails the command (exit status 2) unless the target's own logits (a fresh full forward) put both tokens
+within --tie-tol of the top at the diverging position: a near-tie that low-precision kernels may break either way.
+
+Output (REPORT/): report.json (top-level tau, per_position_acceptance, timings, speedup, lossless, simulated_tau,
+methods, speedup_notes, prompts [{id, prompt_ids, output_ids}]), report.md (what tau and speedup mean, and why a
+speedup is not representative: a CPU, a target under TINY_TARGET parameters), acceptance.png (per-position acceptance),
+config.json. The console gets a table of the methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, write_run_config
+from hstap.console import Progress
+from hstap.plots import acceptance_plot
+from hstap.spec.drivers import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
+from hstap.spec.fast import FUSED, FastDecoder
+from hstap.spec.latency import latency_model
+from hstap.spec.report import PLOT, markdown, print_summary, speedup_notes
+
+
+@dataclass
+class EvalConfig:
+    target: str
+    """Target model directory (HF format, with its tokenizer)."""
+    data: str
+    """Prompts: a prepared dataset directory (hstap prepare) or a conversations JSONL (.jsonl/.json, optionally .gz)."""
+    out: str
+    """Report directory (report.json, report.md, acceptance.png, config.json)."""
+    drafter: str | None = None
+    """Drafter: an hstap drafter dir, a training RUN (best/, else newest) or an SGLang/vLLM export; unset: baselines."""
+    mode: str = field(default="chain", metadata={"choices": ["chain", "tree"]})
+    """Drafting: a chain of --k tokens, or an EAGLE-2 dynamic tree (--topk, --depth, --tokens)."""
+    k: int = 5
+    """Chain length: draft tokens per verify forward (also the n-gram baseline's proposal length)."""
+    topk: int = 8
+    """Tree: children drafted per expanded node, and nodes expanded per level."""
+    depth: int = 6
+    """Tree: draft levels (the longest acceptable draft)."""
+    tokens: int = 60
+    """Tree: nodes verified per target forward, root included (SGLang's --speculative-num-draft-tokens)."""
+    temperature: float = 0.0
+    """0 = greedy (outputs must equal the target's); > 0 = lossless rejection sampling at this temperature."""
+    max_new_tokens: int = 256
+    """Generated tokens per prompt at most (generation also stops at eos / end of turn)."""
+    baseline: str = field(default="none", metadata={"choices": ["none", "ngram"]})
+    """Extra baseline next to target-only decoding: n-gram prompt lookup."""
+    num_prompts: int | None = None
+    """Use the first N usable prompts of --data (unset = all)."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto (cuda when available)."""
+    dtype: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
+    """Compute dtype of target and drafter (auto: bf16 on CUDA, fp32 on CPU)."""
+    seed: int = 0
+    """Sampling seed (temperature > 0); prompt i of every method uses seed + i."""
+    tie_tol: float | None = None
+    """Logit gap under which a greedy mismatch counts as a numerical near-tie (unset: 1e-3 in fp32, 0.5 in bf16)."""
+    engine: str = field(default="auto", metadata={"choices": ["auto", "fast", "eager"]})
+    """Decoder: fast (static KV caches, CUDA graphs: hstap.spec.fast), eager (hstap.spec.drivers), auto = fast on CUDA,
+    eager on the CPU. Every method runs on the same one."""
+    kernels: str = field(default="standard", metadata={"choices": ["standard", "fused"]})
+    """Fast engine: standard (the model's layers, SDPA) or fused (fastdecode.FUSED: faster steps, long compiles)."""
+
+    def __post_init__(self):
+        for name, lo in (("k", 1), ("topk", 1), ("depth", 1), ("tokens", 2), ("max_new_tokens", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise HstapError(f"--{name.replace('_', '-')}: expected an integer >= {lo}, got {v!r}")
+        if self.num_prompts is not None and (not isinstance(self.num_prompts, int) or self.num_prompts < 1):
+            raise HstapError(f"--num-prompts: expected a positive integer, got {self.num_prompts!r}")
+        if self.temperature < 0:
+            raise HstapError(f"--temperature: must be >= 0, got {self.temperature}")
+        if self.tie_tol is not None and self.tie_tol < 0:
+            raise HstapError(f"--tie-tol: must be >= 0, got {self.tie_tol}")
+        for name, choices in (("mode", ("chain", "tree")), ("baseline", ("none", "ngram")),
+                              ("dtype", ("auto", "fp32", "bf16")), ("engine", ("auto", "fast", "eager")),
+                              ("kernels", ("standard", "fused"))):
+            if getattr(self, name) not in choices:
+                raise HstapError(f"--{name}: expected one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        self.target, self.data, self.out = (os.path.abspath(p) for p in (self.target, self.data, self.out))
+        if self.drafter is not None:
+            self.drafter = os.path.abspath(self.drafter)
+
+
+# --- prompts ----------------------------------------------------------------------------------------------------------
+def prompt_from_mask(input_ids: list[int], loss_mask: list[int]) -> list[int] | None:
+    """The tokens before the last assistant answer: input_ids up to the first token of the last run of 1s."""
+    end = len(loss_mask) - 1
+    while end >= 0 and not loss_mask[end]:
+        end -= 1
+    if end < 0:
+        return None
+    start = end
+    while start > 0 and loss_mask[start - 1]:
+        start -= 1
+    return list(input_ids[:start]) or None
+
+
+def load_prompts(data: str, tokenizer, num_prompts: int | None = None) -> list[tuple[str, list[int]]]:
+    """[(id, prompt ids)] from a prepared dataset directory or a conversations file; samples without a usable turn
+    are skipped."""
+    out: list[tuple[str, list[int]]] = []
+    want = num_prompts or float("inf")
+    if Path(data).is_dir():
+        from hstap.data.prepare import load_prepared
+
+        ds = load_prepared(data)
+        for row in ds:
+            p = prompt_from_mask(row["input_ids"], row["loss_mask"])
+            if p:
+                out.append((str(row["id"]), p))
+            if len(out) >= want:
+                break
+    else:
+        from hstap.data.conversations import read_conversations
+        from hstap.data.prepare import render_prompt
+
+        if tokenizer is None:
+            raise HstapError(f"{data}: conversations need the target's tokenizer, and the target directory has none")
+        for cid, messages in read_conversations([data]):
+            last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+            if last_user >= 0:
+                out.append((cid, render_prompt(tokenizer, messages[:last_user + 1])))
+            if len(out) >= want:
+                break
+    if not out:
+        raise HstapError(f"{data}: no usable prompt (need an assistant turn in prepared data, a user turn in JSONL)")
+    return out
+
+
+def eos_ids(tokenizer, target) -> list[int]:
+    """End ids: the model's and tokenizer's eos and the template's end-of-turn token (where `hstap generate` stops)."""
+    from hstap.data.decode import stop_token_ids
+
+    return stop_token_ids(target.model, tokenizer)
+
+
+def load_any_drafter(path: str, target):
+    """(drafter on the target's device and dtype, its metadata) from an hstap drafter dir, a training RUN, or an
+    SGLang / vLLM export (whose missing embedding is the target's)."""
+    from hstap.export.drafter_dir import load_drafter
+    from hstap.export.engines import load_exported
+
+    p = Path(path)
+    if (p / "model.safetensors").is_file() and not (p / "drafter.safetensors").is_file():
+        return load_exported(p, embed_weight=target.embed_tokens.weight, device=target.device, dtype=target.dtype)
+    return load_drafter(p, device=target.device, dtype=target.dtype)
+
+
+def sim_chain_tau(rec: dict | None, k: int) -> float | None:
+    """Simulated tau of greedy chain decoding with k drafts from a training eval record: its replayed `sim_chain_tau`
+    (hstap.train.ttt.replay_chain), else 1 + sum_{j<k} prod_{i<=j} acc_cond[i] (runs from before the replay); None when
+    the run simulated fewer than k steps (its --ttt) or logged neither."""
+    rec = rec or {}
+    chain = rec.get("sim_chain_tau")
+    if chain and len(chain) >= k:
+        return float(chain[k - 1]) if chain[k - 1] > 0 else None  # 0: the eval split had no round to replay
+    acc = rec.get("acc_cond")
+    if not acc or len(acc) < k:
+        return None
+    tau, p = 1.0, 1.0
+    for a in acc[:k]:
+        p *= float(a)
+        tau += p
+    return tau
+
+
+def read_sim_tau(drafter_path: str) -> dict | None:
+    """The training run's simulated tau for this drafter: from metrics.jsonl next to it (RUN, RUN/best or a checkpoint),
+    the eval line of the checkpoint's own step (trainer_state.json) when there is one, else the last eval line."""
+    from hstap.export.drafter_dir import resolve_drafter_dir
+
+    p = Path(drafter_path)
+    try:
+        d = resolve_drafter_dir(p)
+    except HstapError:
+        d = p
+    step = None
+    if (d / "trainer_state.json").is_file():
+        try:
+            step = json.loads((d / "trainer_state.json").read_text()).get("step")
+        except (OSError, ValueError, AttributeError):
+            step = None
+    for run in dict.fromkeys((p, d.parent, d.parent.parent)):  # RUN itself, RUN for best/, RUN for checkpoints/step_*
+        f = run / "metrics.jsonl"
+        if not f.is_file():
+            continue
+        evals = []
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a torn last line of a killed run
+            if isinstance(rec, dict) and rec.get("sim_tau") is not None:
+                evals.append(rec)
+        if evals:
+            own = [r for r in evals if step is not None and r.get("step") == step]
+            rec = (own or evals)[-1]
+            return {"sim_tau": float(rec["sim_tau"]), "step": rec.get("step"), "checkpoint_step": step,
+                    "acc_cond": rec.get("acc_cond"), "sim_chain_tau": rec.get("sim_chain_tau"), "file": str(f)}
+    return None
+
+
+# --- running and summing up -------------------------------------------------------------------------------------------
+def run_method(fn, prompts: list[tuple[str, list[int]]], seed: int, device,
+               progress=None) -> tuple[list[list[int]], dict]:
+    """fn(prompt, generator) -> (output, stats) on every prompt; returns the outputs and the summed figures.
+    `progress` (a `hstap.console.Progress`) is told after each prompt, with the tokens/s so far."""
+    outs, per = [], []
+    new = wall = 0.0
+    for i, (_, prompt) in enumerate(prompts):
+        gen = torch.Generator(device=device).manual_seed(seed + i)
+        out, s = fn(prompt, gen)
+        outs.append(out)
+        per.append(s)
+        new, wall = new + (s.get("new_tokens") or 0), wall + (s.get("total_s") or 0)
+        if progress is not None:
+            progress.update(1, f"{new / wall:.1f} tokens/s" if wall > 0 else "")
+    return outs, aggregate(per)
+
+
+def aggregate(per: list[dict]) -> dict:
+    """Sum per-prompt stats: tau and acceptance over all verify rounds, tokens/s over all wall time."""
+    tot = lambda key: sum(s.get(key) or 0 for s in per)  # noqa: E731
+    steps, new, wall = tot("verify_forwards"), tot("new_tokens"), tot("total_s")
+    agg = {"method": per[0]["method"], "prompts": len(per), "new_tokens": new, "verify_forwards": steps,
+           "tau": tot("verify_tokens") / steps if steps else 0.0, "total_s": wall,
+           "tokens_per_s": new / wall if wall > 0 else 0.0}
+    for key in ("prefill_s", "draft_s", "verify_s", "decode_s", "host_s"):
+        if any(key in s for s in per):
+            agg[key] = tot(key)
+    agg.update(latency_model(agg))
+    if "accept_counts" in per[0]:
+        counts = [sum(c) for c in zip(*(s["accept_counts"] for s in per))]
+        agg["accept_counts"] = counts
+        agg["per_position_acceptance"] = [c / steps if steps else 0.0 for c in counts]
+        agg["mean_accepted"] = sum(counts) / steps if steps else 0.0
+    if "mean_tree_nodes" in per[0]:
+        agg["mean_tree_nodes"] = sum(s["mean_tree_nodes"] * s["verify_forwards"] for s in per) / steps if steps else 0.0
+    return agg
+
+
+def decoders(cfg: EvalConfig, target, drafter, prompts, eos) -> tuple[str, dict]:
+    """(engine name, {method: fn(prompt, generator, max_new) -> (output, stats)}) for --engine."""
+    engine = cfg.engine if cfg.engine != "auto" else ("fast" if target.device.type == "cuda" else "eager")
+    T, dec = cfg.temperature, None
+    if cfg.kernels == "fused" and engine != "fast":
+        print("hstap eval: --kernels fused applies to the fast engine only: the eager one runs", file=sys.stderr)
+    if engine == "fast":
+        longest = max(len(p) for _, p in prompts) + cfg.max_new_tokens + max(cfg.tokens, cfg.k, cfg.depth) + 2
+        dec = FastDecoder(target, drafter, max_len=longest, **(FUSED if cfg.kernels == "fused" else {}))
+    tgt, ngram, spec = ((dec.target_generate, dec.ngram_generate, dec.speculative_generate) if dec else
+                        (lambda *a: target_generate(target, *a), lambda *a: ngram_generate(target, *a),
+                         lambda *a: speculative_generate(target, drafter, *a)))
+    methods = {"target": lambda p, g, m=cfg.max_new_tokens: tgt(p, m, T, eos, g)}
+    if cfg.baseline == "ngram":
+        methods["ngram"] = lambda p, g, m=cfg.max_new_tokens: ngram(p, m, cfg.k, 3, T, eos, g)
+    if drafter is not None:
+        methods["eagle"] = lambda p, g, m=cfg.max_new_tokens: spec(p, m, cfg.mode, cfg.k, cfg.topk, cfg.depth,
+                                                                   cfg.tokens, T, eos, g)
+    return engine, methods
+
+
+def check_lossless(target, prompts, ref: list[list[int]], outs: list[list[int]], method: str, tol: float) -> list[dict]:
+    """Mismatches of `outs` against the target-only outputs, with the target's logit gap at the first difference."""
+    bad = []
+    for (pid, prompt), a, b in zip(prompts, ref, outs):
+        if a == b:
+            continue
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        rec = {"id": pid, "method": method, "position": i, "target_len": len(a), "output_len": len(b)}
+        if i < min(len(a), len(b)):  # both continue but differ: how close were the two tokens in the target's eyes?
+            logits, _ = target_forward(target, torch.tensor([prompt + a[:i]], device=target.device), [], new_cache())
+            top = logits[-1].max()
+            gap = float(max(top - logits[-1, a[i]], top - logits[-1, b[i]]))
+            rec.update(target_token=a[i], output_token=b[i], logit_gap=gap, near_tie=gap <= tol)
+        else:
+            rec["near_tie"] = False  # one stopped earlier than the other at equal prefixes: never a tie
+        bad.append(rec)
+    return bad
+
+
+# --- the stage --------------------------------------------------------------------------------------------------------
+def evaluate(cfg: EvalConfig) -> dict:
+    from hstap.model_dir import load_target
+
+    target, tok = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
+    dev = target.device
+    drafter, meta = load_any_drafter(cfg.drafter, target) if cfg.drafter is not None else (None, None)
+    prompts = load_prompts(cfg.data, tok, cfg.num_prompts)
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)  # after the input checks, before the long runs
+    eos = eos_ids(tok, target)
+    T, n = cfg.temperature, cfg.max_new_tokens
+    engine, methods = decoders(cfg, target, drafter, prompts, eos)
+    outputs, results = {}, {}
+    for name, fn in methods.items():
+        fn(prompts[0][1], torch.Generator(device=dev).manual_seed(cfg.seed), min(n, 32))  # warm-up, not counted
+        bar = Progress(f"hstap eval: {name}", len(prompts), "prompts")
+        outputs[name], results[name] = run_method(fn, prompts, cfg.seed, dev, bar)
+        bar.close()
+        r = results[name]
+        print(f"hstap eval: {name:6s} tau {r['tau']:.3f}  {r['tokens_per_s']:.1f} tokens/s  ({r['new_tokens']} "
+              f"tokens, {len(prompts)} prompts)", file=sys.stderr)
+    base = results["target"]["tokens_per_s"]
+    for r in results.values():
+        r["speedup"] = r["tokens_per_s"] / base if base > 0 else 0.0
+
+    mismatches = []
+    if T == 0:
+        tol = cfg.tie_tol if cfg.tie_tol is not None else (1e-3 if target.dtype == torch.float32 else 0.5)
+        for name in methods:
+            if name != "target":
+                mismatches += check_lossless(target, prompts, outputs["target"], outputs[name], name, tol)
+    failed = [m for m in mismatches if not m["near_tie"]]
+    primary = "eagle" if drafter is not None else ("ngram" if "ngram" in results else "target")
+    sim = read_sim_tau(cfg.drafter) if cfg.drafter is not None else None
+    p = results[primary]
+    report = {
+        "method": primary, "tau": p["tau"], "per_position_acceptance": p.get("per_position_acceptance", []),
+        "mean_accepted": p.get("mean_accepted"), "tokens_per_s": p["tokens_per_s"], "target_tokens_per_s": base,
+        "speedup": p["speedup"], "predicted_speedup": p.get("predicted_speedup"), "engine": engine,
+        "kernels": cfg.kernels if engine == "fast" else None, "prefill_s": p.get("prefill_s"), "total_s": p["total_s"],
+        "draft_s": p.get("draft_s"), "verify_s": p.get("verify_s"), "host_s": p.get("host_s"),
+        "simulated_tau": sim_chain_tau(sim, cfg.k) if cfg.mode == "chain" else None,
+        "simulated": sim,
+        "lossless": (not failed) if T == 0 else None, "mismatches": mismatches,
+        "methods": results, "num_prompts": len(prompts), "eos_ids": eos,
+        "hardware": _hardware(dev), "dtype": str(target.dtype).replace("torch.", ""),
+        "target_params": sum(p.numel() for p in target.model.parameters()),
+        "drafter": {"path": cfg.drafter, "aux_layers": list(drafter.config.aux_layers),
+                    "draft_vocab_size": drafter.config.draft_vocab_size} if drafter is not None else None,
+        "prompts": [{"id": pid, "prompt_ids": pr, "output_ids": outputs[primary][i],
+                     **({"target_output_ids": outputs["target"][i]} if T > 0 and primary != "target" else {})}
+                    for i, (pid, pr) in enumerate(prompts)],
+    }
+    if drafter is not None:
+        report["drafter"]["trained_on_this_target"] = _same_target(cfg.target, meta)
+        report["drafter"]["params"] = sum(p.numel() for p in drafter.parameters())
+    report["speedup_notes"] = speedup_notes(report)
+    report["plot"] = PLOT
+    write_run_config(out_dir, "eval", cfg)
+    atomic_write_bytes(out_dir / "report.md", markdown(cfg, report).encode())
+    atomic_write_json(out_dir / "report.json", report)  # before the plot: a plot that fails loses no result
+    acceptance_plot(results, cfg.mode, out_dir / PLOT)
+    summary = {k: report[k] for k in ("method", "tau", "per_position_acceptance", "tokens_per_s", "target_tokens_per_s",
+                                      "speedup", "simulated_tau", "lossless", "num_prompts", "methods",
+                                      "speedup_notes")}
+    summary["out"] = str(out_dir)
+    print_summary(cfg, report)
+    for m in mismatches:
+        print(f"hstap eval: {'warning' if m['near_tie'] else 'LOSSLESSNESS VIOLATION'}: {m['method']} output of prompt "
+              f"{m['id']} differs from the target's at token {m['position']}: {json.dumps(m)}", file=sys.stderr)
+    if failed:
+        raise HstapError(f"{out_dir / 'report.json'}: lossless: {len(failed)} greedy output(s) differ from target-only "
+                         f"decoding beyond a near-tie (first: {failed[0]['method']} on prompt {failed[0]['id']} at "
+                         f"token {failed[0]['position']}): a bug")
+    return summary
+
+
+def _same_target(target_dir: str, meta: dict) -> bool | None:
+    """Whether the drafter was trained on this target's states (weights fingerprint in drafter.json); None = unknown."""
+    want = ((meta or {}).get("store") or {}).get("target", {}).get("weights_fingerprint")
+    if not want:
+        return None
+    from hstap.model_dir import weights_fingerprint
+
+    same = weights_fingerprint(target_dir) == want
+    if not same:
+        print("hstap eval: warning: the drafter was trained on hidden states of another target (weights fingerprint "
+              "differs): expect low acceptance", file=sys.stderr)
+    return same
+
+
+def _hardware(dev: torch.device) -> dict:
+    import transformers
+
+    hw = {"device": str(dev), "torch": torch.__version__, "transformers": transformers.__version__,
+          "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    if dev.type == "cuda":
+        hw["gpu"] = torch.cuda.get_device_name(dev)
+    return hw

@@ -1,0 +1,93 @@
+"""What `hstap eval` tells people: the console table and REPORT/report.md, with what tau and speedup mean and why a
+measured speedup may not carry over to serving (a CPU, a tiny target)."""
+
+from __future__ import annotations
+
+PLOT = "acceptance.png"
+
+
+TAU_MEANS = ("tau = tokens per target forward: the drafts the target accepted plus its own next (bonus) token; 1.0 = "
+             "no draft ever accepted, k+1 = every draft of a k-token chain accepted.")
+SPEEDUP_MEANS = ("speedup = generated tokens/s over target-only decoding's, same prompts, same hardware, same "
+                 "process (tokens/s include the prefill).")
+TINY_TARGET = 1e8  # parameters: below this a target forward is overhead-bound (Python, launches), whatever the hardware
+
+
+def speedup_notes(r: dict) -> list[str]:
+    """Why the report's speedup figures do not carry over to serving a large target on a GPU (empty when they do)."""
+    notes = []
+    if r["hardware"]["device"].startswith("cpu"):
+        notes.append("measured on a CPU: there a target large enough to be compute-bound pays about k+1 times a "
+                     "decoding step to verify k+1 tokens, while on a GPU decoding is memory-bound and verifying k+1 "
+                     "tokens costs about as much as decoding one")
+    if r["target_params"] < TINY_TARGET:
+        d = (r.get("drafter") or {}).get("params")
+        notes.append(f"the target is tiny ({r['target_params'] / 1e6:.1f} M parameters"
+                     + (f", its drafter {d / 1e6:.1f} M" if d else "") + "): a forward's fixed cost (Python, kernel "
+                     "launches) dominates, so drafting costs about as much as the target forwards it saves; tau is the "
+                     "figure that carries over to a large target")
+    return notes
+
+
+def print_summary(cfg, r: dict) -> None:
+    """The console table of the methods and what the figures mean (cfg: the EvalConfig)."""
+    from hstap.console import table
+
+    mode = f"chain k={cfg.k}" if cfg.mode == "chain" else f"tree topk={cfg.topk} depth={cfg.depth} tokens={cfg.tokens}"
+    rows = []
+    for name, m in r["methods"].items():
+        acc = " ".join(f"{a:.2f}" for a in m.get("per_position_acceptance", [])) or "-"
+        rows.append([name, f"{m['tau']:.3f}", f"{m['tokens_per_s']:.1f}", f"{m['speedup']:.2f}x", acc])
+    lines = [f"hstap eval: {r['num_prompts']} prompts, " + ("greedy" if cfg.temperature == 0 else
+                                                             f"temperature {cfg.temperature:g}")
+             + f", {mode}, {r['dtype']} on {r['hardware'].get('gpu', r['hardware']['device'])}",
+             table(["method", "tau", "tokens/s", "speedup", "acceptance by draft position"], rows)]
+    if r["simulated_tau"] is not None:
+        lines.append(f"  simulated tau of this chain (training, teacher-forced): {r['simulated_tau']:.3f}")
+    if r["lossless"] is not None:
+        lines.append("  lossless (greedy outputs equal target-only): " + ("yes" if r["lossless"] else "NO"))
+    lines.append("  " + TAU_MEANS)
+    for note in r["speedup_notes"]:
+        lines.append(f"  speedup not representative: {note}")
+    lines.append(f"  wrote {cfg.out}/report.md, report.json, {PLOT}")
+    print("\n".join(lines), flush=True)
+
+
+def markdown(cfg, r: dict) -> str:
+    """REPORT/report.md (cfg: the EvalConfig)."""
+    hw = r["hardware"]
+    lines = [f"# hstap eval: {r['method']}", "",
+             f"target `{cfg.target}`, drafter `{cfg.drafter}`, data `{cfg.data}`, {r['num_prompts']} prompts, "
+             f"max {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, {r['dtype']} on "
+             f"{hw.get('gpu', hw['device'])} (torch {hw['torch']}, transformers {hw['transformers']})",
+             "drafting: " + (f"chain k={cfg.k}" if cfg.mode == "chain" else
+                              f"tree topk={cfg.topk} depth={cfg.depth} tokens={cfg.tokens}")
+             + f"; engine {r['engine']}" + (f" ({r['kernels']} kernels)" if r.get("kernels") else ""), "",
+             ("| method | tau | tokens/s | speedup | predicted | draft s | verify s | ms/round draft / verify / host "
+              "| per-position acceptance |"),
+             "|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f=".2f": format(v, f) if isinstance(v, float) else "-"
+    for name, m in r["methods"].items():
+        acc = " ".join(f"{a:.2f}" for a in m.get("per_position_acceptance", [])) or "-"
+        split = " / ".join(fmt(m.get(f"{k}_ms_per_round"), ".3f") for k in ("draft", "verify", "host"))
+        lines.append(f"| {name} | {m['tau']:.3f} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
+                     f"{fmt(m.get('predicted_speedup'))}{'x' if m.get('predicted_speedup') else ''} | "
+                     f"{fmt(m.get('draft_s'))} | {fmt(m.get('verify_s'))} | {split} | {acc} |")
+    lines += ["", ("latency model: predicted speedup = tau / (1 + k c_draft / c_verify), k c_draft and c_verify the "
+                   "measured draft and verify time per round (it assumes a verify costs one target-only step and no "
+                   "host time); target-only's verify is its one-token step."), ""]
+    if r["simulated_tau"] is not None and r["tau"] > 0:
+        sim, tau = r["simulated_tau"], r["tau"]
+        lines.append(f"simulated tau of this chain (training eval at step {r['simulated']['step']}, teacher-forced: "
+                     f"chain of {cfg.k} drafts replayed on the eval split): {sim:.3f}; measured tau {tau:.3f} "
+                     f"({100 * (sim - tau) / tau:+.1f}%)")
+    if r["lossless"] is not None:
+        lines.append(f"lossless (greedy outputs equal target-only): **{r['lossless']}**"
+                     + (f", {len(r['mismatches'])} mismatch(es), see report.json" if r["mismatches"] else ""))
+    lines += ["", "- " + TAU_MEANS + " The prefill's first token is not counted.", "- " + SPEEDUP_MEANS]
+    if r["speedup_notes"]:
+        lines += ["", "**These speedups are not representative** of serving a large target on a GPU:"]
+        lines += [f"- {n}." for n in r["speedup_notes"]]
+    lines += ["", f"![per-position acceptance]({r['plot']})"]
+    return "\n".join(lines) + "\n"
+

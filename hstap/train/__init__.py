@@ -1,0 +1,7 @@
+"""Training: an EAGLE-3 drafter with training-time test on stored states, a live target, or a store still being written.
+
+`stage.py` is `hstap train` (config, run directory, the loop); `data.py` what it reads (store or live target, eval
+split, aux-layer selection, vocab map); `ttt.py` the training-time test (masks, target distribution, objectives, chain
+replay, FLOPs); `trainer.py` the drafter under training (DDP/FSDP2 wrapping, AdamW, schedule); `checkpoint.py` atomic
+checkpoints and exact resume; `log.py` the metrics; `follow.py` `--follow`, the stream over a growing store.
+"""

@@ -1,0 +1,140 @@
+"""Training checkpoints: RUN/checkpoints/step_{step:08d}/ written atomically, RUN/best, rotation, resume.
+
+The layout (drafter, optimizer.safetensors, rng*.safetensors, trainer_state.json) is described in `hstap.train.stage`'s
+module docstring. Every rank calls `save`; rank 0 writes all but the other ranks' RNG. No pickle: safetensors + JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from hstap import dist as D
+from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir
+from hstap.models.drafter import Eagle3Drafter
+
+RESUME_KEYS = ("world_size", "grad_accum", "batch_tokens", "seed", "ttt", "eval_frac", "lr", "warmup_ratio",
+               "min_lr_ratio")
+"""Run settings a resume must repeat: they decide the data order, the global batch, the model's shape and the learning
+rate schedule (whose defaults changed in the eighth session: a run started before resumes only with its own values)."""
+
+
+def complete(run: Path) -> list[Path]:
+    """RUN's complete checkpoint directories (those with trainer_state.json), oldest first."""
+    d = run / "checkpoints"
+    return sorted(c for c in d.glob("step_*") if (c / "trainer_state.json").is_file()) if d.is_dir() else []
+
+
+def save(run: Path, step: int, drafter: Eagle3Drafter, params: list, opt, state: dict, extra: dict, keep: int,
+         rank: int, fsdp: bool, best: bool) -> None:
+    """Write RUN/checkpoints/step_{step:08d}/ atomically (every rank calls this; rank 0 writes all but peers' RNG)."""
+    sd = D.full_state_dict(drafter) if fsdp else None  # collectives under FSDP: every rank, same order
+    flat = {f"state.{i}.{k}": D.full_tensor(v).detach().to("cpu").contiguous()
+            for i, p in enumerate(params) for k, v in opt.state.get(p, {}).items()}
+    final = run / "checkpoints" / f"step_{step:08d}"
+    tmp = run / "checkpoints" / f".tmp_step_{step:08d}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    D.barrier()
+    rt, rjs = D.rng_state()
+    if rank > 0:
+        save_file(rt, str(tmp / f"rng_rank{rank}.safetensors"), metadata={"json": json.dumps(rjs)})
+    D.barrier()
+    if rank == 0:
+        if fsdp:
+            drafter = Eagle3Drafter(drafter.config)
+            drafter.load_state_dict(sd, strict=False)
+        from hstap.export.drafter_dir import save_drafter
+        save_drafter(tmp, drafter, extra)
+        save_file(flat, str(tmp / "optimizer.safetensors"))
+        save_file(rt, str(tmp / "rng.safetensors"))
+        atomic_write_json(tmp / "trainer_state.json", {**state, "rng": rjs})
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # the commit point: a step_* directory is complete or absent
+        fsync_dir(final.parent)
+        for old in complete(run)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        if best:
+            _replace_best(final, run)
+    D.barrier()
+
+
+def _replace_best(src: Path, run: Path) -> None:
+    """RUN/best := a copy of src (no optimizer/RNG), by renames: best is missing only between two renames, and
+    `recover` puts .best.old back if a crash lands there."""
+    tmp, old, dst = run / ".best.tmp", run / ".best.old", run / "best"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("optimizer.safetensors", "rng*.safetensors"))
+    fsync_dir(tmp)
+    shutil.rmtree(old, ignore_errors=True)
+    if dst.exists():
+        os.rename(dst, old)
+    os.rename(tmp, dst)
+    fsync_dir(run)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover(run: Path) -> None:
+    """Undo what a crash during `save` left: RUN/best put back from .best.old, temp dirs removed."""
+    if not (run / "best").exists() and (run / ".best.old").exists():
+        os.rename(run / ".best.old", run / "best")
+    shutil.rmtree(run / ".best.tmp", ignore_errors=True)
+    for t in (run / "checkpoints").glob(".tmp_step_*") if (run / "checkpoints").is_dir() else []:
+        shutil.rmtree(t, ignore_errors=True)
+
+
+def load(ckpt: Path, config: dict, drafter: Eagle3Drafter) -> dict:
+    """trainer_state.json of ckpt after loading its weights into the unwrapped drafter.
+
+    config: this run's trainer_state "config" ({"world_size": W, **the TrainConfig fields}); its RESUME_KEYS must
+    equal the checkpoint's."""
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    for k in RESUME_KEYS:
+        if state["config"][k] != config[k]:
+            flag = "the number of ranks" if k == "world_size" else "--" + k.replace("_", "-")
+            raise HstapError(f"{ckpt}/trainer_state.json: {k} was {state['config'][k]}; resume with the same value "
+                             f"({flag})")
+    weights = load_file(str(ckpt / "drafter.safetensors"))
+    if any(n in weights and not torch.equal(weights[n].cpu(), getattr(drafter, n).cpu()) for n in ("d2t", "t2d")):
+        raise HstapError(f"{ckpt}/drafter.safetensors: its draft vocabulary ({weights['d2t'].numel()} ids) is not this "
+                         f"run's ({drafter.d2t.numel()} ids); resume with the run's --draft-vocab / --vocab-map")
+    missing, unexpected = drafter.load_state_dict(weights, strict=False)
+    if [k for k in missing if not k.startswith("rotary.")] or unexpected:
+        raise HstapError(f"{ckpt}/drafter.safetensors: does not fit this drafter ({missing} / {unexpected})")
+    return state
+
+
+def load_rest(ckpt: Path, state: dict, rank: int, params: list, opt) -> None:
+    """Optimizer (resharded like the parameters under FSDP) and this rank's RNG."""
+    flat = load_file(str(ckpt / "optimizer.safetensors"))
+    st = {i: {k.split(".")[2]: (v if k.endswith(".step") else D.like(v, p)) for k, v in flat.items()
+              if k.startswith(f"state.{i}.")} for i, p in enumerate(params)}
+    opt.load_state_dict({"state": {i: s for i, s in st.items() if s}, "param_groups": opt.state_dict()["param_groups"]})
+    name = "rng.safetensors" if rank == 0 else f"rng_rank{rank}.safetensors"
+    from safetensors import safe_open
+    with safe_open(str(ckpt / name), framework="pt") as h:
+        js = state["rng"] if rank == 0 else json.loads(h.metadata()["json"])
+    D.set_rng_state(load_file(str(ckpt / name)), js)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics lines written after the checkpoint we resume from (and a torn last line)."""
+    if path.is_file():
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                pass
+        atomic_write_bytes(path, "".join(x + "\n" for x in keep).encode())

@@ -1,0 +1,499 @@
+"""`hstap train`: train an EAGLE-3 drafter with training-time test on stored hidden states or on a live target.
+
+    hstap train --store STORE --target MODEL_DIR --out RUN --steps 2000
+    torchrun --nproc-per-node 8 -m hstap.cli train --store STORE --target MODEL_DIR --out RUN --epochs 2 [--fsdp]
+    hstap train --online --data PREPARED --target MODEL_DIR --out RUN --steps 2000      # no disk: target in-process
+    hstap train --store STORE --target MODEL_DIR --out RUN --aux-layers final --ttt 1   # EAGLE-1-style baseline
+    hstap train --store STORE --target MODEL_DIR --out RUN --resume                     # after a crash / kill -9
+    hstap train --store STORE --target MODEL_DIR --out RUN --vocab-map PREPARED --eval-frac 0 \
+        --follow --consume --keep-shards 4                                            # while capture writes STORE
+
+Objective (`hstap.train.ttt`): step k of --ttt at position t feeds x[t+1+k] and the step k-1 output, and predicts x[t+2+k]
+against the target's distribution at t+1+k over the draft vocabulary (the frozen target lm_head, read from the target
+directory's safetensors, applied to the stored `final` state). Counted: loss_mask[t+2+k] == 1, t+2+k < length, target
+argmax in the draft vocabulary. loss = sum_k 0.8^k mean_k(soft CE) (--ttt-decay; --loss picks another per-row
+objective: total variation, reverse KL, hard CE, mixes, an LK-style hybrid). --draft-layers N > 1 stacks N-1 plain
+Llama layers after the midlayer, each with its own TTT cache.
+
+Exact global mean. An optimizer step covers world x --grad-accum micro-batches. Every micro-batch's target distribution
+is computed first; the counted positions N_k are summed over micro-batches and all-reduced; each micro-batch then
+backpropagates world * sum_k 0.8^k sum(CE_k) / N_k (DDP/FSDP average gradients over ranks; the factor undoes that). So 2
+ranks x 1 micro-batch and 1 rank x 2 micro-batches give the same loss and gradients up to float summation order. Cost:
+the target distributions ((rows, Vd) in the compute dtype) of --grad-accum micro-batches are held at once.
+
+Init: embedding copied from the target and frozen; lm_head = the target lm_head's rows of the draft vocabulary (the
+drafter starts out predicting what the target head would say on its state: faster early convergence; --no-init-lm-head
+for random); the rest PyTorch's default init under --seed. AdamW (0.9, 0.95), eps 1e-8; linear warmup over
+--warmup-ratio, then cosine to --min-lr-ratio * lr (default 0.1; SpecForge/EAGLE: 0); clipping at --grad-clip. CUDA:
+fp32 master weights, bf16 autocast, bf16 target head, flex_attention with the exact TTT block mask. CPU: fp32, SDPA with
+the exact mask. The run log names the TTT attention kernel and why (`hstap.train.ttt.ttt_attention`: from the device and the
+head width, never the batches); if compiling flex_attention fails for a batch, that rank says so in one line and goes
+on with the exact SDPA path.
+
+Metrics (RUN/metrics.jsonl, a JSON object per line; TensorBoard in RUN/tb when installed). Train lines: step, epoch,
+loss, loss_k, acc (acc_k = counted positions whose draft argmax is the target argmax / counted positions), lr,
+grad_norm, tokens, tok_s (real tokens/s, all ranks), mfu (`hstap.train.ttt.ttt_flops` / time / (--peak-tflops * world)),
+peak_mem_gb (CUDA). Eval lines ("eval": true), on the eval split: eval_loss, eval_acc, acc_cond, sim_chain_tau, sim_tau.
+tau means one thing everywhere (training, `hstap eval`, the demo): tokens per target forward, the bonus token
+included (SGLang's accept length); 1.0 = no draft ever accepted. sim_chain_tau[k-1] = the tau of greedy chain decoding
+with k drafts replayed round by round on the eval answers (`hstap.train.ttt.replay_chain`: rounds start after a rejection,
+so on the target's own outputs it predicts the measured tau); sim_tau = sim_chain_tau[K-1], the chain of K = --ttt
+drafts. acc_cond_k = P(step k right | steps 0..k-1 right) over the positions t where loss_mask[t+2+k] == 1 and
+t+2+k < length for every step k (a target argmax outside the draft vocabulary is a miss: the drafter cannot propose
+it). RUN/best follows the highest sim_tau. RUN/curves.png plots loss, accuracy and sim_tau from metrics.jsonl (rank 0,
+after every evaluation and at the end).
+
+Checkpoints: RUN/checkpoints/step_{step:08d}/ = drafter.safetensors + drafter.json (hstap.export.save_drafter),
+optimizer.safetensors (AdamW state as `state.{param_idx}.{exp_avg,exp_avg_sq,step}`; names in trainer_state.json),
+rng.safetensors (rank 0's torch CPU/CUDA RNG; rng_rank{r}.safetensors for the others, their python/numpy state in the
+metadata) and trainer_state.json (step, data position, schedule, best_sim_tau and its tau_definition, rank 0's
+python/numpy RNG). Built in a hidden temp dir,
+renamed into place; the newest --keep are kept. --resume restores weights, optimizer, schedule, data position (epoch +
+batches consumed) and RNG: a run killed with kill -9 and resumed logs the uninterrupted run's losses (bitwise on CPU
+fp32, tests/train/test_train.py). All ranks must see RUN (shared filesystem).
+
+Following a growing store (--follow): train on each shard as soon as it is committed (by any writer rank), wait when
+caught up, end at --steps or once every writer closed the store and every sample was used --epochs times; with
+--consume --keep-shards N, delete each shard once its last use is trained and checkpointed, the store's writers keeping
+to N shard files. The order (canonical, not the order of arrival: a resumed run reproduces an uninterrupted one,
+bitwise on CPU fp32), slots and epochs, replay, consumption, exactly-once resume and the per-step sample-id log
+RUN/follow.jsonl are specified in `hstap.train.follow`'s docstring; the store side (writer ranks and the end of writing,
+consumer.json, the writers' back-pressure) in hstap/store/format.py. Without --steps the learning rate is constant.
+
+Layout: this module holds the stage's config, its entry and the loop; `hstap.train.data` the sources, layers, vocab
+map, split and batches; `hstap.train.trainer` the drafter's init, wrapping, optimizer, schedule, step and evaluation;
+`hstap.train.checkpoint` the checkpoint files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hstap import dist as D
+from hstap.batching import TrainBatches
+from hstap.common import HstapError, write_run_config
+from hstap.model_dir import load_config, target_head
+from hstap.train import checkpoint
+from hstap.train.data import Feed, TrainData, auto_ce_chunk, build_data, follow_vocab_map
+from hstap.train.follow import FollowBatches, open_followed_store
+from hstap.train.log import CURVES, MetricsLog, Throughput, draw_curves, print_summary, train_line
+from hstap.train.trainer import Schedule, Trainer, init_drafter
+from hstap.train.ttt import ttt_attention
+
+STATE_FORMAT = "hstap-trainer-state"
+TAU_DEFINITION = 2  # trainer_state.json: sim_tau = tokens per target forward, bonus token included (1: without it)
+
+
+@dataclass
+class TrainConfig:
+    out: str
+    """Run directory (config.json, metrics.jsonl, checkpoints/, best/)."""
+    target: str
+    """Target model directory (HF format): its config shapes the drafter; its embedding and lm_head are read from it."""
+    store: str | None = None
+    """Hidden-state store (hstap capture output) to train on (offline mode)."""
+    data: str | None = None
+    """Prepared set (hstap prepare output): the samples in --online mode; otherwise only the source of the vocab map."""
+    online: bool = False
+    """Run the target in-process on --data batches (no store, no disk) and train on its states."""
+    vocab_map: str | None = None
+    """vocab_map.safetensors (or a prepared dir) with d2t/t2d; default: --data's, else the store's (the prepared set's
+    map, copied by capture), else derived from the store's token counts (--draft-vocab)."""
+    draft_vocab: int = 0
+    """Draft vocabulary size. 0: the vocab map's (--vocab-map, --data's, else the store's), or 32000 when derived from
+    the store's loss-masked token counts (a store without a map). N > 0 unlike the prepared or stored map's size: the
+    top N of the store's counts (clamped to V); unlike an explicit --vocab-map's: an error."""
+    aux_layers: str = ""
+    """fc inputs: '' = the store's layers (online: [1, N//2-1, N-4]); 'final' = final state only (EAGLE-1-style); or a
+    comma list of canonical ids (offline: a subset of the store's layers)."""
+    steps: int | None = None
+    """Optimizer steps to train (default: --epochs)."""
+    epochs: int | None = None
+    """Epochs over the training split (default 1 when --steps is not given)."""
+    ttt: int = 7
+    """Training-time-test steps K (1 = no TTT)."""
+    ttt_decay: float = 0.8
+    """Weight of TTT step k is ttt_decay**k."""
+    loss: str = "ce"
+    """Per-row objective (`hstap.train.ttt.loss_core`): ce (soft cross-entropy), tv (total variation = 1 - acceptance under
+    sampling), rkl (reverse KL), hard (cross-entropy against the target argmax), 'a+b' = (1 - --loss-mix) a +
+    --loss-mix b, or lk (per-row ce/tv hybrid weighted by exp(-lk_decay * acceptance))."""
+    loss_mix: float = 0.5
+    """Weight of the second term of an 'a+b' --loss."""
+    lk_decay: float = 3.0
+    """--loss lk: the cross-entropy's weight of a row is exp(-lk_decay * (1 - tv))."""
+    draft_layers: int = 1
+    """Drafter decoder layers: 1 = the EAGLE-3 midlayer alone; N > 1 adds N-1 plain Llama layers (vLLM export)."""
+    lr: float = 2e-3
+    """Peak learning rate (AdamW): 2e-3 gave chain-5 tau 2.610 against 2.386 at 1e-3 on the reference drafter
+    (RESULTS.md); not measured at wide shapes, where a lower rate (SpecForge: 1e-4) may be safer."""
+    min_lr_ratio: float = 0.1
+    """Cosine schedule floor as a fraction of --lr. 0.1 with --warmup-ratio 0.05: the best schedule on validation
+    (RESULTS.md, eighth session; eval chain-5 tau 2.636 against 2.610 with 0.0 / 0.015)."""
+    warmup_ratio: float = 0.05
+    """Linear warmup over this fraction of the steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 0.5
+    """Clip the global gradient norm to this (0 = off)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank."""
+    batch_tokens: int = 16384
+    """Micro-batch size: B * max_len <= batch_tokens (a longer sample goes alone)."""
+    eval_store: str | None = None
+    """Separate store for evaluation (offline); default: an --eval-frac split of the training samples."""
+    eval_frac: float = 0.05
+    """Fraction of samples held out for evaluation, chosen by a hash of the sample id (0 = no eval split)."""
+    eval_every: int = 0
+    """Evaluate every N steps (0 = at every checkpoint); always at the end."""
+    save_every: int = 1000
+    """Write a checkpoint every N steps; always at the end."""
+    keep: int = 3
+    """Checkpoints kept in RUN/checkpoints (the newest)."""
+    log_every: int = 10
+    """Write a metrics line every N steps."""
+    resume: bool = False
+    """Continue from RUN's newest complete checkpoint (weights, optimizer, schedule, data position, RNG); a larger
+    --steps extends the run (the cosine schedule is then laid out over the new total)."""
+    skip_verify: bool = False
+    """Skip the pre-flight check that the store matches the target (hstap.verify.quick_check)."""
+    device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"]})
+    """Device; under torchrun each rank takes GPU LOCAL_RANK."""
+    dtype: str = field(default="auto", metadata={"choices": ["auto", "bf16", "fp32"]})
+    """Compute dtype: bf16 = autocast with fp32 master weights (auto on CUDA); fp32 (auto on CPU)."""
+    attn: str = field(default="auto", metadata={"choices": ["auto", "flex", "sdpa", "causal"]})
+    """TTT attention: flex (auto on CUDA) and sdpa (auto on CPU) are exact; causal approximates (no TTT diagonal)."""
+    compile: bool = True
+    """torch.compile the decoder layers' dense parts and the CE (CUDA only): 1.6x eager's tok/s (reference shape)."""
+    fsdp: bool = False
+    """Shard with FSDP2 (fully_shard) instead of DDP when running under torchrun."""
+    workers: int = -1
+    """DataLoader worker processes (-1 = 4 on CUDA, 0 on CPU)."""
+    ce_chunk: int = 0
+    """Rows per chunk of the target head and of the fused lm_head + cross-entropy (memory vs. kernel size); 0 = auto:
+    16,384 when a chunk's target logits are at most 2^28 values (a vocab <= 16,384), else 4,096 (the 8B's setting)."""
+    init_lm_head: bool = True
+    """Initialise the drafter lm_head from the target lm_head's rows of the draft vocabulary."""
+    seed: int = 0
+    """Seed of the drafter init and of the data order (the eval split is a hash of the sample ids)."""
+    peak_tflops: float = 790.0
+    """Peak bf16 TFLOP/s of one device for the MFU estimate (H200: 790)."""
+    tensorboard: bool = True
+    """Also log to RUN/tb when tensorboard is installed."""
+    follow: bool = False
+    """Train on --store while it is written: each shard once committed, waiting when caught up; ends at --steps or
+    when every writer closed the store and every sample was used --epochs times (module docstring)."""
+    consume: bool = False
+    """--follow: delete each shard once its last use is trained and checkpointed; the writers keep to --keep-shards."""
+    keep_shards: int | None = None
+    """--consume: shard files the store may hold at once (all writer ranks together; each writer rank gets N // W)."""
+    replay_fraction: float = 0.0
+    """--consume: fraction of each slot's samples drawn again from the earlier shards it still keeps (seeded)."""
+
+    def __post_init__(self):
+        w = "train"
+        if self.online and not self.data:
+            raise HstapError(f"{w}: --online needs --data PREPARED")
+        if not self.online and not self.store:
+            raise HstapError(f"{w}: --store: required (or --online --data PREPARED)")
+        if self.online and self.eval_store:
+            raise HstapError(f"{w}: --eval-store: offline only (online mode evaluates on an --eval-frac split)")
+        if self.steps is not None and self.epochs is not None and not self.follow:
+            raise HstapError(f"{w}: give --steps or --epochs, not both")
+        if self.follow or self.consume or self.keep_shards is not None or self.replay_fraction:
+            self._check_follow()
+        for name in ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "draft_vocab",
+                     "draft_layers", "ce_chunk", "steps", "epochs"):
+            v, lo = getattr(self, name), 0 if name in ("ce_chunk", "draft_vocab") else 1  # 0: auto
+            if v is not None and v < lo:
+                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be >= {lo}, got {v}")
+        if not 0.0 <= self.eval_frac < 1.0:
+            raise HstapError(f"{w}: --eval-frac: must be in [0, 1), got {self.eval_frac}")
+        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise HstapError(f"{w}: --warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1]")
+        if self.lr <= 0 or self.grad_clip < 0 or self.eval_every < 0:
+            raise HstapError(f"{w}: --lr must be > 0, --grad-clip and --eval-every >= 0")
+        from hstap.train.ttt import loss_core
+        try:
+            loss_core(self.loss)
+        except ValueError as e:
+            raise HstapError(f"{w}: --{e}") from None
+        if not 0.0 <= self.loss_mix <= 1.0 or self.lk_decay < 0:
+            raise HstapError(f"{w}: --loss-mix must be in [0, 1] and --lk-decay >= 0")
+        for name in ("out", "target", "store", "data", "vocab_map", "eval_store"):
+            if getattr(self, name):
+                setattr(self, name, os.path.abspath(getattr(self, name)))
+
+    def _check_follow(self) -> None:
+        w = "train"
+        if not self.follow:
+            raise HstapError(f"{w}: --consume, --keep-shards and --replay-fraction need --follow")
+        if self.online:
+            raise HstapError(f"{w}: --follow follows a --store; it has no --online mode")
+        if self.consume != (self.keep_shards is not None):
+            raise HstapError(f"{w}: --consume and --keep-shards go together (the window the store's writers keep to)")
+        if self.keep_shards is not None and (isinstance(self.keep_shards, bool) or self.keep_shards < 1):
+            raise HstapError(f"{w}: --keep-shards: must be >= 1, got {self.keep_shards}")
+        if not 0.0 <= self.replay_fraction < 1.0:
+            raise HstapError(f"{w}: --replay-fraction: must be in [0, 1), got {self.replay_fraction}")
+        if self.replay_fraction and not self.consume:
+            raise HstapError(f"{w}: --replay-fraction draws from the shards --consume keeps: pass --consume "
+                             f"--keep-shards N")
+        if not (self.vocab_map or self.data):
+            raise HstapError(f"{w}: --follow: the draft vocabulary must be fixed before the store is complete: pass "
+                             f"--vocab-map (or --data PREPARED, whose vocab map is used)")
+        if self.eval_frac > 0 and not self.eval_store:
+            raise HstapError(f"{w}: --follow: evaluation needs a fixed held-out set: pass --eval-store STORE, or "
+                             f"--eval-frac 0")
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train a drafter (see the module docstring); returns the summary figures (also printed)."""
+    rank, world, _, dev = D.init_dist(cfg.device)
+    try:
+        return _run(cfg, rank, world, dev)
+    finally:
+        D.destroy()
+
+
+@dataclass
+class TrainState:
+    """What the loop carries from step to step; a checkpoint records step, best and tokens_seen."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    best: float = -1.0
+    """Highest eval sim_tau so far (tokens per target forward; -1: none yet)."""
+    tokens_seen: int = 0
+    """Real tokens trained on, all ranks, as of the last metrics line."""
+    last: dict = field(default_factory=dict)
+    """The latest train metrics line."""
+    ev_last: dict = field(default_factory=dict)
+    """The latest eval metrics line."""
+    logged: int = -1
+    """The step of the latest metrics line written."""
+    saved: int = -1
+    """The step of the latest checkpoint written."""
+    raw: tuple | None = None
+    """(step, epoch, stats, lr, grad norm) of the latest step, on the device until a metrics line reads them."""
+
+
+@dataclass
+class _Run:
+    """The built pieces of one run on this rank."""
+
+    cfg: TrainConfig
+    run: Path
+    rank: int
+    world: int
+    dev: torch.device
+    data: TrainData
+    feed: Feed
+    trainer: Trainer
+    batches: TrainBatches | FollowBatches
+    """Offline: epochs over the training split; --follow: the follow stream."""
+    schedule: Schedule
+    run_config: dict
+    """trainer_state.json's "config": {"world_size": world, **the TrainConfig fields}."""
+
+
+def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
+    r, st = _build(cfg, rank, world, dev)
+    t0, tokens0 = time.perf_counter(), st.tokens_seen  # this process's share (a resume restores tokens_seen)
+    _loop(r, st)
+    if cfg.follow:
+        r.batches.finish()  # a normal end: the store's writers no longer wait for this trainer
+    c = checkpoint.complete(r.run)
+    summary = {"run": str(r.run), "steps": st.step, "loss": st.last.get("loss"), "acc": st.last.get("acc"),
+               "tok_s": st.last.get("tok_s"), "mfu": st.last.get("mfu"), "sim_tau": st.ev_last.get("sim_tau"),
+               "best_sim_tau": st.best if st.best >= 0 else None, "peak_mem_gb": st.last.get("peak_mem_gb"),
+               "checkpoint": str(c[-1]) if c else None, "tokens": st.tokens_seen,
+               "tokens_this_run": st.tokens_seen - tokens0, "seconds": time.perf_counter() - t0, "ttt": cfg.ttt,
+               "eval_samples": len(r.data.eval_rows),
+               "curves": str(r.run / CURVES) if rank == 0 and (r.run / CURVES).is_file() else None}
+    if rank == 0:
+        print_summary(summary)
+    return summary
+
+
+def _check_run(cfg: TrainConfig, run: Path) -> None:
+    """No silent overwrite of a trained run."""
+    if checkpoint.complete(run) and not cfg.resume:
+        raise HstapError(f"{run}: has checkpoints already; pass --resume to continue or choose another --out")
+
+
+def _open_run(cfg: TrainConfig, run: Path, rank: int) -> None:
+    """RUN ready to write, once the inputs are validated (a run that fails on bad input leaves no RUN/config.json):
+    created, a crashed save undone, config.json written."""
+    if rank == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        checkpoint.recover(run)
+        write_run_config(run, "train", cfg)
+    D.barrier()
+
+
+def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[_Run, TrainState]:
+    """Data, drafter, trainer and batch stream of this rank, restored from RUN's newest checkpoint with --resume."""
+    run, cuda = Path(cfg.out), dev.type == "cuda"
+    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and cuda)
+    if bf16 and not cuda:
+        raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
+    _check_run(cfg, run)
+    hf_cfg = load_config(cfg.target)
+    cfg.ce_chunk = cfg.ce_chunk or auto_ce_chunk(int(hf_cfg.vocab_size))  # resolved: config.json records it
+    if cfg.follow:
+        follow_vocab_map(cfg)  # bad input fails before the store is claimed and waited for
+        open_followed_store(cfg, run, rank)
+    data = build_data(cfg, hf_cfg, rank, world, dev, bf16)
+    cfg.draft_vocab = int(data.d2t.numel())  # resolved, as ce_chunk
+    embed, head = target_head(cfg.target)
+    drafter = init_drafter(cfg, hf_cfg, data, embed, head)
+    attn, why = ttt_attention(cfg.attn, dev.type, drafter.config.head_dim)
+    feed = Feed(data, head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt,
+                pad_to=16 if cuda else 1)  # CUDA: T in steps of 16 bounds the TTT masks and compiled shapes
+    del embed, head
+    _open_run(cfg, run, rank)
+
+    # A resume loads the weights before wrapping and the optimizer and RNG after.
+    run_config = {"world_size": world, **vars(cfg)}
+    ckpt = checkpoint.complete(run)[-1] if cfg.resume and checkpoint.complete(run) else None
+    state = checkpoint.load(ckpt, run_config, drafter) if ckpt else {}
+    drafter.to(dev)
+    trainer = Trainer(cfg, drafter, world, dev, attn, bf16)
+    # best_sim_tau of a run saved before tau included the bonus token (no "tau_definition") is not comparable
+    best = state.get("best_sim_tau", -1.0) if state.get("tau_definition") == TAU_DEFINITION else -1.0
+    st = TrainState(step=state.get("step", 0), best=best, tokens_seen=state.get("tokens_seen", 0))
+    if ckpt and "follow" in state and not cfg.follow:
+        raise HstapError(f"{ckpt}/trainer_state.json: a --follow run; resume it with --follow")
+    if ckpt:
+        trainer.load_rest(ckpt, state, rank)
+    if rank == 0 and (ckpt or cfg.follow):  # follow: also a restart before the first checkpoint starts clean
+        checkpoint.truncate_metrics(run / "metrics.jsonl", st.step)
+        if cfg.follow:
+            checkpoint.truncate_metrics(run / "follow.jsonl", st.step)
+    workers = cfg.workers if cfg.workers >= 0 else (4 if cuda else 0)
+    if cfg.follow:
+        batches = FollowBatches(cfg, run, rank, world, dev, state if ckpt else None, cuda, workers)
+        total, plan = cfg.steps, (f"following {cfg.store} ({batches.ranks} writer rank(s)), {cfg.epochs or 1} "
+                                  f"epoch(s), {f'{cfg.steps} steps' if cfg.steps else 'until writing ends'}")
+    else:
+        batches = TrainBatches(data.train_rows, data.train_lengths, cfg.batch_tokens, cfg.seed, rank, world,
+                               state.get("epoch", 0), state.get("batches_done", 0), cuda, workers)
+        per_epoch = math.ceil(len(batches.sampler) / cfg.grad_accum)
+        total = cfg.steps or (cfg.epochs or 1) * per_epoch
+        plan = (f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} steps/epoch, "
+                f"{total} steps")
+    D.print0(f"hstap train: {plan}, world {world}{' fsdp' if trainer.fsdp else ''}, "
+             f"{dev.type} {'bf16' if bf16 else 'fp32'}{' compiled' if cfg.compile and cuda else ''}, attn {attn}, "
+             f"ttt {cfg.ttt}, draft vocab {data.d2t.numel()}, ce chunk {cfg.ce_chunk}, "
+             f"aux layers {data.layers or 'final'}"
+             + (f", resumed from {ckpt.name}" if ckpt else ""))
+    D.print0(f"hstap train: TTT attention {attn}: {why}")
+    schedule = Schedule(cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio, total)
+    return _Run(cfg, run, rank, world, dev, data, feed, trainer, batches, schedule, run_config), st
+
+
+def _loop(r: _Run, st: TrainState) -> None:
+    """Optimizer steps until the schedule's total (--follow: or the stream's end): metrics lines, evaluations and
+    checkpoints on the way."""
+    cfg, cuda, total, tr = r.cfg, r.dev.type == "cuda", r.schedule.total, r.trainer
+    fol = r.batches if cfg.follow else None  # waits for shards; its stream may end before any total
+    eval_every = cfg.eval_every or cfg.save_every
+    log = MetricsLog(r.run, r.rank, cfg.tensorboard)
+    from tqdm import tqdm
+    bar = tqdm(total=total, initial=st.step, disable=r.rank != 0, desc="train", dynamic_ncols=True, file=sys.stderr)
+    it = iter(r.batches)
+    meter = Throughput(tr.drafter.config, cfg.ttt, tr.model.attn != "causal", cfg.peak_tflops * 1e12 * r.world)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(r.dev)
+    tr.wrapped.train()
+    pos = None
+    while total is None or st.step < total:
+        if fol is not None and not fol.wait(lambda: _save(r, st, pos, False)):
+            if st.raw is not None:  # the stream ended: the end's metrics line, evaluation and checkpoint, if not done
+                _after_step(r, st, log, meter, bar, pos, eval_every, last=True)
+            break
+        micro = [r.feed(next(it)) for _ in range(cfg.grad_accum)]  # targets of the whole step first: exact N_k
+        pos = (r.batches.epoch, r.batches.done) if fol is None else None
+        lr = r.schedule.lr_at(st.step)
+        stats, gn = tr.step(micro, lr)
+        meter.add(micro)
+        del micro
+        st.step += 1
+        if fol is not None:
+            fol.step_done(st.step)
+        epoch = fol.epochs_done() if fol is not None else pos[0] + pos[1] / len(r.batches.sampler)
+        st.raw = (st.step, epoch, stats, lr, gn)  # read (a host sync) only when a metrics line is due
+        bar.update(1)
+        if st.step % cfg.log_every == 0 or st.step == total:
+            _read_line(st, cfg.ttt_decay)
+            bar.set_postfix(loss=f"{st.last['loss']:.3f}", acc0=f"{st.last['acc'][0]:.3f}",
+                            **(fol.progress() if fol is not None else {}), refresh=False)
+        _after_step(r, st, log, meter, bar, pos, eval_every, last=st.step == total)
+    bar.close()
+    log.close()
+    if r.rank == 0:
+        draw_curves(r.run)
+
+
+def _after_step(r: _Run, st: TrainState, log: MetricsLog, meter: Throughput, bar, pos: tuple[int, int] | None,
+                eval_every: int, last: bool) -> None:
+    """The metrics line, evaluation and checkpoint of step st.step where due (all three when `last`), each once."""
+    cfg, tr = r.cfg, r.trainer
+    if (st.step % cfg.log_every == 0 or last) and st.logged != st.step:
+        _read_line(st, cfg.ttt_decay)
+        tokens, tok_s, mfu = meter.window(r.dev)
+        st.tokens_seen += tokens
+        st.last |= {"tokens": st.tokens_seen, "tok_s": tok_s, "mfu": mfu}
+        if r.dev.type == "cuda":
+            st.last["peak_mem_gb"] = torch.cuda.max_memory_allocated(r.dev) / 1e9
+        log(st.last)
+        meter.reset()
+        st.logged = st.step
+    if r.data.eval_batches and (st.step % eval_every == 0 or last) and st.ev_last.get("step") != st.step:
+        st.ev_last = tr.evaluate(r.feed, r.data, st.step)
+        log(st.ev_last)
+        if r.rank == 0:
+            bar.write(f"step {st.step}: sim tau {st.ev_last['sim_tau']:.3f} (tokens per target forward, chain of "
+                      f"{cfg.ttt} drafts replayed on the eval split), eval loss {st.ev_last['eval_loss']:.3f}, "
+                      f"acc_cond " + " ".join(f"{a:.2f}" for a in st.ev_last["acc_cond"]))
+    is_best = bool(st.ev_last) and st.ev_last["step"] == st.step and st.ev_last["sim_tau"] > st.best
+    st.best = st.ev_last["sim_tau"] if is_best else st.best
+    if (st.step % cfg.save_every == 0 or last or is_best) and (st.saved != st.step or is_best):
+        _save(r, st, pos, is_best)
+    if r.rank == 0 and st.ev_last.get("step") == st.step and not last:  # the end draws it once, after the loop
+        draw_curves(r.run)
+
+
+def _read_line(st: TrainState, decay: float) -> None:
+    """st.last = the train metrics line of the latest step (st.raw), once per step."""
+    if st.raw is not None and st.last.get("step") != st.raw[0]:
+        step, epoch, stats, lr, gn = st.raw
+        st.last = train_line(step, epoch, stats, decay, lr, gn)
+
+
+def _save(r: _Run, st: TrainState, pos: tuple[int, int] | None, is_best: bool) -> None:
+    """Checkpoint after st.step steps; pos = (epoch, batches done) of the data after them (--follow: the stream's
+    position, which then consumes the shards whose last use the checkpoint covers)."""
+    if r.cfg.follow:
+        where = r.batches.state()
+    else:
+        ep, dn = pos if pos[1] < len(r.batches.sampler) else (pos[0] + 1, 0)
+        where = {"epoch": ep, "batches_done": dn}
+    tstate = {"format": STATE_FORMAT, "version": 1, "step": st.step, **where,
+              "total_steps": r.schedule.total, "best_sim_tau": st.best, "tau_definition": TAU_DEFINITION,
+              "tokens_seen": st.tokens_seen, "scheduler": r.schedule.state(st.step), "param_names": r.trainer.names,
+              "config": r.run_config}
+    tr = r.trainer
+    checkpoint.save(r.run, st.step, tr.drafter, tr.params, tr.opt, tstate, r.data.meta, r.cfg.keep, r.rank, tr.fsdp,
+                    is_best)
+    st.saved = st.step
+    if r.cfg.follow:
+        r.batches.committed(st.step)

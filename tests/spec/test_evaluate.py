@@ -1,0 +1,243 @@
+"""`hstap eval` end to end on a tiny real target: prompts from JSONL and from a prepared set, report files, losslessness
+check (and its failure), simulated tau from a training run's metrics.jsonl, config validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hstap.common import HstapError
+from hstap.export.drafter_dir import save_drafter
+from hstap.spec.drivers import target_generate
+from hstap.spec.evaluate import EvalConfig, evaluate, prompt_from_mask, read_sim_tau, sim_chain_tau
+from tests._speculate_fixtures import load_tiny_target, random_drafter
+
+CONVERSATIONS = [
+    {"id": "a", "messages": [{"role": "user", "content": "def parse(s):"}]},
+    {"id": "b", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "json.dumps"},
+                             {"role": "assistant", "content": "It encodes."}, {"role": "user", "content": "And loads?"},
+                             {"role": "assistant", "content": "It decodes."}]},
+    {"id": "c", "messages": [{"role": "system", "content": "no user turn here"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama, tmp_path_factory):
+    """The target, its tokenizer, a JSONL of conversations and a training-run-shaped drafter directory."""
+    root = tmp_path_factory.mktemp("eval")
+    target, tok = load_tiny_target(tiny_llama)
+    jsonl = root / "convs.jsonl"
+    jsonl.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    run = root / "run"
+    save_drafter(run / "best", random_drafter(target, (1, 2, 3), draft_vocab=300))
+    (run / "best" / "trainer_state.json").write_text(json.dumps({"step": 20}))  # best = step 20, not the last eval
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"step": 10, "loss": 3.0}) + "\n" + json.dumps({"step": 10, "eval": True, "sim_tau": 0.25}) + "\n"
+        + json.dumps({"step": 20, "eval": True, "sim_tau": 0.52, "acc_cond": [0.4, 0.2, 0.5]}) + "\n"
+        + json.dumps({"step": 30, "eval": True, "sim_tau": 0.375}) + "\n"
+        + json.dumps({"step": 30, "loss": 2.0}) + "\n" + '{"step": 40, "ev')  # torn last line of a killed run
+    return target, tok, jsonl, run, root
+
+
+def test_eval_jsonl_chain_with_ngram(setup, tiny_llama, capsys):
+    from hstap.data.prepare import render_prompt
+
+    target, tok, jsonl, run, root = setup
+    out = root / "report-chain"
+    summary = evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=3,
+                                  max_new_tokens=12, baseline="ngram", device="cpu"))
+    printed = capsys.readouterr()
+    assert not [x for x in printed.out.splitlines() if x.lstrip().startswith("{")]  # a table, never a raw dict
+    assert "method  tau" in printed.out and "speedup not representative" in printed.out
+    for name in ("target", "ngram", "eagle"):  # progress per method: prompts done / total, tokens/s
+        assert f"hstap eval: {name}: 2/2 prompts, " in printed.err
+    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rep = json.loads((out / "report.json").read_text())
+    assert summary["lossless"] is True and rep["lossless"] is True and rep["mismatches"] == []
+    assert set(rep["methods"]) == {"target", "ngram", "eagle"} and rep["method"] == "eagle"
+    # chain k=3 from the best checkpoint's eval line (step 20): 1 + 0.4 + 0.4*0.2 + 0.4*0.2*0.5
+    assert rep["simulated_tau"] == pytest.approx(1.52) and rep["simulated"]["step"] == 20
+    assert len(rep["per_position_acceptance"]) == 3 and rep["tau"] >= 1.0 and rep["speedup"] > 0
+    assert rep["methods"]["target"]["speedup"] == 1.0 and rep["methods"]["eagle"]["draft_s"] > 0
+    # "c" has no user turn; "b" is cut at its last user turn (trailing assistant answer dropped).
+    assert [p["id"] for p in rep["prompts"]] == ["a", "b"]
+    b = CONVERSATIONS[1]["messages"]
+    assert rep["prompts"][1]["prompt_ids"] == render_prompt(tok, b[:4])
+    eos = rep["eos_ids"]
+    assert tok.convert_tokens_to_ids("<|end|>") in eos
+    for p in rep["prompts"]:  # outputs are generated ids only, equal to plain decoding run here independently
+        assert p["output_ids"] == target_generate(target, p["prompt_ids"], 12, eos_ids=eos)[0]
+    assert rep["drafter"]["aux_layers"] == [1, 2, 3]
+    assert json.loads((out / "config.json").read_text())["stage"] == "eval"
+    md = (out / "report.md").read_text()
+    assert "| eagle |" in md and "| ngram |" in md and "simulated tau" in md
+    assert "tau = tokens per target forward" in md and "speedup = generated tokens/s" in md
+    assert "not representative" in md and "measured on a CPU" in md and "the target is tiny" in md
+    assert rep["speedup_notes"] and rep["plot"] == "acceptance.png" and "![per-position acceptance]" in md
+
+
+def test_eval_prepared_tree_sampled(setup, tiny_llama):
+    from hstap.data.prepare import PrepareConfig, load_prepared, prepare
+
+    target, tok, jsonl, run, root = setup
+    prepared = root / "prepared"
+    prepare(PrepareConfig(tokenizer=str(tiny_llama), data=[str(jsonl)], out=str(prepared), draft_vocab=300))
+    rows = {r["id"]: r for r in load_prepared(prepared)}
+    out = root / "report-tree"
+    evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run / "best"), data=str(prepared), out=str(out),
+                        mode="tree", topk=2, depth=3, tokens=6, temperature=0.7, max_new_tokens=8, device="cpu"))
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["lossless"] is None and rep["simulated"]["sim_tau"] == 0.52  # found from RUN/best's parent
+    assert rep["simulated_tau"] is None  # the chain simulation says nothing about a tree
+    assert {p["id"] for p in rep["prompts"]} == {r for r in rows if sum(rows[r]["loss_mask"])}
+    for p in rep["prompts"]:
+        row = rows[p["id"]]
+        assert p["prompt_ids"] == prompt_from_mask(row["input_ids"], row["loss_mask"])
+        ids = row["input_ids"]  # the prompt ends with the generation prompt of the last assistant turn
+        assert tok.decode(p["prompt_ids"]).endswith("<|assistant|>\n") and len(p["prompt_ids"]) < len(ids)
+        assert 1 <= len(p["output_ids"]) <= 8 and "target_output_ids" in p
+    assert rep["methods"]["eagle"]["mean_tree_nodes"] <= 6
+    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_sglang_export(setup, tiny_llama):
+    from hstap.export.stage import ExportConfig, export
+
+    target, tok, jsonl, run, root = setup
+    exported = root / "sglang"
+    export(ExportConfig(run=str(run), to="sglang", out=str(exported)))
+    assert not (exported / "drafter.safetensors").exists()  # SGLang format: config.json + model.safetensors
+    out = root / "report-sglang"
+    evaluate(EvalConfig(target=str(tiny_llama), drafter=str(exported), data=str(jsonl), out=str(out), k=2,
+                        max_new_tokens=8, num_prompts=1, device="cpu"))
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["lossless"] is True and rep["drafter"]["aux_layers"] == [1, 2, 3]
+
+
+def test_prompt_from_mask():
+    assert prompt_from_mask([1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 1, 0, 0, 1, 1, 0]) == [1, 2, 3, 4, 5]
+    assert prompt_from_mask([1, 2, 3], [0, 1, 1]) == [1]
+    assert prompt_from_mask([1, 2, 3], [0, 0, 0]) is None
+    assert prompt_from_mask([1, 2], [1, 1]) is None  # nothing before the answer
+
+
+def test_lossless_violation_fails_loudly(setup, tiny_llama, monkeypatch, capsys):
+    import hstap.spec.evaluate as ev
+
+    target, tok, jsonl, run, root = setup
+    real = ev.speculative_generate
+
+    def broken(*a, **kw):  # a decoder bug stand-in: the fourth token is replaced by a clearly worse one
+        out, stats = real(*a, **kw)
+        if len(out) > 3:
+            out = out[:3] + [(out[3] + 1) % 400] + out[4:]
+        return out, stats
+
+    monkeypatch.setattr(ev, "speculative_generate", broken)
+    out = root / "report-broken"
+    with pytest.raises(HstapError, match="lossless"):
+        evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
+                            max_new_tokens=8, device="cpu", num_prompts=1))
+    rep = json.loads((out / "report.json").read_text())  # the report is written before failing
+    assert rep["lossless"] is False and len(rep["mismatches"]) == 1
+    m = rep["mismatches"][0]
+    assert m["position"] == 3 and m["near_tie"] is False and m["logit_gap"] > 1e-3
+    assert "LOSSLESSNESS VIOLATION" in capsys.readouterr().err
+
+
+def test_read_sim_tau(setup, tmp_path):
+    run = setup[3]
+    assert read_sim_tau(str(run))["sim_tau"] == 0.52  # RUN resolves to best/, whose step is 20
+    assert read_sim_tau(str(run / "best"))["acc_cond"] == [0.4, 0.2, 0.5]
+    rec = {"acc_cond": [0.4, 0.2, 0.5]}
+    assert sim_chain_tau(rec, 2) == pytest.approx(1.48) and sim_chain_tau({"acc_cond": [0.4, 0.2]}, 3) is None
+    assert sim_chain_tau({**rec, "sim_chain_tau": [1.3, 1.4, 1.45]}, 2) == 1.4  # the replayed figure first
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000030"
+    ckpt.mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
+    (ckpt / "drafter.safetensors").write_bytes(b"")  # only its presence matters here
+    assert read_sim_tau(str(ckpt))["sim_tau"] == 0.375  # no trainer_state.json: the last eval line
+    assert read_sim_tau(str(tmp_path / "nothing")) is None
+
+
+def test_config_validation_and_cli_flags(tmp_path):
+    from hstap.cli import field_docs, make_config
+
+    argv = ["--target", "t", "--data", "d", "--out", "o", "--mode", "tree", "--topk", "4", "--eval.tokens", "20",
+            "--num-prompts", "3", "--baseline", "ngram"]
+    cfg = make_config("eval", EvalConfig, argv)
+    assert (cfg.mode, cfg.topk, cfg.tokens, cfg.num_prompts, cfg.baseline) == ("tree", 4, 20, 3, "ngram")
+    assert cfg.drafter is None and cfg.target.startswith("/")
+    docs = field_docs(EvalConfig)
+    assert all(docs.get(f) for f in EvalConfig.__dataclass_fields__)  # every field has its help text
+    for bad, match in ((dict(k=0), "--k"), (dict(tokens=1), "--tokens"), (dict(temperature=-1.0), "--temperature"),
+                       (dict(mode="beam"), "--mode"), (dict(num_prompts=0), "--num-prompts")):
+        with pytest.raises(HstapError, match=match):
+            EvalConfig(target="t", data="d", out="o", **bad)
+    with pytest.raises(HstapError, match="no usable prompt"):
+        (tmp_path / "x.jsonl").write_text(json.dumps(CONVERSATIONS[2]) + "\n")
+        from hstap.spec.evaluate import load_prompts
+        load_prompts(str(tmp_path / "x.jsonl"), object())
+
+
+def test_training_sim_tau_is_the_tau_eval_measures(tiny_tokenizer, tmp_path):
+    """One definition of tau (tokens per target forward, the bonus token included) in training and eval: on a store
+    of the target's own greedy answers, the training run's sim_tau (its replayed chain of --ttt drafts) equals the tau
+    `hstap eval` measures on the same prompts with k = --ttt, and eval reports it as the simulated tau."""
+    import contextlib
+    import io
+    import shutil
+
+    import datasets
+    import numpy as np
+    import pyarrow as pa
+    import torch
+
+    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.data.prepare import PrepareConfig, load_prepared, prepare, record_batch
+    from hstap.spec.evaluate import eos_ids
+    from hstap.toy import build_random_target, stdlib_conversations
+    from hstap.train.stage import TrainConfig, train
+    from tests._train_fixtures import metrics
+
+    tok, K, n_new = tiny_tokenizer[0], 3, 24
+    model = build_random_target(tmp_path / "target", tok, num_layers=6, hidden_size=64, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)  # peaked: greedy answers a drafter can learn
+    model.save_pretrained(str(tmp_path / "target"))
+    convs = [{"id": c["id"], "conversations": c["conversations"][:1] + [{"role": "assistant", "content": "x"}]}
+             for c in stdlib_conversations()[:16]]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        prepare(PrepareConfig(tokenizer=str(tmp_path / "target"), data=[str(tmp_path / "c.jsonl")],
+                              out=str(tmp_path / "p0"), draft_vocab=100000))  # identity map: every argmax countable
+        target, _ = load_tiny_target(tmp_path / "target")
+        eos = eos_ids(tok, target)
+        rows = list(load_prepared(tmp_path / "p0"))
+        ids, masks = [], []
+        for r in rows:  # each prompt followed by the target's own greedy answer, as the prepared set's answer
+            p = prompt_from_mask(r["input_ids"], r["loss_mask"])
+            a = target_generate(target, p, n_new, eos_ids=eos)[0]
+            ids.append(np.array(p + a, dtype=np.int32))
+            masks.append(np.array([0] * len(p) + [1] * len(a), dtype=np.int8))
+        greedy = tmp_path / "greedy"
+        greedy.mkdir()
+        for f in ("meta.json", "vocab_map.safetensors"):
+            shutil.copy(tmp_path / "p0" / f, greedy / f)
+        table = pa.Table.from_batches([record_batch([r["id"] for r in rows], ids, masks)])
+        datasets.Dataset(datasets.table.InMemoryTable(table)).save_to_disk(str(greedy))
+        capture(CaptureConfig(target=str(tmp_path / "target"), data=str(greedy), out=str(tmp_path / "store"),
+                              layers="1,3,4", dtype="fp32", device="cpu"))
+        run = tmp_path / "run"
+        train(TrainConfig(out=str(run), target=str(tmp_path / "target"), store=str(tmp_path / "store"),
+                          eval_store=str(tmp_path / "store"), ttt=K, steps=80, lr=5e-3, warmup_ratio=0.0,
+                          batch_tokens=4096, save_every=80, device="cpu", tensorboard=False))
+        rep = evaluate(EvalConfig(target=str(tmp_path / "target"), drafter=str(run), data=str(greedy),
+                                  out=str(tmp_path / "rep"), k=K, max_new_tokens=n_new, device="cpu"))
+    sim = metrics(run)[1][-1]["sim_tau"]
+    assert rep["lossless"] is True and rep["simulated_tau"] == sim  # eval reports training's figure as is
+    assert rep["tau"] > 1.3, rep["tau"]  # the drafter accepts runs: the comparison says something
+    # equal up to a rare argmax flip between the stored (batched prefill) and the decoded (KV cache) float paths
+    assert rep["tau"] == pytest.approx(sim, rel=0.02), (rep["tau"], sim)
