@@ -32,6 +32,12 @@ Stages.
    compiles its steps for minutes in every process); tau = tokens / verify forwards over the parts. (Every variant
    measured would not fit the ~6 minutes: each measured variant decodes 2 x NP x NT tokens at batch 1.)
 
+MIX (optional): a dir with regen-train.jsonl[.gz], other answers of the target to the same train prompts (say,
+`hstap generate --temperature 1 --seed 1`): the `mix*` variants train on the train split's greedy answers plus these
+(ids suffixed `~mix`; validation prompts left out of both) for one epoch, the same training tokens as base's two
+epochs over one answer per prompt. T1 (optional, a temperature): the measured variants are also decoded with lossless
+rejection sampling at that temperature (`hstap eval --temperature T1`), for tau and per-position acceptance.
+
 Table: validation sim_tau (the trainer's, selection) and replayed chain-5 tau, eval replayed chain-5 tau, measured
 chain-5 tau (lossless, decoder engine), ratios vs today's recipe (`base`), train tok/s (median logged; trainings share
 the GPU, so not a clean timing). Then one JSON line; with `lr1e-3` in the run it carries the issue's goal figure, the
@@ -77,6 +83,11 @@ VARIANTS = {  # name -> (train flags, store); each variant is today's recipe (tr
     "n3": (["--draft-layers", "3"], "store"),
     "fp8": ([], "store-fp8"),  # today's recipe on the fp8 store: parity with base
     "fp8-lr1e-3": (LR, "store-fp8"),
+    "lr3e-3+ttt5": (["--lr", "3e-3", "--ttt", "5"], "store"),  # the two best one-layer changes of session 8 together
+    "ttt5+decay0.6": (["--ttt", "5", "--ttt-decay", "0.6"], "store"),
+    # the same training tokens over two answers per prompt: the greedy one and one sampled from the target (MIX)
+    "mix": (["--epochs", "1"], "store-mix"),
+    "mix-lr3e-3+ttt5": (["--epochs", "1", "--lr", "3e-3", "--ttt", "5"], "store-mix"),
 }
 DEFAULT = "base,seed2,lr1e-3,cosine0,lk,ttt5,n2,fp8"
 TINY = "base,lk,n2,fp8"
@@ -114,11 +125,14 @@ def settings(tiny: bool) -> dict:
          "CE_CHUNK": e("CE_CHUNK", ""), "COMPILE": e("COMPILE", ""), "ENGINE": e("ENGINE", "eager"),
          "WORKERS": e("WORKERS", "0" if tiny else "2"), "TP": int(e("TP", "240")), "TC": int(e("TC", "240")),
          "TT": int(e("TT", "600" if tiny else "330")), "TE": int(e("TE", "600" if tiny else "180")),
-         "LAYERS": e("LAYERS", "1,3,4" if tiny else ""), "STAGGER": float(e("STAGGER", "0" if tiny else "90"))}
+         "LAYERS": e("LAYERS", "1,3,4" if tiny else ""), "STAGGER": float(e("STAGGER", "0" if tiny else "90")),
+         "MIX": e("MIX", ""), "T1": e("T1", "")}
     names = list(VARIANTS) if s["VARIANTS"] == "all" else s["VARIANTS"].split(",")
     bad = [n for n in names if n not in VARIANTS]
     if bad or "base" not in names:
         sys.exit(f"quality_variants: VARIANTS: unknown {bad} (known: {', '.join(VARIANTS)}); base is required")
+    if not s["MIX"] and any(VARIANTS[n][1] == "store-mix" for n in names):
+        sys.exit("quality_variants: the mix variants need MIX (a dir with regen-train.jsonl[.gz] of other answers)")
     s["names"] = names
     s["PAR"] = int(e("PAR", str(min(len(names), 2 if tiny else 13))))
     s["EPAR"] = int(e("EPAR", "2" if tiny else "12"))
@@ -193,6 +207,12 @@ def prepare(s: dict, W: Path, log: Log) -> None:
     files = {"prep": [r for r in train if not is_eval(r["id"], s["VAL_FRAC"])], "prep-val": val, "prep-eval": evals}
     q = s["NP"] // s["EP"]
     files |= {f"prep-eval-{i}": evals[i * q:(i + 1) * q] for i in range(s["EP"])}
+    if s["MIX"]:  # the train split's answers + the other answers to the same (train, never validation) prompts
+        keep = {r["id"] for r in files["prep"]}
+        other = [{**r, "id": f"{r['id']}~mix"} for r in read_jsonl_gz(source({**s, "REGEN": s["MIX"]}, "train"))
+                 if r["id"] in keep]
+        files["prep-mix"] = files["prep"] + other
+        print(f"mix: {len(other)} other answers to {len(keep)} train prompts", file=sys.stderr)
     T = Path(s["REF"]) / "target-tiny"
     jobs = [(hstap("prepare", "--tokenizer", T, "--data", write_jsonl(W / f"{k}.jsonl", rows), "--out", W / k,
                    "--draft-vocab", 8192, "--num-proc", 8 if k == "prep" else 1), W / f"{k}.log", s["TP"])
@@ -207,6 +227,8 @@ def capture(s: dict, W: Path) -> None:
     T = Path(s["REF"]) / "target-tiny"
     plan = {"store": ("prep", "bf16", []), "store-fp8": ("prep", "fp8", []), "store-val": ("prep-val", "bf16", []),
             "store-eval": ("prep-eval", "bf16", ["--max-samples", s["NP"]])}
+    if s["MIX"]:
+        plan["store-mix"] = ("prep-mix", "bf16", [])
     layers = ["--layers", s["LAYERS"]] if s["LAYERS"] else []
     jobs = [(hstap("capture", "--target", T, "--data", W / p, "--out", W / k, "--device", s["DEV"], "--dtype", dt,
                    "--compute-dtype", "fp32", "--batch-tokens", 65536, *layers, *extra), W / f"{k}.log", s["TC"])
@@ -225,8 +247,12 @@ def train(s: dict, W: Path) -> dict[str, int]:
     for name in s["names"]:
         flags, store = VARIANTS[name]
         vmap = [] if "--draft-vocab" in flags else ["--vocab-map", W / "prep"]
+        if "--epochs" in flags:  # the variant sets its own budget (mix: one epoch of two answers), unless STEPS does
+            i = flags.index("--epochs")
+            flags = flags[:i] + flags[i + 2:] if s["STEPS"] else flags
+        own = "--epochs" in flags
         jobs.append((hstap("train", "--store", W / store, "--eval-store", W / "store-val", "--target", T, *vmap,
-                           *sched, "--batch-tokens", s["BT"], "--device", s["DEV"], "--eval-every", s["EV"],
+                           *([] if own else sched), "--batch-tokens", s["BT"], "--device", s["DEV"], "--eval-every", s["EV"],
                            "--save-every", s["EV"], "--log-every", 10, "--keep", 1, "--workers", s["WORKERS"],
                            "--skip-verify", "--tensorboard", "false", *speed, *flags, "--out", W / f"run-{name}"),
                      W / f"train-{name}.log", s["TT"]))
@@ -299,22 +325,25 @@ def replay(runs: dict[str, Path], store: Path, target: Path, dev: str, k: int = 
     return out
 
 
-def measure(s: dict, W: Path, names: list[str]) -> dict[str, dict]:
-    """`hstap eval` chain-5 over the EP prompt parts of each variant, side by side; merged per variant."""
+def measure(s: dict, W: Path, names: list[str], temperature: str = "") -> dict[str, dict]:
+    """`hstap eval` chain-5 over the EP prompt parts of each variant, side by side; merged per variant (greedy, or
+    lossless rejection sampling at `temperature`)."""
     T = Path(s["REF"]) / "target-tiny"
     jobs, keys = [], []
+    tag, temp = (f"-t{temperature}", ["--temperature", temperature]) if temperature else ("", [])
     for name in names:
         for i in range(s["EP"]):
-            out = W / f"eval-{name}-{i}"
+            out = W / f"eval{tag}-{name}-{i}"
             jobs.append((hstap("eval", "--target", T, "--drafter", W / f"run-{name}", "--data", W / f"prep-eval-{i}",
                                "--out", out, "--mode", "chain", "--k", 5, "--max-new-tokens", s["NT"], "--device",
-                               s["DEV"], "--dtype", "fp32", "--engine", s["ENGINE"]),
-                         W / f"eval-{name}-{i}.log", s["TE"]))
+                               s["DEV"], "--dtype", "fp32", "--engine", s["ENGINE"], *temp),
+                         W / f"eval{tag}-{name}-{i}.log", s["TE"]))
             keys.append((name, out))
     rcs = parallel(jobs, s["EPAR"])
     res: dict[str, dict] = {}
     for (name, out), rc in zip(keys, rcs):
-        m = res.setdefault(name, {"tokens": 0.0, "rounds": 0, "prompts": 0, "lossless": True, "rc": [], "engine": None})
+        m = res.setdefault(name, {"tokens": 0.0, "rounds": 0, "prompts": 0, "lossless": True, "rc": [], "engine": None,
+                                  "accept_counts": None})
         m["rc"].append(rc)
         f = out / "report.json"
         if not f.is_file():  # cut by its timeout or failed: no verdict for the variant
@@ -324,11 +353,15 @@ def measure(s: dict, W: Path, names: list[str]) -> dict[str, dict]:
         e = r["methods"]["eagle"]
         m["tokens"] += e["tau"] * e["verify_forwards"]
         m["rounds"] += e["verify_forwards"]
+        c = e.get("accept_counts") or []
+        m["accept_counts"] = c if m["accept_counts"] is None else [a + b for a, b in zip(m["accept_counts"], c)]
         m["prompts"] += r["num_prompts"]
         m["lossless"] = None if m["lossless"] is None else bool(m["lossless"] and r.get("lossless"))
         m["engine"] = r.get("engine") or m["engine"] or "eager (hstap.spec.drivers)"
     for m in res.values():
         m["tau"] = m["tokens"] / m["rounds"] if m["rounds"] else None
+        m["per_position_acceptance"] = [round(c / m["rounds"], 4) for c in m["accept_counts"] or []] \
+            if m["rounds"] else None
         m["complete"] = all(rc == 0 for rc in m["rc"]) and m["prompts"] == s["NP"]
     return res
 
@@ -392,7 +425,13 @@ def main(argv: list[str]) -> int:
     log.stage(f"measure {want} (hstap eval, {s['EP']} processes each)")
     for n, m in measure(s, W, want).items():
         rows[n].update(measured_tau=m["tau"], lossless=m["lossless"], engine=m["engine"], measured_prompts=m["prompts"],
-                       measured_complete=m["complete"])
+                       measured_complete=m["complete"], measured_acceptance=m["per_position_acceptance"])
+    if s["T1"]:
+        log.stage(f"measure {want} at temperature {s['T1']} (lossless rejection sampling)")
+        for n, m in measure(s, W, want, s["T1"]).items():
+            rows[n].update(t1_tau=m["tau"], t1_acceptance=m["per_position_acceptance"], t1_complete=m["complete"])
+            print(f"temperature {s['T1']}: {n}: tau {m['tau']}, per-position acceptance {m['per_position_acceptance']}",
+                  file=sys.stderr)
     log.stage("done")
     for f in W.glob("*.log"):
         (OUT / "logs").mkdir(exist_ok=True)

@@ -128,6 +128,11 @@ def sglang_default_capture_inputs(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
+def vllm_default_ids(num_layers: int) -> list[int]:
+    """The ids vLLM taps when a drafter config names none: (2, N//2, N-3), read as layer inputs."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
 def to_vllm(ids: Sequence[int]) -> list[int]:
     """Canonical ids -> vLLM / speculators `eagle_aux_hidden_state_layer_ids` ("input to layer j")."""
     return [int(i) + 1 for i in ids]

@@ -14,10 +14,7 @@ from pathlib import Path
 
 import torch
 from _procs import redirect_output
-from _sglang_fixtures import forward_batch, import_sglang, logits_root, publish_server_args
-
-LAYERS = [0, 2, 4]  # canonical ids of the 6-layer tiny target; K = 3
-H = 64
+from _sglang_fixtures import H, LAYERS, forward_batch, import_sglang, logits_root, publish_server_args
 
 
 def expected(ds, row: int) -> dict:
@@ -46,7 +43,7 @@ def attach(store: Path, data: Path, target: Path, **cfg):
 
 def feed(root, ds, rows, session: str, delay: float = 0.0) -> None:
     """One EXTEND batch per row (the request whole), `delay` seconds apart."""
-    from hstap.capture.sglang.protocol import encode_rid
+    from hstap.capture.session import encode_rid
 
     for row in rows:
         e = expected(ds, row)

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+LAYERS = [0, 2, 4]  # canonical ids the SGLang tests capture from the 6-layer tiny target; K = 3
+H = 64  # its hidden size
+
 
 def import_sglang():
     """Import the SGLang modules the tests use (with the shim above when torchvision is unusable); returns sglang."""

@@ -98,3 +98,53 @@ def ranks(argv: list[str], logdir: Path, world: int = 2) -> list[Child]:
     return [Child(argv, logdir / f"rank{r}.log", {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
                                                    "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                                                    "MASTER_PORT": port}) for r in range(world)]
+
+
+def greedy_drafter(target_dir: Path, root: Path, ttt: int = 3, n_new: int = 24, steps: int = 80,
+                   layers: str = "1,3,4") -> tuple[Path, Path]:
+    """(prepared set of the target's own greedy answers, a training RUN of a short drafter on them) under root: 16
+    stdlib prompts, each followed by `n_new` greedy tokens of the target (identity draft map: every argmax countable),
+    an fp32 store of `layers`, `steps` steps of TTT `ttt` (eval split = the store)."""
+    import shutil
+
+    import datasets
+    import numpy as np
+    import pyarrow as pa
+
+    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.data.prepare import PrepareConfig, load_prepared, prepare, record_batch
+    from hstap.model_dir import load_target
+    from hstap.spec.drivers import target_generate
+    from hstap.spec.evaluate import eos_ids, prompt_from_mask
+    from hstap.toy import stdlib_conversations
+    from hstap.train.stage import TrainConfig, train
+
+    convs = [{"id": c["id"], "conversations": c["conversations"][:1] + [{"role": "assistant", "content": "x"}]}
+             for c in stdlib_conversations()[:16]]
+    (root / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        prepare(PrepareConfig(tokenizer=str(target_dir), data=[str(root / "c.jsonl")], out=str(root / "p0"),
+                              draft_vocab=100000))
+        target, tok = load_target(str(target_dir), device="cpu", dtype="fp32")
+        eos = eos_ids(tok, target)
+        rows = list(load_prepared(root / "p0"))
+        ids, masks = [], []
+        for r in rows:  # each prompt followed by the target's own greedy answer, as the prepared set's answer
+            p = prompt_from_mask(r["input_ids"], r["loss_mask"])
+            a = target_generate(target, p, n_new, eos_ids=eos)[0]
+            ids.append(np.array(p + a, dtype=np.int32))
+            masks.append(np.array([0] * len(p) + [1] * len(a), dtype=np.int8))
+        greedy = root / "greedy"
+        greedy.mkdir()
+        for f in ("meta.json", "vocab_map.safetensors"):
+            shutil.copy(root / "p0" / f, greedy / f)
+        table = pa.Table.from_batches([record_batch([r["id"] for r in rows], ids, masks)])
+        datasets.Dataset(datasets.table.InMemoryTable(table)).save_to_disk(str(greedy))
+        capture(CaptureConfig(target=str(target_dir), data=str(greedy), out=str(root / "store"), layers=layers,
+                              dtype="fp32", device="cpu"))
+        run = root / "run"
+        train(TrainConfig(out=str(run), target=str(target_dir), store=str(root / "store"), eval_store=str(root / "store"),
+                          ttt=ttt, steps=steps, lr=5e-3, warmup_ratio=0.0, batch_tokens=4096, save_every=steps,
+                          device="cpu", tensorboard=False))
+    return greedy, run

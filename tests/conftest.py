@@ -48,6 +48,17 @@ def tiny_llama(tiny_tokenizer, tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def sg(tiny_llama):
+    """The real sglang package, imported, with a resolved ServerArgs for `tiny_llama` published (as SGLang's scheduler
+    publishes its own): what the SGLang hook's tests run on."""
+    from _sglang_fixtures import import_sglang, publish_server_args
+
+    sglang = import_sglang()
+    publish_server_args(tiny_llama)
+    return sglang
+
+
 @pytest.fixture(scope="session")
 def tiny_deepseek(tiny_tokenizer, tmp_path_factory) -> Path:
     """A 6-layer random DeepseekV3 (MLA + MoE) with the same tokenizer."""
@@ -55,4 +66,21 @@ def tiny_deepseek(tiny_tokenizer, tmp_path_factory) -> Path:
 
     d = tmp_path_factory.mktemp("tiny-deepseek")
     build_random_target(d, tiny_tokenizer[0], model_type="deepseek_v3", num_layers=6, hidden_size=64)
+    return d
+
+
+@pytest.fixture(scope="session")
+def vllm_llama(tiny_tokenizer, tmp_path_factory) -> Path:
+    """A 6-layer, H=128 random Llama vLLM's CPU attention runs (head size 32), with a sharpened lm_head (x6) so that
+    greedy decoding has clear winners and a drafter has something to learn; fp32."""
+    import torch
+
+    from hstap.toy import build_random_target
+
+    d = tmp_path_factory.mktemp("vllm-llama")
+    model = build_random_target(d, tiny_tokenizer[0], model_type="llama", num_layers=6, hidden_size=128, num_heads=4,
+                                num_kv_heads=2, intermediate_size=256, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    model.save_pretrained(str(d))
     return d

@@ -3,6 +3,9 @@
 `stage.py` is `hstap capture`: the config, the tokenizer and template checks, the store header, the table of engines.
 Each engine owns its capture loop: `hf.py` the embedded one (length-bucketed batched prefills, async device-to-host
 copies staged by `staging.py`), `sglang/` a forward hook inside a real SGLang server and the driver that feeds it,
-`vllm/` vLLM's engine (the import of its extract_hidden_states files). Engines depend on `hstap.store`, never the
-reverse.
+`vllm/` vLLM's own engine (hstap's KV connector inside vLLM, its driver, and the import of stock vLLM's files).
+`session.py` (request ids, events, session ends) and `served.py` (the writer inside a server) are what the server
+engines share; `tap.py` captures in the pass that generates (`hstap generate --capture`) and holds what the servers'
+tap modes share. Engines depend on
+`hstap.store`, never the reverse.
 """

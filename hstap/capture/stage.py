@@ -19,8 +19,10 @@ Multi-GPU: under torchrun each rank takes samples rank::world_size, runs its own
 and writes its own shards; rank 0 merges the manifest after a barrier (a gloo process group is used only for barriers
 and the final counts; torchrun's environment is read by hstap/dist.py). Engines, each owning its capture loop:
 `hf` (embedded, capture/hf.py), `sglang` (a server with the hstap plugin and hook, capture/sglang/hook.py, driven by
-capture/sglang/driver.py) and `vllm-import` (convert vLLM extract_hidden_states output, capture/vllm/importer.py). This module
-holds what they share: the config, the tokenizer check, the store header and the summary pieces.
+capture/sglang/driver.py), `vllm` (vLLM's own engine with hstap's connector, capture/vllm/connector.py, driven by
+capture/vllm/driver.py) and `vllm-import` (convert stock vLLM extract_hidden_states output,
+capture/vllm/importer.py). This module holds what they share: the config, the tokenizer check, the store header and
+the summary pieces.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from hstap.common import HstapError, atomic_write_bytes, git_commit
 # --engine NAME -> "module:function" that runs it. Loaded on use: the config is checked before torch or any engine is
 # imported, and this module depends on no engine (each engine owns its capture loop and uses the pieces below).
 ENGINES = {"hf": "hstap.capture.hf:capture_hf", "sglang": "hstap.capture.sglang.driver:run_sglang_capture",
-           "vllm-import": "hstap.capture.vllm.importer:import_vllm"}
+           "vllm": "hstap.capture.vllm.driver:run_vllm_capture", "vllm-import": "hstap.capture.vllm.importer:import_vllm"}
 DTYPES = ("bf16", "fp8", "fp32")
 
 
@@ -73,16 +75,18 @@ class CaptureConfig:
     queue_size: int = 4
     """Batches waiting for the writer thread before the GPU waits for storage."""
     engine: str = "hf"
-    """hf (run the target in this process), sglang (capture through a running SGLang server) or vllm-import (convert
-    hidden states written by vLLM's extract_hidden_states)."""
+    """hf (run the target in this process), sglang (through a running SGLang server with hstap's hook), vllm (vLLM's
+    engine with hstap's connector: in this process, or a running server with --server) or vllm-import (convert files
+    written by stock vLLM's extract_hidden_states)."""
     server: str | None = None
-    """sglang engine: base URL of the SGLang server, e.g. http://127.0.0.1:30000."""
+    """sglang / vllm engine: base URL of the server, e.g. http://127.0.0.1:30000 (vllm: without it, vLLM runs in this
+    process)."""
     src: str | None = None
     """vllm-import engine: directory of vLLM extract_hidden_states output to import."""
     vllm_layers: str | None = None
     """vllm-import engine: the vLLM layer ids of the captured states (input of layer j), comma-separated."""
     concurrency: int = 8
-    """sglang engine: requests in flight."""
+    """sglang / vllm --server: requests in flight."""
     allow_template_mismatch: bool = False
     """Capture data rendered with another chat template than the target's (refused by default: the drafter would
     learn from conversations laid out unlike the ones it will serve)."""
@@ -121,6 +125,21 @@ def capture(cfg: CaptureConfig) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Pieces every engine uses (capture/hf.py, capture/sglang/driver.py, capture/vllm/importer.py)
+
+
+def open_inputs(cfg) -> tuple[dict, object, int, dict]:
+    """(prepared meta, prepared dataset, samples to capture (--max-samples), the target's header block) of a capture
+    run, after refusing data made with another tokenizer or chat template than the target's."""
+    from hstap.data.prepare import load_prepared, read_meta
+    from hstap.model_dir import target_fingerprint
+
+    meta = read_meta(cfg.data)
+    ds = load_prepared(cfg.data)
+    n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
+    tb = target_fingerprint(cfg.target)
+    check_tokenizer(cfg.data, meta, tb)
+    check_template(cfg.data, meta, tb, cfg.allow_template_mismatch)
+    return meta, ds, n, tb
 
 
 def check_tokenizer(data: str, meta: dict, target_block: dict, max_token_id=None) -> None:

@@ -54,8 +54,12 @@ def _pick(logits, temps: list[float], top_ps: list[float], gens: list):
 
 def generate_batch(target, prompts: list[list[int]], max_new_tokens: int | list[int], stop_ids, temperature: float |
                    list[float] = 0.0, top_p: float | list[float] = 1.0, seeds: list[int] | None = None,
-                   pad_id: int = 0) -> list[tuple[list[int], str]]:
-    """Continue each prompt (token ids) with the target; returns per prompt (new token ids, "stop" | "length").
+                   pad_id: int = 0, layers: list[int] | None = None) -> list[tuple]:
+    """Continue each prompt (token ids) with the target; returns per prompt (new token ids, "stop" | "length"), and
+    with `layers` also (aux (T, K, H), final (T, H)) on the CPU: the states the target computed for every token it was
+    fed, the prompt's at prefill and each generated token's at its decode step (T = prompt + new tokens, minus the last
+    new token when it was never fed: a turn cut at max_new_tokens), the state of token t being the one that predicted
+    token t+1, as capture stores it.
 
     Prompts are left-padded into one batch with explicit positions, so each row computes what it would alone; one KV
     cache serves the batch and rows that finish are dropped from it. The stop token itself is not returned.
@@ -87,11 +91,16 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int | list[
     out: list[list[int]] = [[] for _ in range(b)]
     finish = ["length"] * b
     alive = [i for i in range(b) if maxn[i] > 0]  # prompt index of each row still in the batch
+    states: list[list] = [[] for _ in range(b)]  # per row: (aux (t, K, H), final (t, H)) chunks on the device
     cache = None
     with torch.no_grad():
         while alive:
-            _, final, cache = target.capture(x, [], attention_mask=m, position_ids=p, past_key_values=cache,
-                                             use_cache=True)  # final (rows, t, H)
+            aux, final, cache = target.capture(x, layers or [], attention_mask=m, position_ids=p,
+                                               past_key_values=cache, use_cache=True)  # (rows, t, K, H), (rows, t, H)
+            if layers:
+                for j, i in enumerate(alive):  # the prefill is left-padded: a row's tokens are its last len(prompt)
+                    lo = width - len(prompts[i]) if not states[i] else 0
+                    states[i].append((aux[j, lo:], final[j, lo:]))
             logits = target.logits(final[:, -1]).float()  # (rows, V): only the last position needs the vocabulary
             nxt = _pick(logits, [temps[i] for i in alive], [tops[i] for i in alive], [gens[i] for i in alive]).tolist()
             keep = []
@@ -112,7 +121,10 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int | list[
             x = torch.tensor([[nxt[j]] for j in keep], dtype=torch.long, device=dev)  # (rows, 1)
             m = torch.cat([m, m.new_ones(len(keep), 1)], dim=1)  # (rows, T+1)
             p = p[:, -1:] + 1  # (rows, 1)
-    return [(out[i], finish[i]) for i in range(b)]
+    if not layers:
+        return [(out[i], finish[i]) for i in range(b)]
+    return [(out[i], finish[i], (torch.cat([a for a, _ in states[i]]).cpu(), torch.cat([f for _, f in states[i]]).cpu())
+             if states[i] else None) for i in range(b)]
 
 
 class EmbeddedEngine:
@@ -134,11 +146,11 @@ class EmbeddedEngine:
         return list(self._render(self.tokenizer, messages))
 
     def complete(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: list[float],
-                 top_p: list[float], seeds: list[int]) -> list[tuple[str, list[int], str]]:
-        """Prompt token ids -> (text, new token ids, finish_reason) per request; max_new_tokens is capped at the
-        model's context length (finish_reason "length")."""
+                 top_p: list[float], seeds: list[int], layers: list[int] | None = None) -> list[tuple]:
+        """Prompt token ids -> (text, new token ids, finish_reason) per request, + the states (generate_batch) with
+        `layers`; max_new_tokens is capped at the model's context length (finish_reason "length")."""
         if self.max_len:
             max_new_tokens = [max(0, min(n, self.max_len - len(p))) for n, p in zip(max_new_tokens, prompts)]
         res = generate_batch(self.target, prompts, max_new_tokens, self.stop_ids, temperature, top_p, seeds,
-                             self.pad_id)
-        return [(self.tokenizer.decode(toks, skip_special_tokens=True), toks, fin) for toks, fin in res]
+                             self.pad_id, layers)
+        return [(self.tokenizer.decode(r[0], skip_special_tokens=True), *r) for r in res]

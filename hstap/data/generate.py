@@ -51,7 +51,7 @@ from hstap.data.openai_client import ChatClient, RequestRejected
 
 STAGE = "generate"
 # Settings that change what is generated: a resume with any of them changed would mix two distributions in one file.
-_RESUME_KEYS = ("target", "server", "model", "max_new_tokens", "temperature", "top_p", "seed")
+_RESUME_KEYS = ("target", "server", "model", "max_new_tokens", "temperature", "top_p", "seed", "capture")
 
 
 @dataclass
@@ -94,6 +94,14 @@ class GenerateConfig:
     """A malformed input record or a request the server rejects (HTTP 4xx other than 429): stop, or skip it."""
     new: bool = False
     """Discard an existing output file and start over instead of resuming."""
+    capture: str | None = None
+    """Embedded engine: also store the hidden states the target computes while it answers, in this store directory
+    (hstap/capture/tap.py: each conversation's last answer, prompt + generated tokens, one pass instead of generate
+    then capture)."""
+    layers: str = ""
+    """--capture: canonical layer ids to tap (as `hstap capture --layers`; empty = EAGLE-3's [1, N//2-1, N-4])."""
+    capture_dtype: str = field(default="bf16", metadata={"choices": ["bf16", "fp8", "fp32"]})
+    """--capture: storage dtype (as `hstap capture --dtype`)."""
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -123,6 +131,11 @@ class GenerateConfig:
             self.target = os.path.abspath(self.target)
         if self.out in self.data:
             raise HstapError(f"generate: out: {self.out} is also an input file")
+        if self.capture is not None:
+            if self.server is not None:
+                raise HstapError("generate: --capture needs the embedded engine (--target); a server's traffic is "
+                                 "captured by its own engine (docs/engines.md: the vLLM connector's tap mode)")
+            self.capture = os.path.abspath(self.capture)
 
 
 def turn_seed(seed: int, sample_id: str, turn: int) -> int:
@@ -228,23 +241,25 @@ def _todo(cfg: GenerateConfig, done: set[str], stats: dict) -> Iterator[tuple[st
 # -------------------------------------------------------------------------------------------------------------- runs
 
 
-def _run_embedded(cfg: GenerateConfig, todo, emit, stats: dict) -> None:
+def _run_embedded(cfg: GenerateConfig, todo, emit, stats: dict, tap=None) -> None:
     eng = EmbeddedEngine(cfg.target, cfg.device, cfg.dtype)
     batch: list[tuple[str, list[dict]]] = []
     for item in todo:
         batch.append(item)
         if len(batch) == cfg.batch_size:
-            _embedded_batch(cfg, eng, batch, emit, stats)
+            _embedded_batch(cfg, eng, batch, emit, stats, tap)
             batch = []
     if batch:
-        _embedded_batch(cfg, eng, batch, emit, stats)
+        _embedded_batch(cfg, eng, batch, emit, stats, tap)
 
 
-def _embedded_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats: dict) -> None:
+def _embedded_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats: dict, tap=None) -> None:
     # Turn k of every conversation is generated in one batch; turn k+1 needs turn k's text, so turns go in order.
+    # With a tap (--capture), the last turn also returns the states of its prompt and answer.
     convs = [msgs for _, msgs in batch]
     slots = [[i for i, m in enumerate(msgs) if m["role"] == "assistant"] for msgs in convs]
     failed: set[int] = set()
+    tapped: dict[int, tuple] = {}  # conversation -> (prompt ids, answer ids, states) of its last turn
     for k in range(max((len(s) for s in slots), default=0)):
         rows, prompts = [], []
         for c, s in enumerate(slots):
@@ -264,9 +279,12 @@ def _embedded_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats
             continue
         t0 = time.perf_counter()
         res = eng.complete(prompts, [cfg.max_new_tokens] * len(rows), [cfg.temperature] * len(rows),
-                           [cfg.top_p] * len(rows), [turn_seed(cfg.seed, batch[c][0], k) for c, _ in rows])
+                           [cfg.top_p] * len(rows), [turn_seed(cfg.seed, batch[c][0], k) for c, _ in rows],
+                           tap.layers if tap is not None else None)
         stats["gen_seconds"] += time.perf_counter() - t0
-        for (c, i), (text, toks, fin) in zip(rows, res):
+        for j, ((c, i), (text, toks, fin, *st)) in enumerate(zip(rows, res)):
+            if st and k == len(slots[c]) - 1:  # a sample is the last turn: its prompt holds every earlier one
+                tapped[c] = (prompts[j], toks, st[0])
             convs[c][i] = {"role": "assistant", "content": text}
             stats["assistant_turns"] += 1
             stats["generated_tokens"] += len(toks)
@@ -275,7 +293,7 @@ def _embedded_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats
         if c in failed:
             stats["skipped"] += 1
         else:
-            emit(sid, convs[c], no_assistant=not slots[c])
+            emit(sid, convs[c], no_assistant=not slots[c], tapped=tapped.get(c))
 
 
 def _run_server(cfg: GenerateConfig, todo, emit, stats: dict) -> None:
@@ -347,29 +365,49 @@ def generate(cfg: GenerateConfig) -> dict:
     writer = _Appender(out)
     last_print = [time.perf_counter()]
 
-    def emit(sid: str, msgs: list[dict], no_assistant: bool) -> None:
-        writer.write(sid, msgs)
+    def emit(sid: str, msgs: list[dict], no_assistant: bool, tapped: tuple | None = None) -> None:
         stats["conversations"] += 1
         stats["no_assistant"] += no_assistant
+        if tap is not None and tapped is not None:
+            tap.add(sid, *tapped, then=lambda: writer.write(sid, msgs))  # the line once the sample is committed
+        else:
+            writer.write(sid, msgs)
         if time.perf_counter() - last_print[0] > 30:
             last_print[0] = time.perf_counter()
             print(f"hstap generate: {stats['conversations']} written, {stats['generated_tokens']} tokens",
                   file=sys.stderr)
 
+    tap = None
+    if cfg.capture is not None:
+        from hstap.capture.tap import GeneratedStore
+        from hstap.model_dir import resolve_device, resolve_dtype
+
+        dt = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+        tap = GeneratedStore(cfg.capture, cfg.target, cfg.layers, cfg.capture_dtype, cfg,
+                             str(dt).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16"),
+                             cfg.new)
     t0 = time.perf_counter()
     try:
         todo = _todo(cfg, done, stats)
-        (_run_embedded if cfg.target is not None else _run_server)(cfg, todo, emit, stats)
+        if cfg.target is not None:
+            _run_embedded(cfg, todo, emit, stats, tap)
+        else:
+            _run_server(cfg, todo, emit, stats)
+        if tap is not None:
+            tap.close()  # commits the last shard: its conversations' lines are written now
     finally:
         writer.close()
     secs = time.perf_counter() - t0
     gen_s = stats.pop("gen_seconds")
+    if tap is not None:
+        stats.update(captured_samples=tap.samples, captured_tokens=tap.tokens, store=cfg.capture)
     summary = {"out": str(out), "engine": "embedded" if cfg.target is not None else "server", **stats,
                "seconds": round(secs, 3),
                "tokens_per_s": round(stats["generated_tokens"] / gen_s, 1) if gen_s > 0 else None}
     tps = f", {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
     print(f"hstap generate: {stats['conversations']} conversations written ({stats['assistant_turns']} answers, "
           f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens) in {secs:.1f} s"
-          f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped; wrote {out}")
+          f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped; wrote {out}"
+          + (f"; captured {tap.samples} samples ({tap.tokens:,} tokens) into {cfg.capture}" if tap is not None else ""))
     return summary
 

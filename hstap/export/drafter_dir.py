@@ -38,6 +38,7 @@ def vocab_map_sha256(d2t: torch.Tensor, t2d: torch.Tensor) -> str:
     h.update(t2d.detach().to("cpu", torch.bool).contiguous().numpy().astype("u1").tobytes())
     return h.hexdigest()
 
+
 def save_drafter(out_dir: str | Path, drafter: Eagle3Drafter, extra: dict | None = None) -> None:
     """Write drafter.safetensors + drafter.json into out_dir (created); each file is written atomically.
 
@@ -58,6 +59,7 @@ def save_drafter(out_dir: str | Path, drafter: Eagle3Drafter, extra: dict | None
     atomic_write_json(out / "drafter.json", {"format": DRAFTER_FORMAT, "version": DRAFTER_VERSION,
                                              "config": drafter.config.to_dict(), **extra})
 
+
 def resolve_drafter_dir(path: str | Path) -> Path:
     """A drafter dir, or a training RUN dir (its `best`, else its newest checkpoint)."""
     p = Path(path)
@@ -70,6 +72,7 @@ def resolve_drafter_dir(path: str | Path) -> Path:
     if ckpts:
         return ckpts[-1]
     raise HstapError(f"{p}: no drafter found (expected drafter.safetensors, RUN/best/ or RUN/checkpoints/step_*/)")
+
 
 def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> tuple[Eagle3Drafter, dict]:
     """Load an hstap-format drafter (or a RUN's best/latest); returns (drafter in eval mode, drafter.json dict)."""
@@ -89,6 +92,7 @@ def load_drafter(path: str | Path, device="cpu", dtype=torch.float32) -> tuple[E
         raise HstapError(f"{d / 'drafter.safetensors'}: missing keys {missing}, unexpected keys {unexpected}")
     model.to(device=device, dtype=dtype)
     return model.eval(), meta
+
 
 def expected_state(cfg: DrafterConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     """name -> (shape, dtype or None for "any float") of every tensor in an hstap drafter checkpoint: the state dict of
@@ -120,10 +124,12 @@ def read_checkpoint(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise HstapError(f"{wpath}: cannot read: {type(e).__name__}: {e}") from None
     return meta, state
 
+
 def _store_layers(meta: dict) -> list[int] | None:
     s = meta.get("store")
     layers = s.get("layers") if isinstance(s, dict) else None
     return [int(i) for i in layers] if isinstance(layers, list) else None
+
 
 def validate_checkpoint(d: Path, meta: dict, state: dict[str, torch.Tensor], store: str | None = None) -> DrafterConfig:
     """Every export refusal (see the module docstring); returns the drafter config. Writes nothing."""

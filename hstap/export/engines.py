@@ -2,13 +2,20 @@
 
 - sglang: config.json for `LlamaForCausalLMEagle3` (llama fields + `eagle_config.eagle_aux_hidden_state_layer_ids` in
   SGLang's convention, `hstap.layers.to_sglang`) and model.safetensors with `fc.weight`, `midlayer.*`, `norm.weight`,
-  `lm_head.weight`, `d2t`, `t2d`; no embedding (SGLang shares the target's).
+  `lm_head.weight`, `d2t`, `t2d`; no embedding (SGLang shares the target's). The same ids in vLLM's convention sit at
+  the top level (`eagle_aux_hidden_state_layer_ids`, `hstap.layers.to_vllm`): vLLM reads that key first and SGLang
+  reads `eagle_config` first, so each engine finds its own convention and neither reads the taps one layer off.
 - vllm: a speculators `Eagle3Speculator` config.json (`transformer_layer_config`, `speculators_config` naming the
-  verifier, ids in vLLM's convention, `hstap.layers.to_vllm`), so `vllm serve DIR` needs no other flag; the same
-  model.safetensors (vLLM maps `midlayer.` -> `layers.0.`, `d2t` -> `draft_id_to_target_id`, skips `t2d`). A deeper
-  drafter (num_layers N > 1; SGLang loads one layer and is refused) is written in speculators' names: `layers.0.*` the
-  midlayer, `layers.i.*` plain Llama layers on H, `num_hidden_layers` N (vLLM's llama_eagle3 builds layers 1.. with
-  H-wide q/k/v and runs them as pre-norm Llama layers).
+  verifier, ids in vLLM's convention), so `vllm serve DIR` needs no other flag, and model.safetensors in speculators'
+  names (`SPECULATORS_KEYS`: `layers.0.*` the midlayer, `d2t`, `t2d`; no d2t/t2d for a whole-vocabulary draft), which
+  speculators' `Eagle3DraftModel` and vLLM's Eagle3LlamaForCausalLM both load as they are (vLLM renames `d2t` ->
+  `draft_id_to_target_id`, skips `t2d`). A deeper drafter (num_layers N > 1; SGLang loads one layer and is refused)
+  adds `layers.i.*`, plain Llama layers on H, and `num_hidden_layers` N (vLLM's llama_eagle3 builds layers 1.. with
+  H-wide q/k/v as pre-norm Llama layers).
+
+Every export directory says which engine it is for: `hstap_export.json` (`engine`, `layer_convention`) and a README.md.
+`vllm_aux_layers(dir)` is the check hstap makes before it hands a directory to vLLM: the layers vLLM will read from it
+must be the ones the drafter was trained on.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from safetensors import safe_open
 
 from hstap.common import HstapError
 from hstap.export.drafter_dir import expected_state, load_drafter
-from hstap.layers import from_sglang, from_vllm, to_sglang, to_vllm
+from hstap.layers import from_sglang, from_vllm, to_sglang, to_vllm, vllm_default_ids
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter, parse_rope
 
 # SGLang's LlamaForCausalLMEagle3 and vLLM's Eagle3LlamaForCausalLM read these names (no embedding: shared from target).
@@ -34,19 +41,31 @@ HF_DTYPE = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16:
 VLLM_NUM_AUX = 3  # vLLM's Eagle3LlamaForCausalLM builds fc with target_hidden_size * 3 inputs (hard-coded)
 
 
-def engine_state(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """The tensors of an engine export: ENGINE_KEYS for one layer; a deeper drafter in speculators' names, which vLLM's
-    Eagle3LlamaForCausalLM loads as they are: `layers.0.*` = the midlayer, `layers.i.*` plain Llama layers (no embed)."""
-    if num_layers == 1:
-        return {k: state[k] for k in ENGINE_KEYS}
+SPECULATORS_KEYS = tuple(("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k for k in ENGINE_KEYS)
+ENGINES = {"sglang": "SGLang (LlamaForCausalLMEagle3)", "vllm": "vLLM and speculators (Eagle3Speculator)",
+           "hf": "hstap (hstap eval, hstap export)"}
+
+
+def engine_state(state: dict[str, torch.Tensor], num_layers: int, names: str = "sglang") -> dict[str, torch.Tensor]:
+    """The tensors of an engine export, no embedding: names "sglang" = ENGINE_KEYS (one layer); "speculators" =
+    `layers.0.*` for the midlayer (SPECULATORS_KEYS for one layer) and `layers.i.*` plain Llama layers. Without d2t/t2d
+    when the draft vocabulary is the whole vocabulary: vLLM then builds no mapping to load them into (and refuses to
+    start), SGLang and speculators need none."""
+    identity = state["d2t"].numel() == state["t2d"].numel() and not bool(state["d2t"].any())
+    if names == "sglang":
+        if num_layers != 1:
+            raise HstapError(f"SGLang's names hold one decoder layer, this drafter has {num_layers}")
+        return {k: state[k] for k in ENGINE_KEYS if not (identity and k in ("d2t", "t2d"))}
     return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()
-            if k != "embed_tokens.weight"}
+            if k != "embed_tokens.weight" and not (identity and k in ("d2t", "t2d"))}
+
 
 def _rope_fields(cfg: DrafterConfig) -> dict:
     params = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": float(cfg.rope_theta)}
     legacy = None if params["rope_type"] == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
     # transformers >= 5 reads rope_parameters; older engines read rope_theta / rope_scaling. They say the same thing.
     return {"rope_theta": float(cfg.rope_theta), "rope_scaling": legacy, "rope_parameters": params}
+
 
 def llama_fields(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     """The LlamaConfig fields describing the drafter's decoder layers (shared by the sglang and vllm configs)."""
@@ -60,13 +79,17 @@ def llama_fields(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
         "torch_dtype": HF_DTYPE[dtype], "dtype": HF_DTYPE[dtype],
     }
 
+
 def sglang_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
     ids = to_sglang(cfg.aux_layers, cfg.target_model_type)
     if from_sglang(ids, cfg.target_model_type) != list(cfg.aux_layers):  # the conversion must round-trip exactly
         raise HstapError(f"aux layers {cfg.aux_layers} cannot be expressed in SGLang's convention for "
                          f"{cfg.target_model_type}")
     return {"architectures": ["LlamaForCausalLMEagle3"], **llama_fields(cfg, dtype),
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+            # what vLLM reads (before eagle_config): the same layers in its own convention, so it never reads SGLang's
+            "eagle_aux_hidden_state_layer_ids": to_vllm(cfg.aux_layers)}
+
 
 def vllm_config(cfg: DrafterConfig, dtype: torch.dtype, verifier: str, verifier_arch: list[str], k: int) -> dict:
     layer = {"architectures": ["LlamaForCausalLM"], **llama_fields(cfg, dtype)}
@@ -86,6 +109,62 @@ def vllm_config(cfg: DrafterConfig, dtype: torch.dtype, verifier: str, verifier_
         },
         "torch_dtype": HF_DTYPE[dtype], "dtype": HF_DTYPE[dtype],
     }
+
+
+def vllm_reads(conf: dict) -> list[int] | None:
+    """The `eagle_aux_hidden_state_layer_ids` vLLM (0.32, gpu_model_runner) takes from a drafter config: the top-level
+    key, else `eagle_config`'s; None = none (vLLM then taps its default (2, N//2, N-3))."""
+    ids = conf.get("eagle_aux_hidden_state_layer_ids")
+    if not ids and isinstance(conf.get("eagle_config"), dict):
+        ids = conf["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+    return [int(i) for i in ids] if isinstance(ids, list) and ids else None
+
+
+def vllm_aux_layers(path: str | Path, num_layers: int) -> list[int]:
+    """The canonical layers vLLM will tap for the drafter directory `path` (an export with a config.json), refused
+    with one line when they are not the layers the drafter was trained on (its hstap_export.json), e.g. an SGLang-only
+    config whose ids vLLM would read one layer early."""
+    p = Path(path)
+    try:
+        conf = json.loads((p / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HstapError(f"{p / 'config.json'}: cannot read: {e}") from None
+    info = json.loads((p / "hstap_export.json").read_text()) if (p / "hstap_export.json").is_file() else {}
+    ids = vllm_reads(conf)
+    read = from_vllm(ids or vllm_default_ids(num_layers), num_layers)
+    trained = info.get("aux_layers")
+    if trained is None and conf.get("speculators_model_type") == "eagle3":
+        trained = read  # a speculators checkpoint made elsewhere: its ids are in vLLM's convention by definition
+    if trained is None and ids is not None:
+        sg = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        trained = from_sglang(sg, info.get("target_model_type", "llama")) if sg else None
+    if trained is None or [int(i) for i in trained] != read:
+        raise HstapError(f"{p / 'config.json'}: vLLM would tap layers {read} (eagle_aux_hidden_state_layer_ids {ids}, "
+                         f"read in vLLM's convention), the drafter was trained on {trained}: export it for vLLM with "
+                         "`hstap export --run RUN --to vllm`")
+    return read
+
+
+def export_readme(to: str, aux: list[int], conf: dict) -> str:
+    """README.md of an export directory: which engine it is for and how to load it."""
+    lines = [f"# EAGLE-3 drafter exported by hstap for {ENGINES[to]}", "",
+             f"Trained on the target's layers {list(aux)} (hstap's canonical ids: output of decoder layer i)."]
+    if to == "sglang":
+        lines += [f"`eagle_config.eagle_aux_hidden_state_layer_ids` {conf['eagle_config']['eagle_aux_hidden_state_layer_ids']}"
+                  " is SGLang's convention (SGLang reads it first); the top-level `eagle_aux_hidden_state_layer_ids` "
+                  f"{conf['eagle_aux_hidden_state_layer_ids']} is vLLM's (vLLM reads it first).", "",
+                  "SGLang: `--speculative-algorithm EAGLE3 --speculative-draft-model-path THIS_DIR`. For vLLM and "
+                  "speculators, export with `hstap export --to vllm` (speculators' own format and tensor names)."]
+    elif to == "vllm":
+        lines += [f"`eagle_aux_hidden_state_layer_ids` {conf['eagle_aux_hidden_state_layer_ids']} is vLLM's "
+                  "convention (input of layer j); tensors in speculators' names (`layers.0.*`).", "",
+                  "vLLM: `vllm serve TARGET --speculative-config '{\"method\": \"eagle3\", \"model\": \"THIS_DIR\", "
+                  "\"num_speculative_tokens\": 3}'` (or `vllm serve THIS_DIR`: the config names its verifier). "
+                  "speculators: `Eagle3DraftModel.from_pretrained(THIS_DIR)`. For SGLang, export with "
+                  "`hstap export --to sglang`."]
+    else:
+        lines += ["`hstap eval --drafter THIS_DIR`; `hstap export --run THIS_DIR --to sglang|vllm` for an engine."]
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -142,6 +221,9 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
         rms_norm_eps=layer.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=layer.get("max_position_embeddings", 2048), hidden_act=layer.get("hidden_act", "silu"),
         target_model_type=mtype, aux_layers=list(aux), num_layers=int(layer.get("num_hidden_layers") or 1))
+    if "d2t" not in state and dcfg.draft_vocab_size == dcfg.vocab_size:  # the identity map (a vLLM export leaves it out)
+        state["d2t"] = torch.zeros(dcfg.vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(dcfg.vocab_size, dtype=torch.bool)
     if "embed_tokens.weight" not in state:
         if embed_weight is None:
             raise HstapError(f"{wpath}: no embed_tokens.weight (shared with the target): pass the target's embedding")

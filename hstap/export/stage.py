@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hstap.common import HstapError, atomic_write_json, fsync_dir, run_meta
+from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, run_meta
 from hstap.export.drafter_dir import DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, validate_checkpoint
-from hstap.export.engines import HF_DTYPE, VLLM_NUM_AUX, engine_state, llama_fields, sglang_config, vllm_config
+from hstap.export.engines import (ENGINES, HF_DTYPE, VLLM_NUM_AUX, engine_state, export_readme, llama_fields,
+                                  sglang_config, vllm_config)
 from hstap.models.drafter import DrafterConfig
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -58,6 +59,7 @@ class ExportConfig:
             raise HstapError(f"export: dtype: expected auto, bf16 or fp32, got {self.dtype!r}")
         if self.speculative_tokens < 1:
             raise HstapError(f"export: speculative_tokens: must be >= 1, got {self.speculative_tokens}")
+
 
 def _target_info(cfg: ExportConfig, dcfg: DrafterConfig, meta: dict) -> tuple[str | None, list[str]]:
     """(verifier path, architectures) from --target, else from the provenance store's target block."""
@@ -91,6 +93,7 @@ def _write_safetensors(path: Path, state: dict[str, torch.Tensor], metadata: dic
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
 
+
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     """Rename the finished temp dir into place; an existing `out` (overwrite) is moved aside first, removed last."""
     fsync_dir(tmp)
@@ -104,6 +107,7 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
 
 def export(cfg: ExportConfig) -> dict:
     """Validate the drafter, then write the chosen format to cfg.out (see the module docstring); returns a summary."""
@@ -137,8 +141,12 @@ def export(cfg: ExportConfig) -> dict:
                 "aux_layers": list(dcfg.aux_layers), "target_model_type": dcfg.target_model_type}
 
     cast = {k: (v.to(dtype) if v.dtype.is_floating_point else v).contiguous() for k, v in state.items()}
+    tensors = cast if cfg.to == "hf" else engine_state(cast, dcfg.num_layers, "sglang" if cfg.to == "sglang"
+                                                       else "speculators")
     provenance = {k: v for k, v in meta.items() if k not in ("format", "version", "config")}
-    info = {**run_meta("export", cfg), "source": str(d), "format": cfg.to, "aux_layers": list(dcfg.aux_layers),
+    info = {**run_meta("export", cfg), "source": str(d), "format": cfg.to, "engine": ENGINES[cfg.to],
+            "layer_convention": {"sglang": "sglang (eagle_config), vllm (top level)", "vllm": "vllm",
+                                 "hf": "hstap canonical"}[cfg.to], "aux_layers": list(dcfg.aux_layers),
             "target_model_type": dcfg.target_model_type, "drafter_config": dcfg.to_dict(), "provenance": provenance}
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -152,17 +160,18 @@ def export(cfg: ExportConfig) -> dict:
             atomic_write_json(tmp / "drafter.json", {**meta, "export": {"source": str(d)}})
             weights = "drafter.safetensors"
         else:
-            _write_safetensors(tmp / "model.safetensors", engine_state(cast, dcfg.num_layers), {"format": "pt"})
+            _write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
             weights = "model.safetensors"
         atomic_write_json(tmp / "config.json", conf)
         atomic_write_json(tmp / "hstap_export.json", info)
+        atomic_write_bytes(tmp / "README.md", export_readme(cfg.to, dcfg.aux_layers, conf).encode())
         _publish(tmp, out, cfg.overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     summary = {"out": str(out), "format": cfg.to, "source": str(d), "dtype": HF_DTYPE[dtype], "weights": weights,
                "aux_layers": list(dcfg.aux_layers),
-               "tensors": len(engine_state(cast, dcfg.num_layers)) if cfg.to != "hf" else len(cast)}
+               "engine": ENGINES[cfg.to], "tensors": len(tensors)}
     if cfg.to == "sglang":
         summary["eagle_aux_hidden_state_layer_ids"] = conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     elif cfg.to == "vllm":

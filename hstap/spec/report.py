@@ -46,6 +46,7 @@ def print_summary(cfg, r: dict) -> None:
         lines.append(f"  simulated tau of this chain (training, teacher-forced): {r['simulated_tau']:.3f}")
     if r["lossless"] is not None:
         lines.append("  lossless (greedy outputs equal target-only): " + ("yes" if r["lossless"] else "NO"))
+    lines.extend("  " + x for x in vllm_lines(r.get("vllm")))
     lines.append("  " + TAU_MEANS)
     for note in r["speedup_notes"]:
         lines.append(f"  speedup not representative: {note}")
@@ -73,17 +74,27 @@ def markdown(cfg, r: dict) -> str:
         lines.append(f"| {name} | {m['tau']:.3f} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
                      f"{fmt(m.get('predicted_speedup'))}{'x' if m.get('predicted_speedup') else ''} | "
                      f"{fmt(m.get('draft_s'))} | {fmt(m.get('verify_s'))} | {split} | {acc} |")
-    lines += ["", ("latency model: predicted speedup = tau / (1 + k c_draft / c_verify), k c_draft and c_verify the "
-                   "measured draft and verify time per round (it assumes a verify costs one target-only step and no "
-                   "host time); target-only's verify is its one-token step."), ""]
+    lines += ["", ("predicted speedup (hstap.spec.latency.round_model) = tau c_token / (D c_draft + c_verify + "
+                   "c_host): the round's measured draft, verify and host time against c_token, target-only's cost "
+                   "per token (its step and host time); it leaves out the prefill and the first token. The simpler "
+                   "tau / (1 + k c_draft / c_verify), which assumes a verify costs one target-only step and the host "
+                   "nothing, is report.json's predicted_speedup_naive."), ""]
     if r["simulated_tau"] is not None and r["tau"] > 0:
         sim, tau = r["simulated_tau"], r["tau"]
         lines.append(f"simulated tau of this chain (training eval at step {r['simulated']['step']}, teacher-forced: "
                      f"chain of {cfg.k} drafts replayed on the eval split): {sim:.3f}; measured tau {tau:.3f} "
                      f"({100 * (sim - tau) / tau:+.1f}%)")
     if r["lossless"] is not None:
+        ties = sum(1 for m in r["mismatches"] if m["near_tie"])
         lines.append(f"lossless (greedy outputs equal target-only): **{r['lossless']}**"
                      + (f", {len(r['mismatches'])} mismatch(es), see report.json" if r["mismatches"] else ""))
+        if ties:
+            lines.append(f"{ties} of them are near-ties: at the first differing token the target's own logits (a "
+                         "fresh full forward) put both tokens within --tie-tol of the top one, a tie that "
+                         f"{r['dtype']} kernels may break either way; such outputs are still the target's greedy "
+                         "output up to that tie, so the run counts as lossless.")
+    if r.get("vllm"):
+        lines += [""] + vllm_lines(r["vllm"])
     lines += ["", "- " + TAU_MEANS + " The prefill's first token is not counted.", "- " + SPEEDUP_MEANS]
     if r["speedup_notes"]:
         lines += ["", "**These speedups are not representative** of serving a large target on a GPU:"]
@@ -91,3 +102,27 @@ def markdown(cfg, r: dict) -> str:
     lines += ["", f"![per-position acceptance]({r['plot']})"]
     return "\n".join(lines) + "\n"
 
+
+
+def vllm_lines(v: dict | None) -> list[str]:
+    """What `--engine vllm` measured inside vLLM (hstap.spec.vllm), and whether it agrees with hstap's decoder."""
+    if not v:
+        return []
+    a = v.get("agreement") or {}
+    yes = lambda b: "yes" if b else "NO"  # noqa: E731
+    acc = " ".join(f"{x:.2f}" for x in v["per_position_acceptance"]) or "-"
+    out = [f"vLLM {v['version']} (its own EAGLE-3 decoding, k={v['k']}, {v['batched_prompts']} prompts batched): "
+           f"tau {v['tau']:.3f}, acceptance by draft position {acc} ({v['drafts']} rounds, {v['accepted']} drafts "
+           f"accepted, from vLLM's counters)",
+           f"vLLM's tau is 1 + accepted / rounds (a bonus token in every round); the same figure of hstap's decoder is "
+           f"{a.get('hstap_one_plus_accepted', 0):.3f} (hstap's tau counts the tokens kept: a round cut by the token "
+           "limit or an end of turn keeps fewer)",
+           f"vLLM's counters equal hstap's decoder on the same prompts: rounds {yes(a.get('drafts_equal'))} "
+           f"({v['drafts']} vs {a.get('hstap_rounds')}), accepted by position {yes(a.get('accepted_per_pos_equal'))} "
+           f"({v['accepted_per_pos']} vs {a.get('hstap_accept_counts')}); outputs equal hstap's on "
+           f"{a.get('outputs_equal_hstap')}/{a.get('prompts')} prompts"]
+    if v.get("lossless") is not None:
+        out.append(f"vLLM lossless (greedy outputs with the drafter equal vLLM without it): {yes(v['lossless'])}")
+    out.append(f"vLLM tokens/s {v['tokens_per_s']:.1f} with the drafter, {v['target_tokens_per_s']:.1f} without "
+               f"({v['speedup']:.2f}x; batched, so not comparable with hstap's batch-1 figures)")
+    return out

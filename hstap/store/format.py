@@ -58,6 +58,9 @@ Nothing is ever padded.
                   ("vocab_map.safetensors", relative to STORE), sha256 (of the file's bytes), size (draft ids N)}, the
                   prepared set's draft vocabulary map (d2t, t2d: hstap/data/vocab.py), copied by capture atomically after
                   the manifest is created; `hstap train --store STORE` uses it unless given another map
+    contents      optional (no version bump): {kind, what, loss_mask, ...} for samples that are not a prepared set's
+                  conversations: "generated" (`hstap generate --capture`: the target's answers, captured while it
+                  generated them) or "served traffic" (a server's tap: requests from any client); absent = prepared
     capture_config, git_commit, ...   any other keys of the writer's header, stored as given
     created       ISO-8601 UTC creation time; created_unix: the same in seconds since the epoch
     checksum      "sha256-chunked-16MiB": how the shard entries' `sha256` field is computed (see below)

@@ -18,30 +18,22 @@ if importlib.util.find_spec("sglang") is None:  # installed but broken must fail
                 allow_module_level=True)
 
 from _sglang_fixtures import (  # noqa: E402
+    LAYERS,
+    H,
     create_store,
     forward_batch,
-    import_sglang,
     logits_root,
     make_prepared,
-    publish_server_args,
     records,
 )
 
 from hstap.capture.sglang.hook import CaptureHook  # noqa: E402
 from hstap.capture.sglang.plugin import set_capture_layers  # noqa: E402
-from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, decode_rid, encode_rid, hook_spec  # noqa: E402
+from hstap.capture.session import decode_rid, encode_rid  # noqa: E402
+from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, hook_spec  # noqa: E402
 from hstap.common import HstapError  # noqa: E402
 from hstap.store.reader import open_store  # noqa: E402
 
-LAYERS = [0, 2, 4]  # canonical ids of the 6-layer tiny target; K = 3
-H = 64
-
-
-@pytest.fixture(scope="module")
-def sg(tiny_llama):
-    sglang = import_sglang()
-    publish_server_args(tiny_llama)
-    return sglang
 
 
 @pytest.fixture(scope="module")

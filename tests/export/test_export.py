@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from hstap.common import HstapError
 from hstap.export.drafter_dir import load_drafter, save_drafter, vocab_map_sha256
-from hstap.export.engines import ENGINE_KEYS, load_exported
+from hstap.export.engines import ENGINE_KEYS, SPECULATORS_KEYS, load_exported, vllm_aux_layers
 from hstap.export.stage import ExportConfig, export
 from hstap.layers import to_sglang, to_vllm
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
@@ -106,6 +106,9 @@ def test_sglang_config_and_weights(trained, tiny_llama, tmp_path):
     assert c["rope_scaling"] is None and c["rope_parameters"] == {"rope_type": "default", "rope_theta": cfg.rope_theta}
     assert c["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": to_sglang(AUX, "llama"), "use_aux_hidden_state": True}
     assert summary["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # Llama: SGLang ids are "output of layer j"
+    assert c["eagle_aux_hidden_state_layer_ids"] == to_vllm(AUX) == [2, 4, 5]  # vLLM reads this key first
+    info = json.loads((out / "hstap_export.json").read_text())
+    assert info["engine"].startswith("SGLang") and "SGLang" in (out / "README.md").read_text()
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == set(ENGINE_KEYS)  # exactly these: no embedding, no rotary buffers
         assert f.get_slice("lm_head.weight").get_dtype() == "BF16" and f.get_slice("d2t").get_dtype() == "I64"
@@ -168,15 +171,17 @@ def test_vllm_speculators_config(trained, tiny_llama, tmp_path):
     assert lc.head_dim == 16 and lc.num_key_value_heads == 2 and lc.norm_before_residual is False
     assert lc.target_hidden_size * 3 == load_file(str(out / "model.safetensors"))["fc.weight"].shape[1]
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        assert set(f.keys()) == set(ENGINE_KEYS)
+        assert set(f.keys()) == set(SPECULATORS_KEYS)  # speculators' names: layers.0.* is the midlayer
+    assert json.loads((out / "hstap_export.json").read_text())["engine"].startswith("vLLM")
 
 
 def test_vllm_weight_names_map_onto_eagle3_llama(trained, tiny_llama, tmp_path):
     """Every exported tensor lands on a parameter of vLLM's Eagle3LlamaForCausalLM, and every parameter but the
     (target-shared) embedding is filled.
 
-    vLLM is not installed here, so this replays the name handling transcribed from vllm-project/vllm
-    vllm/model_executor/models/llama_eagle3.py at 00bd1493 (read from the source index): Eagle3LlamaForCausalLM.load_weights
+    This replays the name handling of vllm-project/vllm vllm/model_executor/models/llama_eagle3.py at 00bd1493 (read
+    from the source index; the live vLLM engine loads the export in tests/spec/test_vllm_eval.py):
+    Eagle3LlamaForCausalLM.load_weights
     skips t2d, renames d2t -> draft_id_to_target_id, prefixes "model." to everything but lm_head, and skips
     embed_tokens when absent; LlamaModel.load_weights renames "midlayer." -> "layers.0.", fuses q/k/v -> qkv_proj and
     gate/up -> gate_up_proj, and indexes params_dict[name] (a KeyError for any other name). SpeculatorsConfig
@@ -212,6 +217,61 @@ def test_vllm_weight_names_map_onto_eagle3_llama(trained, tiny_llama, tmp_path):
         assert name in params, name
         filled.add(name)
     assert filled == params - {"model.embed_tokens.weight"}
+
+
+def test_every_export_gives_vllm_its_own_layers(trained, tiny_llama, tmp_path):
+    """vLLM reads the trained layers from both engine exports; a config that only has SGLang's ids (what hstap wrote
+    before, or another trainer's SGLang checkpoint), which vLLM would read one layer early, is refused naming the export
+    to use."""
+    run, _, _ = trained
+    for to in ("sglang", "vllm"):
+        export(ExportConfig(run=str(run), to=to, out=str(tmp_path / to), target=str(tiny_llama)))
+        assert vllm_aux_layers(tmp_path / to, 6) == AUX, to
+    old = tmp_path / "sglang-only"
+    shutil.copytree(tmp_path / "sglang", old)
+    c = json.loads((old / "config.json").read_text())
+    del c["eagle_aux_hidden_state_layer_ids"]
+    (old / "config.json").write_text(json.dumps(c))
+    with pytest.raises(HstapError, match=r"vLLM would tap layers \[0, 2, 3\].*trained on \[1, 3, 4\].*--to vllm"):
+        vllm_aux_layers(old, 6)
+
+
+def test_sglang_reads_its_ids_from_eagle_config_first():
+    """The SGLang export keeps vLLM's ids at the top level: safe only while SGLang resolves an EAGLE-3 drafter's ids
+    from `eagle_config` and never from the top-level key (read from the installed sglang's resolver, by its AST: the
+    module needs a GPU-side stack to import)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sglang is not installed")
+    f = (Path(list(spec.submodule_search_locations)[0]) / "srt" / "model_executor" / "model_runner_components" /
+         "spec_aux_hidden_state.py")
+    fn = next(n for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.FunctionDef)
+              and n.name == "_resolve_eagle_aux_hidden_state")
+    reads = [ast.unparse(n) for n in ast.walk(fn) if isinstance(n, (ast.Subscript, ast.Call))
+             and "eagle_aux_hidden_state_layer_ids" in ast.unparse(n)]
+    assert any(r.startswith("eagle_config[") for r in reads), reads
+    assert not any("hf_config, 'eagle_aux_hidden_state_layer_ids'" in r for r in reads), reads
+
+
+def test_speculators_loads_the_vllm_export_bit_exactly(trained, tiny_llama, tmp_path):
+    """speculators 0.9's Eagle3DraftModel.from_pretrained on `--to vllm`: every tensor of the export is in the model
+    with its exact values (nothing left at its initialisation), and the aux ids are vLLM's."""
+    speculators = pytest.importorskip("speculators.models.eagle3")
+    run, m, _ = trained
+    out = tmp_path / "vl"
+    export(ExportConfig(run=str(run), to="vllm", out=str(out), target=str(tiny_llama), dtype="fp32"))
+    model = speculators.Eagle3DraftModel.from_pretrained(str(out))
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    written = load_file(str(out / "model.safetensors"))
+    missing = sorted(set(written) - set(state))
+    assert not missing, missing
+    for k, v in written.items():
+        assert torch.equal(state[k].to(v.dtype), v), k
+    assert torch.equal(state["layers.0.self_attn.q_proj.weight"], m.state_dict()["midlayer.self_attn.q_proj.weight"])
+    assert list(model.config.eagle_aux_hidden_state_layer_ids) == to_vllm(AUX)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

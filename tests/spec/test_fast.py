@@ -270,9 +270,12 @@ def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys, kernels):
     assert rep["kernels"] == kernels and f"({kernels} kernels)" in (tmp_path / "r" / "report.md").read_text()
     for m in rep["methods"].values():
         assert m["verify_ms_per_round"] > 0 and m["host_ms_per_round"] >= 0
-    assert rep["predicted_speedup"] == pytest.approx(
-        rep["tau"] / (1 + rep["methods"]["eagle"]["draft_s"] / rep["methods"]["eagle"]["verify_s"]))
-    assert "latency model" in (tmp_path / "r" / "report.md").read_text()
+    from hstap.spec.latency import round_model
+
+    eagle = rep["methods"]["eagle"]
+    assert rep["predicted_speedup"] == pytest.approx(round_model(eagle, rep["methods"]["target"]))
+    assert eagle["predicted_speedup_naive"] == pytest.approx(rep["tau"] / (1 + eagle["draft_s"] / eagle["verify_s"]))
+    assert "predicted speedup (hstap.spec.latency.round_model)" in (tmp_path / "r" / "report.md").read_text()
     err = capsys.readouterr().err  # progress per method on the fast engine too: prompts done / total, tokens/s
     for m in ("target", "ngram", "eagle"):
         assert f"hstap eval: {m}: 2/2 prompts, " in err and "tokens/s" in err, err

@@ -13,30 +13,19 @@ import fcntl
 import fnmatch
 import json
 import os
-import shutil
-import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, encode_rid, end_marker, hook_spec
-from hstap.capture.stage import check_template, check_tokenizer, copy_vocab_map, short_id, store_header
-from hstap.common import HstapError, atomic_write_json, write_run_config
-from hstap.data.prepare import load_prepared, prepared_columns, read_meta
+from hstap.capture.session import RequestError, Requests, encode_rid, end_session, http_json, lock_events
+from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, hook_spec
+from hstap.capture.stage import copy_vocab_map, open_inputs, short_id, store_header
+from hstap.common import HstapError, write_run_config
+from hstap.data.prepare import prepared_columns
 from hstap.layers import parse_layers, to_sglang
-from hstap.model_dir import target_fingerprint
-from hstap.store.format import committed_ids_of, load_manifest, load_parts, merge_manifest, writing_state
+from hstap.store.format import committed_ids_of, merge_manifest
 from hstap.store.writer import StoreWriter
-
-
-def _http(url: str, body: dict | None = None, timeout: float = 30.0) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"{}")
 
 
 def server_info(server: str) -> dict:
@@ -44,7 +33,7 @@ def server_info(server: str) -> dict:
     last: Exception | None = None
     for path in ("/server_info", "/get_server_info"):
         try:
-            return _http(server.rstrip("/") + path)
+            return http_json(server.rstrip("/") + path)
         except urllib.error.HTTPError as e:
             last = e
             if e.code != 404:
@@ -108,19 +97,6 @@ def server_problems(info: dict, store: str, data: str, layers: list[int], model_
     return p
 
 
-def _read_events(store: str) -> list[dict]:
-    out = []
-    d = Path(store) / EVENTS_DIR
-    if d.is_dir():
-        for f in sorted(d.glob("*.jsonl")):
-            for line in f.read_text(errors="replace").splitlines():
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass  # a line being written
-    return out
-
-
 def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0,
                        request_timeout_s: float = 3600.0) -> dict:
     """`hstap capture --engine sglang --server URL`: cfg is a CaptureConfig (target, data, out, layers, dtype, new,
@@ -129,12 +105,7 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
         raise HstapError("--server: required with --engine sglang (e.g. http://127.0.0.1:30000)")
     t0 = time.perf_counter()
     server = cfg.server.rstrip("/")
-    meta = read_meta(cfg.data)
-    ds = load_prepared(cfg.data)
-    n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
-    target_block = target_fingerprint(cfg.target)
-    check_tokenizer(cfg.data, meta, target_block)
-    check_template(cfg.data, meta, target_block, cfg.allow_template_mismatch)
+    meta, ds, n, target_block = open_inputs(cfg)
     layers = parse_layers(cfg.layers, target_block["num_layers"])
     info = server_info(server)
     problems = server_problems(info, cfg.out, cfg.data, layers, target_block["model_type"])
@@ -148,7 +119,7 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     writers = int(info.get("dp_size") or 1) if info.get("enable_dp_attention") else 1
     StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens, world_size=writers, claim=False).close()
     copy_vocab_map(cfg.data, cfg.out)
-    lock = _lock_events(cfg.out, cfg.new)
+    lock = lock_events(cfg.out, EVENTS_DIR, cfg.new)
     session = uuid.uuid4().hex[:12]
     t_wall0 = time.time() - 1.0  # events older than this run belong to earlier runs
 
@@ -157,22 +128,17 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     too_long = [i for i in range(n) if ctx and lens[i] > ctx]
     todo = [i for i in range(n) if ids[i] not in committed and lens[i] > 0 and not (ctx and lens[i] > ctx)]
     skipped = sum(1 for i in range(n) if ids[i] in committed)
-    run = _Requests(server, cfg.out, session, ids, t_wall0, cfg.concurrency, poll_s, request_timeout_s)
+    run = Requests(cfg.out, EVENTS_DIR, session, ids, t_wall0, cfg.concurrency, poll_s,
+                   _generate(server, session, ids, request_timeout_s), who="server hook")
     run.send_all(todo, lambda i: list(ds[i]["input_ids"]))
     run.wait_for_commits(commit_timeout_s)
-    closed = _end_session(cfg.out, session, poll_s, min(commit_timeout_s, 60.0)) if not (run.errors or run.pending) \
+    closed = end_session(cfg.out, EVENTS_DIR, session, poll_s, min(commit_timeout_s, 60.0)) if not (run.errors or run.pending) \
         else False
     fcntl.flock(lock, fcntl.LOCK_UN)
     lock.close()
     summary_store = merge_manifest(cfg.out)
-    errors, pending, dropped = run.errors, run.pending, run.dropped
-    if errors:
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise HstapError(f"--server {server}: {errors[0]}{more}")
-    if pending:
-        raise HstapError(f"{cfg.out}: {len(pending)} sample(s) were answered by the server but never committed by its "
-                         f"hook within {commit_timeout_s:.0f} s (e.g. {short_id(sorted(pending)[0])}); is the hook "
-                         f"writing to this directory? re-run to resume")
+    run.check(f"--server {server}", commit_timeout_s, "its hook")
+    dropped = run.dropped
     write_run_config(cfg.out, "capture", cfg)
     reasons = collections.Counter(v.split(":")[0] for v in dropped.values())
     summary = {"samples": len(todo) - len(dropped), "tokens": sum(lens[i] for i in todo if ids[i] not in dropped),
@@ -191,111 +157,15 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     return summary
 
 
-def _end_session(out: str, session: str, poll_s: float, timeout_s: float) -> bool:
-    """Tell the hook that this session wrote everything (`end_marker`) and wait until every store rank is closed
-    (the end of writing a `hstap train --follow` waits on). Returns whether they all closed within `timeout_s`."""
-    atomic_write_json(Path(out) / EVENTS_DIR / end_marker(session), {"session": session, "t": time.time()})
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ranks, finished = writing_state(load_manifest(Path(out)), load_parts(Path(out)))
-        if len(finished) == ranks:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
-
-
-def _lock_events(out: str, new: bool):
-    """Create STORE/sglang-events (emptied with --new) and take its driver lock: one driver per store at a time."""
-    events_dir = Path(out) / EVENTS_DIR
-    if new and events_dir.exists():
-        shutil.rmtree(events_dir)
-    events_dir.mkdir(exist_ok=True)
-    lock = open(events_dir / "driver.lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        raise HstapError(f"{out}: another hstap capture is driving a server into this store") from None
-    return lock
-
-
-class _Requests:
-    """The prefill-only requests of one session, `concurrency` in flight, and what the hook reports back: `pending`
-    (sample ids sent or to send and not committed yet), `dropped` (id -> reason) and `errors` (the run stops at the
-    first)."""
-
-    def __init__(self, server: str, store: str, session: str, ids: list[str], t_wall0: float, concurrency: int,
-                 poll_s: float, request_timeout_s: float):
-        self.server, self.store, self.session, self.ids, self.t_wall0 = server, store, session, ids, t_wall0
-        self.concurrency, self.poll_s, self.request_timeout_s = concurrency, poll_s, request_timeout_s
-        self.errors: list[str] = []
-        self.pending: set[str] = set()
-        self.dropped: dict[str, str] = {}
-        self.last_progress = time.monotonic()
-        self.sem = threading.BoundedSemaphore(concurrency)
-
-    def send_all(self, todo: list[int], input_ids) -> None:
-        """Send rows `todo` (`input_ids(row)` gives a row's tokens), polling the store while requests are in flight."""
-        self.pending = {self.ids[i] for i in todo}
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            next_poll = time.monotonic() + self.poll_s
-            for i in todo:
-                while not self.sem.acquire(timeout=self.poll_s):
-                    self.poll()
-                if self.errors:
-                    self.sem.release()
-                    break
-                pool.submit(self.send, i, input_ids(i))
-                if time.monotonic() > next_poll:
-                    self.poll()
-                    next_poll = time.monotonic() + self.poll_s
-
-    def wait_for_commits(self, commit_timeout_s: float) -> None:
-        """Poll until every pending sample is committed or dropped, an error came, or nothing moved for the timeout."""
-        self.last_progress = time.monotonic()
-        while self.pending and not self.errors and time.monotonic() - self.last_progress < commit_timeout_s:
-            self.poll()
-            if self.pending:
-                time.sleep(self.poll_s)
-
-    def send(self, row: int, input_ids: list[int]) -> None:
-        sid = self.ids[row]
-        try:
-            for attempt in range(3):
-                body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0},
-                        "rid": encode_rid(self.session, row, sid, attempt),
-                        # its own radix-cache namespace: no prefix hits, so the radix cache can stay on
-                        "extra_key": uuid.uuid4().hex}
-                try:
-                    r = _http(self.server + "/generate", body, timeout=self.request_timeout_s)
-                    got = (r.get("meta_info") or {}).get("prompt_tokens")
-                    if got is not None and int(got) != len(input_ids):
-                        self.errors.append(f"sample {short_id(sid)}: the server ran {got} of its "
-                                           f"{len(input_ids)} tokens")
-                    return
-                except urllib.error.HTTPError as e:
-                    self.errors.append(f"sample {short_id(sid)}: HTTP {e.code}: {e.read()[:300]!r}")
-                    return
-                except (urllib.error.URLError, OSError) as e:
-                    if attempt == 2:
-                        self.errors.append(f"sample {short_id(sid)}: {e}")
-                    time.sleep(1.0 + 2 * attempt)
-        finally:
-            self.sem.release()
-
-    def poll(self) -> None:
-        """Read this session's events (drops, hook errors) and the samples committed so far."""
-        for e in _read_events(self.store):
-            if e.get("session") not in (self.session, None) or float(e.get("t", 0)) < self.t_wall0:
-                continue
-            if e.get("event") == "dropped" and e.get("id") in self.pending:
-                self.dropped[e["id"]] = f"{e.get('reason')}: {e.get('detail')}"
-                self.pending.discard(e["id"])
-            elif e.get("event") == "error":
-                msg = f"server hook: {e.get('kind')}: {e.get('message')}"
-                if msg not in self.errors:
-                    self.errors.append(msg)
-        done = self.pending & committed_ids_of(self.store)  # consumed shards too: their samples were committed
-        if done:
-            self.pending.difference_update(done)
-            self.last_progress = time.monotonic()
+def _generate(server: str, session: str, ids: list[str], timeout_s: float):
+    """The `Requests` callback: one prefill-only `/generate` request for a row."""
+    def request(row: int, input_ids: list[int], attempt: int) -> None:
+        body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0},
+                "rid": encode_rid(session, row, ids[row], attempt),
+                # its own radix-cache namespace: no prefix hits, so the radix cache can stay on
+                "extra_key": uuid.uuid4().hex}
+        r = http_json(server + "/generate", body, timeout=timeout_s)
+        got = (r.get("meta_info") or {}).get("prompt_tokens")
+        if got is not None and int(got) != len(input_ids):
+            raise RequestError(f"the server ran {got} of its {len(input_ids)} tokens")
+    return request

@@ -14,12 +14,13 @@ docs/engines.md has the launch command, what each flag is for, and what was and 
 3. `run_sglang_capture(cfg)` (capture/sglang/driver.py): the `hstap capture --engine sglang --server URL` driver:
    checks the server's settings, sends prefill-only `/generate` requests and waits until the hook committed each sample
    (the store is shared).
-What the three agree on (request ids, the hook spec, the events directory, the plugin's variable) is
-capture/sglang/protocol.py; none of them imports another.
+What the three agree on (the hook spec, the events directory, the plugin's variable) is capture/sglang/protocol.py;
+none of them imports another. Request ids and session ends are hstap/capture/session.py's (every engine's).
 
 Demultiplexing uses only host-side lists (never a GPU sync):
- - EXTEND and MIXED batches only; DECODE / IDLE / TARGET_VERIFY, DP-attention fake extends (`_original_forward_mode`
-   set, or `len(rids) != batch_size`) and rows past `sum(extend_seq_lens_cpu)` are ignored;
+ - EXTEND and MIXED batches only (DECODE too in tap mode: capture/sglang/tap.py); IDLE / TARGET_VERIFY, DP-attention
+   fake extends (`_original_forward_mode` set, or `len(rids) != batch_size`) and rows past `sum(extend_seq_lens_cpu)`
+   are ignored;
  - request i owns rows `cumsum(extend_seq_lens_cpu)[i-1] + j`, prompt positions `extend_prefix_lens_cpu[i] + j`;
    chunks are stitched by prefix. A request is complete at its prepared length T (= SGLang's `orig_seq_lens[i]` for
    a prefill-only request, which 0.5.23 keeps only on the GPU); rows at positions >= T (MIXED decode rows) are ignored;
@@ -30,6 +31,9 @@ Demultiplexing uses only host-side lists (never a GPU sync):
 Request ids: `hstap:<session>:<row>:<sha256(id)[:16]>:<attempt>`, ASCII and validated against the prepared set; sample
 ids (any string) are only stored as ids, never used in paths. input_ids and loss_mask come from the prepared set
 (config `data`); rows whose token ids differ are refused. A new session makes the hook re-open the store.
+
+Tap mode (`tap: true`): every other client's requests are captured too, prompt and generated tokens, and stored when
+they finish (capture/sglang/tap.py); the driver's requests are handled as above.
 """
 
 from __future__ import annotations
@@ -41,11 +45,15 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import torch
 
-from hstap.capture.sglang.protocol import ENV_LAYERS, RID_PREFIX, decode_rid, sample_digest
+from hstap.capture.served import Prepared
+from hstap.capture.session import RID_PREFIX, decode_rid, sample_digest
+from hstap.capture.sglang.protocol import ENV_LAYERS, FINISH_SINKS
+from hstap.capture.sglang.tap import TapDemux, decode_graphs_on
 from hstap.capture.sglang.writer import HookWriter
 from hstap.capture.staging import PinnedPool, staging_layout, staging_pack
 from hstap.common import HstapError
@@ -53,17 +61,34 @@ from hstap.common import HstapError
 log = logging.getLogger("hstap.sglang")
 
 _FINISHED_KEEP = 1 << 16  # finished rids remembered (to ignore their decode rows / late echoes)
+_DRIVEN = ("piece", "done", "drop", "reset", "session")  # writer actions of the driver's requests (they may wait)
 
 
 @dataclasses.dataclass
 class HookConfig:
     """The `config` object of the `--forward-hooks` spec."""
     store: str
-    """Store directory (created by the driver before it sends requests; shared with the driver's machine)."""
-    data: str
-    """Prepared dataset directory (hstap prepare): the hook reads input_ids and loss_mask of each sample from it."""
+    """Store directory (created by the driver before it sends requests; shared with the driver's machine; in tap mode
+    the first tapped request creates it when it does not exist)."""
     layers: list[int]
     """Canonical layer ids the server captures (must equal the store's `layers`)."""
+    data: str | None = None
+    """Prepared dataset directory (hstap prepare): the hook reads input_ids and loss_mask of each driver sample from it.
+    Required unless `tap` (a tap-only server has no driver)."""
+    tap: bool = False
+    """Tap mode: also capture every other client's requests, prompt + generated tokens, stored when they finish
+    (capture/sglang/tap.py). Needs decode outside CUDA graphs (--cuda-graph-backend-decode disabled) and full
+    prefills (--disable-radix-cache, else requests with a cached prefix are not tapped)."""
+    tap_fraction: float = 1.0
+    """Tap mode: the fraction of requests kept (chosen by a hash of the request id)."""
+    tap_dtype: str = "bf16"
+    """Tap mode: the store's dtype when the tap creates it (bf16, fp8 or fp32)."""
+    max_store_gb: float | None = None
+    """Tap mode: stop adding samples while the store is this large (GB on disk; null: unbounded). Shards that a
+    `train --follow --keep-shards` consumer deletes free room again."""
+    target: str | None = None
+    """Tap mode: the served model's directory, for the store header's target fingerprint; default: SGLang's own
+    --model-path."""
     queue_size: int = 16
     """Batches waiting for the writer thread before the scheduler waits (backpressure)."""
     flush_s: float = 1.0
@@ -85,13 +110,15 @@ class HookConfig:
             raise HstapError(f"--forward-hooks: hstap: config must be an object, got {type(cfg).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(cfg) - names)
-        missing = [k for k in ("store", "data", "layers") if k not in cfg]
+        missing = [k for k in ("store", "layers") + (() if cfg.get("tap") else ("data",)) if k not in cfg]
         if unknown or missing:
             raise HstapError(f"--forward-hooks: hstap: config: unknown keys {unknown}, missing keys {missing}")
         c = cls(**cfg)
         if not isinstance(c.layers, list) or not c.layers or not all(isinstance(i, int) for i in c.layers):
             raise HstapError(f"--forward-hooks: hstap: config.layers: expected a list of canonical ids, "
                              f"got {c.layers!r}")
+        if not 0.0 < float(c.tap_fraction) <= 1.0 or c.tap_dtype not in ("bf16", "fp8", "fp32"):
+            raise HstapError("--forward-hooks: hstap: config: tap_fraction must be in (0, 1], tap_dtype bf16|fp8|fp32")
         return c
 
 
@@ -121,30 +148,6 @@ def parallel_ranks() -> tuple[int, int, int]:
     return 0, 0, 1
 
 
-class _Prepared:
-    """Read-only access to the prepared set in the server process (Arrow, memory-mapped)."""
-
-    def __init__(self, path: str):
-        import pyarrow.compute as pc
-
-        from hstap.data.prepare import load_prepared
-
-        self.ds = load_prepared(path)
-        table = self.ds.flatten_indices().data if getattr(self.ds, "_indices", None) is not None else self.ds.data
-        self.ids = table.column("id")
-        self.lengths = [int(x or 0) for x in pc.list_value_length(table.column("input_ids")).to_pylist()]
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def sample_id(self, row: int) -> str:
-        return str(self.ids[row].as_py())
-
-    def sample(self, row: int) -> tuple[list[int], list[int]]:
-        r = self.ds[row]
-        return r["input_ids"], r["loss_mask"]
-
-
 @dataclasses.dataclass
 class _Active:
     row: int
@@ -160,13 +163,13 @@ class CaptureHook:
 
     def __init__(self, config: dict | HookConfig):
         self.cfg = config if isinstance(config, HookConfig) else HookConfig.from_dict(config)
-        if not (Path(self.cfg.data) / "meta.json").is_file():
+        if self.cfg.data is not None and not (Path(self.cfg.data) / "meta.json").is_file():
             raise HstapError(f"--forward-hooks: hstap: config.data: {self.cfg.data} is not a prepared dataset "
                              "(no meta.json)")
         self.K = len(self.cfg.layers)
         self.stats: collections.Counter = collections.Counter()
         self._ranks: tuple[int, int, int] | None = None
-        self.data: _Prepared | None = None
+        self.data: Prepared | None = None
         self._active: dict[str, _Active] = {}
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.session: str | None = None
@@ -180,6 +183,16 @@ class CaptureHook:
         self._warned: set[tuple] = set()
         self._hint: str | None = None  # session of the latest hstap request seen (keys the one-time notes)
         self._lock = threading.Lock()
+        self.tap = TapDemux(float(self.cfg.tap_fraction), self.stats) if self.cfg.tap else None
+        self.tap_session = uuid.uuid4().hex[:12]  # tapped sample ids: unique across server restarts
+        self.compute_dtype: str | None = None  # the engine's, from the first batch's states (the tap's store header)
+        self._pending: list = []  # tap actions that found the writer's queue full (sent with the next item)
+        if self.tap is not None:
+            self.store_dtype = _store_dtype(self.cfg.store) or self.cfg.tap_dtype
+            FINISH_SINKS.append(self.finished)
+            if decode_graphs_on():
+                log.warning("hstap tap: this server replays decode batches from CUDA graphs, where no hook runs: every "
+                            "tapped request will be dropped; start it with --cuda-graph-backend-decode disabled")
 
     # -- forward thread ------------------------------------------------------------------------------------------------
 
@@ -220,22 +233,27 @@ class CaptureHook:
         input_ids, hidden, fb = inputs[0], inputs[1], inputs[3]
         aux = inputs[4] if len(inputs) > 4 else None
         mode = getattr(getattr(fb, "forward_mode", None), "name", None)
-        if mode not in ("EXTEND", "MIXED"):
+        if mode not in ("EXTEND", "MIXED") and not (self.tap is not None and mode == "DECODE"):
             self.stats[f"skipped_{str(mode).lower()}"] += 1
             return
         rids, bs = getattr(fb, "rids", None), getattr(fb, "batch_size", None)
         if getattr(fb, "_original_forward_mode", None) is not None or rids is None or len(rids) != bs:
             self.stats["skipped_dp_fake"] += 1  # DP attention: an idle rank's dummy extend (or no rids before 0.5.10)
             return
-        ext, pre = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
+        if mode == "DECODE":  # one row per request, at its length before this step
+            seq = getattr(fb, "seq_lens_cpu", None)
+            ext, pre = [1] * bs, None if seq is None else [int(n) - 1 for n in seq]
+        else:
+            ext, pre = fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
         if ext is None or pre is None or len(ext) != bs or len(pre) != bs:
             self.stats["skipped_malformed"] += 1
             return
         ours = next((d for d in map(decode_rid, rids) if d is not None), None)
-        if ours is None:
+        if ours is None and self.tap is None:
             self.stats["batches_foreign"] += 1  # no request of ours in this batch
             return
-        self._hint = ours[0]
+        if ours is not None:
+            self._hint = ours[0]
         if aux is None or (isinstance(aux, (list, tuple)) and len(aux) == 0):
             self._note("no_aux", f"the model passes no aux hidden states: start the server with {ENV_LAYERS}="
                                  f"{','.join(map(str, self.cfg.layers))} (hstap plugin) or "
@@ -252,6 +270,9 @@ class CaptureHook:
             self._note("rows", f"hidden_states has {hidden.shape[0]} rows for {total} extend tokens")
             return
         self.stats["batches"] += 1
+        if self.compute_dtype is None:
+            self.compute_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+                hidden.dtype, str(hidden.dtype))
         actions, ranges = self._demux(rids, [int(n) for n in ext], [int(p) for p in pre])
         if not actions:
             return
@@ -266,9 +287,12 @@ class CaptureHook:
         actions: list = []
         ranges: list[tuple[int, int]] = []
         start = 0
+        full = self.tap is not None and self._q.full()  # tapped rows never make the scheduler wait
         for rid, n, p in zip(rids, ext, pre):
             lo, start = start, start + n
             if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
+                if self.tap is not None and isinstance(rid, str):
+                    self.tap.rows(rid, lo, n, p, actions, ranges, now, full)
                 continue  # another client's request
             if rid in self._finished:
                 continue  # a finished request's decode row (MIXED) or a late duplicate
@@ -303,13 +327,29 @@ class CaptureHook:
                 if now - st.seen > self.cfg.stale_s:
                     self._drop(rid, st, actions, "stale",
                                f"not seen for {self.cfg.stale_s:.0f} s (aborted by its client?)")
+            if self.tap is not None:
+                self.tap.gc(now, self.cfg.stale_s, actions)
         return actions, ranges
+
+    def finished(self, reqs) -> None:
+        """Tap mode: the requests SGLang's scheduler streamed (`FINISH_SINKS`, called by the plugin's hook on its output
+        streamer in the scheduler thread); those of ours that finished are stored or dropped."""
+        try:
+            actions: list = []
+            self.tap.finished(reqs, actions)
+            if actions:
+                self._put({"actions": actions})
+        except Exception as e:  # noqa: BLE001 - never take the server down
+            self.stats["hook_errors"] += 1
+            self._note("hook_error", f"{type(e).__name__}: {e}")
+            log.exception("hstap tap: finishing requests failed")
 
     def _start(self, rid: str, actions: list, now: float) -> _Active | None:
         dec = decode_rid(rid)
-        if self.data is None:
-            self.data = _Prepared(self.cfg.data)
-        if dec is not None and dec[1] < len(self.data) and sample_digest(self.data.sample_id(dec[1])) == dec[2]:
+        if self.data is None and self.cfg.data is not None:
+            self.data = Prepared(self.cfg.data)
+        if dec is not None and self.data is not None and dec[1] < len(self.data) and \
+                sample_digest(self.data.sample_id(dec[1])) == dec[2]:
             session, row, _ = dec
             if session != self.session:  # a new driver run: the writer thread re-opens the store
                 self.session = session
@@ -378,6 +418,18 @@ class CaptureHook:
 
     def _put(self, item: dict) -> None:
         self._start_writer()
+        if self._pending:  # tap actions that found the queue full go first, in order
+            item = {**item, "actions": self._pending + item["actions"]}
+            self._pending = []
+        if self.tap is not None and not any(a[0] in _DRIVEN for a in item["actions"]):
+            try:  # tap-only: never make the scheduler wait (rows were not taken when the queue was full)
+                self._q.put_nowait(item)
+            except queue.Full:
+                self._pending = [a for a in item["actions"] if a[0] != "tpiece"]
+                for a in item["actions"]:
+                    if a[0] == "tpiece":
+                        self.tap.drop(a[1], self._pending, "queue_full", "the writer was behind")
+            return
         while True:  # blocks only while queue_size batches wait for storage (backpressure)
             try:
                 self._q.put(item, timeout=1.0)
@@ -389,6 +441,11 @@ class CaptureHook:
 
     def close(self, timeout: float = 60.0) -> None:
         """Commit everything handed over so far and stop the writer thread (tests; atexit in a server)."""
+        if self.finished in FINISH_SINKS:
+            FINISH_SINKS.remove(self.finished)
+        if self._pending and self._thread is not None and self._thread.is_alive():
+            self._q.put({"actions": self._pending})
+            self._pending = []
         if self._thread is not None and self._thread.is_alive():
             self._q.put(None)
             self._thread.join(timeout)
@@ -396,25 +453,13 @@ class CaptureHook:
     # -- writer thread -------------------------------------------------------------------------------------------------
 
     def _writer_loop(self) -> None:
+        from hstap.capture.served import drain
+
         w = HookWriter(self)
-        while True:
-            try:
-                item = self._q.get(timeout=self.cfg.flush_s)
-            except queue.Empty:
-                w.flush()
-                w.check_end()
-                continue
-            if item is None:
-                w.flush()
-                return
-            try:
-                w.handle(item)
-            except Exception as e:  # noqa: BLE001 - keep serving; the driver reads the event
-                log.exception("hstap writer failed")
-                w.event({"event": "error", "kind": "writer", "message": f"{type(e).__name__}: {e}"})
-                if isinstance(e, HstapError) and "writer stopped" in str(e):
-                    self._disabled = str(e)
-                    return
+        try:
+            drain(self._q, self.cfg.flush_s, w, w.handle)
+        except HstapError as e:  # the store writer stopped (a disk error): the hook stops handing work over
+            self._disabled = str(e)
 
 
 def _store_dtype(store: str) -> str | None:

@@ -1,95 +1,47 @@
 """The writer thread of the SGLang capture hook (capture/sglang/hook.py): the pieces of requests the hook demultiplexed
-are stitched into samples, checked against the prepared set and added to a `StoreWriter`; drops and errors go to event
-files in STORE/sglang-events/ (one per DP rank and process), which the driver (capture/sglang/driver.py) reads.
-
-Only this thread touches the store. It opens it lazily, on the first finished sample of a driver session, with the
-header the driver wrote (the hook's layers must equal the store's), as store rank = the attention-DP rank. When the
-driver ends its session (`sglang_protocol.end_marker`), the thread closes its rank (`closed: true` in its part file,
-opening it first if it wrote nothing), so that a trainer following the store knows that writing has ended.
+are stitched into samples and handed to a `ServedWriter` (hstap/capture/served.py: the store rank, the checks against
+the prepared set, events in STORE/sglang-events/ for the driver, the end of a session). The store rank is the
+attention-DP rank. In tap mode the pieces of tapped requests (capture/sglang/tap.py) become served-traffic samples when
+their request finishes; the first one creates the store when there is none.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import time
-from pathlib import Path
 
 import torch
 
-from hstap.capture.sglang.protocol import END_PREFIX, EVENTS_DIR
+from hstap.capture.served import ServedWriter
+from hstap.capture.tap import TapBudget
+from hstap.capture.sglang.protocol import EVENTS_DIR
 from hstap.capture.staging import staging_nbytes, staging_views
-from hstap.common import HstapError
 
 log = logging.getLogger("hstap.sglang")
 
-_MANIFEST_ONLY = ("format", "version", "created", "created_unix", "shards")  # manifest keys that are not header keys
-
 
 class HookWriter:
-    """Writer-thread state of a `CaptureHook` (capture/sglang/hook.py, passed as `hook`): pieces of requests in progress,
-    the StoreWriter, the event file."""
+    """Writer-thread state of a `CaptureHook` (capture/sglang/hook.py, passed as `hook`): pieces of requests in progress
+    and the `ServedWriter` (`served`)."""
 
     def __init__(self, hook):
         self.hook = hook
         self.pieces: dict[str, list] = {}
-        self.writer = None
-        self.added: set[str] = set()
-        self.dirty = False
-        self.ends = self.end_markers()  # sessions that ended before this thread started are not ours to close
-
-    def end_markers(self) -> set[str]:
-        try:
-            return {f.name for f in (Path(self.hook.cfg.store) / EVENTS_DIR).iterdir() if f.name.startswith(END_PREFIX)}
-        except OSError:
-            return set()
+        self.tpieces: dict[str, list] = {}  # tapped requests in progress: rid -> [(position, rows)]
+        self.budget = TapBudget(hook.cfg.store, hook.cfg.max_store_gb) if hook.cfg.tap else None
+        self._header: dict | None = None
+        _, dp, dps = hook.ranks()
+        self.served = ServedWriter(hook.cfg.store, hook.cfg.layers, EVENTS_DIR, rank=dp, world_size=dps,
+                                   shard_tokens=hook.cfg.shard_tokens, stats=hook.stats)
+        self.served.session = hook.session
 
     def event(self, obj: dict) -> None:
-        rank = self.hook.ranks()[1]
-        d = Path(self.hook.cfg.store) / EVENTS_DIR
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            with open(d / f"r{rank:03d}-{os.getpid()}.jsonl", "a") as f:
-                f.write(json.dumps({"t": round(time.time(), 3), "session": self.hook.session, **obj}) + "\n")
-                f.flush()
-        except OSError:
-            log.exception("hstap: cannot write an event to %s", d)
-
-    def open(self) -> None:
-        from hstap.store.reader import open_store
-        from hstap.store.writer import StoreWriter
-
-        _, dp, dps = self.hook.ranks()
-        s = open_store(self.hook.cfg.store)  # created by the driver; HstapError if it is not there
-        header = {k: v for k, v in s.header.items() if k not in _MANIFEST_ONLY}
-        if list(header.get("layers", [])) != list(self.hook.cfg.layers):
-            raise HstapError(f"{self.hook.cfg.store}: store layers {header.get('layers')} != hook config.layers "
-                             f"{self.hook.cfg.layers}")
-        self.writer = StoreWriter(self.hook.cfg.store, header, rank=dp, world_size=max(dps, dp + 1),
-                                  shard_tokens=self.hook.cfg.shard_tokens, wait_s=30.0)
-        self.added = set(self.writer.committed_ids())
-        self.hook.store_dtype = header["dtype"]
+        self.served.event({"session": self.hook.session, **obj})
 
     def flush(self) -> None:
-        if self.writer is not None and self.dirty:
-            self.writer.flush()
-            self.dirty = False
+        self.served.flush()
 
     def check_end(self) -> None:
-        """Close this rank when a driver session ended since the last check (called when idle)."""
-        now = self.end_markers()
-        if now <= self.ends:
-            return
-        self.ends |= now
-        try:
-            if self.writer is None:
-                self.open()  # a rank that wrote nothing this session closes too: the follower waits on every rank
-            self.writer.close()
-        except Exception as e:  # noqa: BLE001 - keep serving; the driver reports ranks that did not close
-            log.exception("hstap: closing the store rank failed")
-            self.event({"event": "error", "kind": "close", "message": f"{type(e).__name__}: {e}"})
-        self.writer = None  # the next session's first sample re-opens the rank
+        self.served.check_end()
 
     def handle(self, item: dict) -> None:
         tensors = item.get("tensors")
@@ -102,30 +54,38 @@ class HookWriter:
         off = 0
         for act in item["actions"]:
             kind = act[0]
-            if kind == "piece":
+            if kind in ("piece", "tpiece"):
                 _, rid, pos, n = act
-                self.pieces.setdefault(rid, []).append((pos, {k: v[off:off + n] for k, v in tensors.items()}))
+                into = self.pieces if kind == "piece" else self.tpieces
+                into.setdefault(rid, []).append((pos, {k: v[off:off + n] for k, v in tensors.items()}))
                 off += n
+            elif kind == "tdone":
+                self.tap_finish(act[1], act[2], act[3])
+            elif kind in ("tdrop", "treset"):
+                self.tpieces.pop(act[1], None)
+                if kind == "tdrop":
+                    self.event({"event": "dropped", "id": self.tap_id(act[1]), "reason": act[2], "detail": act[3]})
             elif kind == "done":
                 self.finish(act[1], act[2], act[3])
             elif kind == "drop":
                 _, rid, row, sid, reason, detail, session = act
                 self.pieces.pop(rid, None)
-                self.event({"event": "dropped", "id": sid, "row": row, "reason": reason, "detail": detail,
-                            "session": session})
+                self.served.event({"event": "dropped", "id": sid, "row": row, "reason": reason, "detail": detail,
+                                   "session": session})
             elif kind == "reset":
                 self.pieces.pop(act[1], None)
             elif kind == "session":
-                self.flush()
-                self.writer, self.pieces = None, {}  # drop, never close: --new may have wiped the old store
+                self.served.new_session(act[1])
+                self.pieces = {}
             elif kind == "event":
-                self.event(act[1])
+                self.served.event(act[1])
 
     def finish(self, rid: str, row: int, sid: str) -> None:
         pieces = sorted(self.pieces.pop(rid, []), key=lambda p: p[0])
-        if self.writer is None:
-            self.open()
-        if sid in self.added:
+        if self.served.writer is None:
+            self.served.open()
+            self.hook.store_dtype = self.served.dtype
+        if sid in self.served.added:
             self.hook.stats["duplicates"] += 1
             return
         ids_ref, mask = self.hook.data.sample(row)
@@ -138,16 +98,69 @@ class HookWriter:
                         "detail": f"chunks at {pos} of lengths {lens} do not cover 0..{T}"})
             return
         t = {k: (pieces[0][1][k] if len(pieces) == 1 else torch.cat([p[1][k] for p in pieces])) for k in pieces[0][1]}
-        ids = t["input_ids"].long()  # (T,)
-        if not torch.equal(ids, torch.as_tensor(ids_ref, dtype=torch.long)):
-            bad = int((ids != torch.as_tensor(ids_ref, dtype=torch.long)).nonzero()[0, 0])
-            self.hook.stats["dropped_token_mismatch"] += 1
-            self.event({"event": "dropped", "id": sid, "row": row, "reason": "token_mismatch",
-                        "detail": f"position {bad}: the server computed token {int(ids[bad])}, the prepared set has "
-                                  f"{ids_ref[bad]}"})
-            return
-        self.writer.add(sid, ids, torch.as_tensor(mask, dtype=torch.uint8), t["aux"], t["final"],  # (T,K,H), (T,H)
+        self.served.add(row, sid, (ids_ref, mask), t["input_ids"], t["aux"], t["final"],  # (T,), (T,K,H), (T,H)
                         aux_scale=t.get("aux_scale"), final_scale=t.get("final_scale"))
-        self.added.add(sid)
-        self.dirty = True
-        self.hook.stats["samples"] += 1
+
+    def tap_id(self, rid: str) -> str:
+        return f"tap-{self.hook.tap_session}-{rid}"
+
+    def tap_finish(self, rid: str, ids: list[int], prompt_len: int) -> None:
+        """A tapped request finished: its prompt + generated tokens minus the last (never fed) become a sample."""
+        from hstap.store.format import store_bytes_per_token
+
+        pieces = sorted(self.tpieces.pop(rid, []), key=lambda p: p[0])
+        sid, T = self.tap_id(rid), max(prompt_len, len(ids) - 1)
+        covered = 0
+        for pos, t in pieces:
+            if pos != covered:
+                break
+            covered += int(t["input_ids"].shape[0])
+        if covered < T:
+            hint = " (no decode step reached the hook: decode runs in CUDA graphs? start the server with " \
+                   "--cuda-graph-backend-decode disabled)" \
+                if covered == prompt_len and pieces else ""
+            self.hook.stats["tap_dropped_incomplete"] += 1
+            self.event({"event": "dropped", "id": sid, "reason": "incomplete",
+                        "detail": f"states of positions 0..{covered} of {T}{hint}"})
+            return
+        t = {k: torch.cat([p[1][k] for p in pieces])[:T] for k in pieces[0][1]}  # (T,), (T, K, H), (T, H)
+        want = torch.tensor(ids[:T], dtype=torch.long)
+        if not torch.equal(t["input_ids"].long(), want):
+            bad = int((t["input_ids"].long() != want).nonzero()[0, 0])
+            self.hook.stats["tap_dropped_token_mismatch"] += 1
+            self.event({"event": "dropped", "id": sid, "reason": "token_mismatch",
+                        "detail": f"position {bad}: rows fed token {int(t['input_ids'][bad])}, the request has "
+                                  f"{ids[bad]}"})
+            return
+        H = int(t["final"].shape[-1])
+        if not self.budget.take(T * store_bytes_per_token(len(self.hook.cfg.layers), H, self.hook.store_dtype)):
+            self.hook.stats["tap_dropped_store_full"] += 1
+            return
+        mask = torch.zeros(T, dtype=torch.uint8)
+        mask[prompt_len:] = 1
+        if self.served.add_traffic(sid, want, mask, t["aux"], t["final"], self.header(),
+                                   aux_scale=t.get("aux_scale"), final_scale=t.get("final_scale")):
+            self.hook.store_dtype = self.served.dtype
+
+    def header(self) -> dict:
+        """The header a tap creates its store with: the served model, the capture layers, `tap_dtype`, `contents`."""
+        if self._header is None:
+            import sglang
+
+            from hstap.capture.stage import store_header
+            from hstap.capture.tap import contents_block
+            from hstap.model_dir import target_fingerprint
+
+            c = self.hook.cfg
+            target = c.target
+            if target is None:
+                from sglang.srt.runtime_context import get_server_args
+
+                target = get_server_args().model_path
+            engine = {"name": "sglang", "version": getattr(sglang, "__version__", "?"), "device": "server (tap)",
+                      "compute_dtype": self.hook.compute_dtype}
+            self._header = store_header(target_fingerprint(target), engine, c.tap_dtype, list(c.layers),
+                                        {"tap": True, "store": c.store})
+            self._header["contents"] = contents_block("served traffic", tap_fraction=c.tap_fraction,
+                                                      max_store_gb=c.max_store_gb)
+        return self._header

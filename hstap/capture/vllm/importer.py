@@ -11,9 +11,10 @@ norm. The ids are not in the file: `--vllm-layers` repeats the server's `eagle_a
 
 How they become a store sample:
  - aux = the slots before the last, canonical ids `hstap.layers.from_vllm(ids[:-1])` (id j -> output of layer j-1);
- - final = the target's final RMSNorm applied to the last slot (which must be id N): the norm weight is read from the
-   target's safetensors and applied in fp32 with the config's `rms_norm_eps`, `x * rsqrt(mean(x^2) + eps) * w`, exactly
-   as HF's LlamaRMSNorm (Gemma-style `(1 + w)` norms are refused);
+ - final = the target's final RMSNorm applied to the last slot (which must be id N), as HF's LlamaRMSNorm computes
+   it in the files' dtype (`hstap.capture.vllm.norm`);
+ - the store header's `engine.compute_dtype` is the files' dtype (vLLM's KV cache holds the states in the model's
+   dtype), so that `hstap verify` holds a bf16 server's states to bf16 limits;
  - the sample is found by name, `hs_{i}.safetensors` = row i of the prepared set (speculators' naming), else by its
    token ids (any other name, e.g. vLLM's request id). Its token ids must equal the prepared sample's, else the import
    stops with an error naming the file: input_ids and loss_mask are taken from the prepared set.
@@ -24,26 +25,20 @@ Pickle-based stores (SpecForge / EAGLE `.ckpt`, ModelOpt `.pt`, speculators' leg
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
 
 import torch
 
-from hstap.capture.stage import check_template, check_tokenizer, copy_vocab_map, short_id, store_header
+from hstap.capture.stage import copy_vocab_map, open_inputs, short_id, store_header
+from hstap.capture.vllm.norm import load_final_norm, rms_norm
 from hstap.common import HstapError, write_run_config
-from hstap.data.prepare import load_prepared, read_meta
 from hstap.layers import parse_layers, parse_vllm_layers
-from hstap.model_dir import target_fingerprint
 from hstap.store.writer import StoreWriter
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 _HS_NAME = re.compile(r"^hs_(\d+)\.safetensors$")
-NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight", "norm.weight")
-OFFSET_NORM_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")  # RMSNorm with (1 + weight): not this formula
-
-
 def refuse_pickles(src: Path) -> None:
     bad = sorted(p for p in src.rglob("*") if p.is_file() and p.name.lower().endswith(PICKLE_SUFFIXES))
     if bad:
@@ -51,43 +46,6 @@ def refuse_pickles(src: Path) -> None:
                          ".ckpt or torch.save .pt) are not read: unpickling can run arbitrary code. Re-capture with "
                          "vLLM's extract_hidden_states (safetensors) or hstap capture, or convert them with a trusted "
                          "script")
-
-
-def load_final_norm(target: str | Path) -> tuple[torch.Tensor, float, str]:
-    """(final norm weight (H,) float32, rms_norm_eps, the key read) from the target's safetensors and config.json."""
-    from safetensors import safe_open
-
-    p = Path(target)
-    cfg = json.loads((p / "config.json").read_text())
-    text = cfg.get("text_config") or cfg
-    mtype = text.get("model_type") or cfg.get("model_type")
-    if mtype in OFFSET_NORM_TYPES:
-        raise HstapError(f"{p / 'config.json'}: model_type {mtype!r} uses a (1 + weight) RMSNorm; vllm-import only "
-                         "implements the Llama-style final norm")
-    eps = text.get("rms_norm_eps", cfg.get("rms_norm_eps"))
-    if eps is None:
-        raise HstapError(f"{p / 'config.json'}: rms_norm_eps: missing (needed to apply the final norm)")
-    index = p / "model.safetensors.index.json"
-    files = sorted(p.glob("*.safetensors"))
-    if index.is_file():
-        wm = json.loads(index.read_text()).get("weight_map", {})
-        for k in NORM_KEYS:
-            if k in wm:
-                files = [p / wm[k]]
-                break
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            keys = set(h.keys())
-            for k in NORM_KEYS:
-                if k in keys:
-                    return h.get_tensor(k).to(torch.float32), float(eps), k
-    raise HstapError(f"{p}: no final norm weight ({' / '.join(NORM_KEYS)}) in the target's safetensors")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """(T, H) -> (T, H) float32: the final RMSNorm in fp32."""
-    x = x.to(torch.float32)  # (T, H)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def _token_key(ids) -> tuple:
@@ -101,12 +59,7 @@ def import_vllm(cfg) -> dict:
 
     t0 = time.perf_counter()
     src, files = _source_files(cfg.src)
-    meta = read_meta(cfg.data)
-    ds = load_prepared(cfg.data)
-    n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
-    tb = target_fingerprint(cfg.target)
-    check_tokenizer(cfg.data, meta, tb)
-    check_template(cfg.data, meta, tb, cfg.allow_template_mismatch)
+    meta, ds, n, tb = open_inputs(cfg)
     N, H = tb["num_layers"], tb["hidden_size"]
     vids, layers = parse_vllm_layers(cfg.vllm_layers, N)
     if cfg.layers and parse_layers(cfg.layers, N) != layers:
@@ -117,7 +70,8 @@ def import_vllm(cfg) -> dict:
         raise HstapError(f"{cfg.target}: {norm_key} has shape {tuple(weight.shape)}, expected ({H},)")
 
     rows = _Rows(ds, n, cfg.data)
-    engine = {"name": "vllm-import", "version": "vllm extract_hidden_states", "device": "import", "compute_dtype": None,
+    engine = {"name": "vllm-import", "version": "vllm extract_hidden_states", "device": "import",
+              "compute_dtype": _files_dtype(files),
               "vllm_layers": vids, "final": f"rms_norm({norm_key}, eps={eps}) of vLLM id {N}",
               "src": str(src.resolve())}
     header = store_header(tb, engine, cfg.dtype, layers, cfg, meta)
@@ -153,6 +107,18 @@ def import_vllm(cfg) -> dict:
           f"already in the store; {missing} prepared samples have no file; layers {layers} (vLLM ids {vids}), "
           f"final = final norm of vLLM id {N}")
     return summary
+
+
+def _files_dtype(files: list[Path]) -> str | None:
+    """The dtype vLLM computed in: that of the first file's hidden_states (its KV cache holds the model's dtype)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(files[0]), framework="pt") as h:
+            st = h.get_slice("hidden_states").get_dtype()
+    except Exception:  # noqa: BLE001 - an unreadable file is reported by the import loop, naming it
+        return None
+    return {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(st, st.lower())
 
 
 def _source_files(src: str | None) -> tuple[Path, list[Path]]:
@@ -217,5 +183,5 @@ def _sample_states(f: Path, hs: torch.Tensor, T: int, vids: list[int], H: int, w
                          f"for --vllm-layers {','.join(map(str, vids))} and hidden size {H}")
     if not torch.isfinite(hs).all():
         raise HstapError(f"{f}: hidden_states contain NaN/Inf")
-    final = rms_norm(hs[:, -1], weight, eps)  # (T, H) float32
+    final = rms_norm(hs[:, -1], weight, eps)  # (T, H), in hs's dtype
     return hs[:, :-1], final  # (T, K, H), (T, H)

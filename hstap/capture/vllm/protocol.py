@@ -1,0 +1,62 @@
+"""What the `vllm` engine's two sides agree on: hstap's KV connector inside vLLM (capture/vllm/connector.py, loaded by
+vLLM through `kv_connector_module_path`) and the driver in the hstap process (capture/vllm/driver.py). Each imports this
+module and never the other; neither needs the other's process.
+
+- `CONNECTOR`, `CONNECTOR_MODULE` and `kv_transfer_config(...)`: the `--kv-transfer-config` that loads the connector;
+  its `kv_connector_extra_config` names the store and the prepared set (`ConnectorConfig`'s fields);
+- `speculative_config(vllm_ids)`: vLLM's `extract_hidden_states` method with the ids to capture (vLLM's convention,
+  the last one N: the last layer's output before the final norm);
+- `EVENTS_DIR`: the connector's events (drops, errors) and its `server-<pid>.json` (the settings it started with,
+  written when vLLM starts, which the driver checks), and the driver's end of a session; request ids and session ends
+  are hstap/capture/session.py's;
+- `PARAMS_KEY`: the key of a request's `kv_transfer_params` that carries its hstap request id; the connector answers
+  with `{PARAMS_KEY: rid, "store": STORE}` in the request's output (the driver checks both).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+CONNECTOR = "HstapConnector"
+CONNECTOR_MODULE = "hstap.capture.vllm.connector"
+EVENTS_DIR = "vllm-events"  # inside the store; the store's reader ignores other files
+HELLO_PREFIX = "server-"
+PARAMS_KEY = "hstap"
+
+
+def speculative_config(vllm_ids: list[int]) -> dict:
+    """vLLM's `extract_hidden_states` method capturing `vllm_ids` (input of layer j; the last is N)."""
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [int(i) for i in vllm_ids]}}}
+
+
+def kv_transfer_config(store: str, data: str, **extra) -> dict:
+    """The `kv_transfer_config` that loads hstap's connector writing into `store` (samples checked against `data`)."""
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"store": os.path.abspath(store), "data": os.path.abspath(data), **extra}}
+
+
+def cpu_memory_utilization() -> float:
+    """vLLM's `gpu_memory_utilization` for its CPU backend, which refuses to start unless that fraction of the machine's
+    memory is free (its KV cache is sized by VLLM_CPU_KVCACHE_SPACE instead): 90% of what is free now, so that an engine
+    starts on a busy machine too."""
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                info[k] = int(v.split()[0])
+        return max(0.05, min(0.9, 0.9 * info["MemAvailable"] / info["MemTotal"]))
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        return 0.5
+
+
+def serve_command(target: str, store: str, data: str, vllm_ids: list[int], port: int = 8000,
+                  dtype: str = "bfloat16") -> str:
+    """The `vllm serve` command line of a capture server for this store (docs/engines.md explains each flag)."""
+    return " ".join(["vllm serve", shlex.quote(os.path.abspath(target)), f"--port {port}", f"--dtype {dtype}",
+                     "--no-enable-prefix-caching",
+                     "--speculative-config", shlex.quote(json.dumps(speculative_config(vllm_ids))),
+                     "--kv-transfer-config", shlex.quote(json.dumps(kv_transfer_config(store, data)))])

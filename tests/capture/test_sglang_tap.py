@@ -1,0 +1,256 @@
+"""Tap mode of the SGLang hook on the real `sglang` package: real ForwardBatch / ForwardMode (EXTEND, MIXED and DECODE
+batches laid out as SGLang's scheduler lays them out), SGLang's real LogitsProcessor with the hook attached by its own
+`register_forward_hooks`, real `Req`s with SGLang's finish reasons, the plugin's hook on SGLang's real output
+streamer, writing a real store.
+
+Every row's states are a function of (request, position), so each stored sample can be checked row by row."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import uuid
+import zlib
+
+import pytest
+import torch
+
+if importlib.util.find_spec("sglang") is None:  # installed but broken must fail, not skip: no importorskip
+    pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23, see docs/engines.md)",
+                allow_module_level=True)
+
+from _sglang_fixtures import H, LAYERS, forward_batch, logits_root  # noqa: E402
+
+from hstap.capture.sglang.hook import CaptureHook  # noqa: E402
+from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, FINISH_SINKS, hook_spec  # noqa: E402
+from hstap.capture.tap import tapped  # noqa: E402
+from hstap.store.reader import open_store  # noqa: E402
+
+
+
+def states(rid: str, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (aux (K*H,), final (H,)) the 'engine' computes for request `rid` at position `pos`."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{rid}:{pos}".encode()))
+    return torch.randn(len(LAYERS) * H, generator=g), torch.randn(H, generator=g)
+
+
+def make_req(rid: str, prompt: list[int], outputs: list[int], reason=None):
+    """A real SGLang Req: its prompt, the tokens it generated so far and (when finished) why it finished."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(rid, "", array("q", prompt), SamplingParams(max_new_tokens=64))
+    req.output_ids.extend(outputs)
+    req.finished_reason = reason
+    return req
+
+
+class TapRig:
+    """One tap-mode hook on one LogitsProcessor; `step` runs one forward pass, `stream` tells it what finished."""
+
+    def __init__(self, tmp, target, **cfg):
+        from sglang.srt.model_executor.hook_manager import register_forward_hooks
+        from transformers import AutoConfig
+
+        self.store = tmp / f"tap-{uuid.uuid4().hex[:6]}"
+        cfg = {"tap": True, "tap_dtype": "fp32", "flush_s": 0.05, "queue_size": 4096, **cfg}  # a full queue drops
+        spec = json.loads(json.dumps([hook_spec(self.store, None, LAYERS, **cfg)]))
+        self.root = logits_root(AutoConfig.from_pretrained(target))
+        register_forward_hooks(self.root, spec)
+        (self.hook,) = self.root.logits_processor._forward_hooks.values()
+        assert isinstance(self.hook, CaptureHook) and self.hook.finished in FINISH_SINKS
+
+    def step(self, mode: str, entries: list[tuple[str, list[int], int]]):
+        """entries: (rid, the tokens fed, their first position), in the batch's order."""
+        ids, aux, fin = [], [], []
+        for rid, toks, p in entries:
+            for j, t in enumerate(toks):
+                a, f = states(rid, p + j)
+                ids.append(t), aux.append(a), fin.append(f)
+        ids_t = torch.tensor(ids, dtype=torch.long)  # (R,)
+        a, f = torch.stack(aux), torch.stack(fin)  # (R, K*H), (R, H)
+        rids = [e[0] for e in entries]
+        if mode == "DECODE":
+            batch = forward_batch(mode, rids, None, None, ids_t, seq_lens=[p + 1 for _, _, p in entries])
+        else:
+            batch = forward_batch(mode, rids, [len(t) for _, t, _ in entries], [p for *_, p in entries], ids_t)
+        out = self.root.logits_processor(ids_t, f, self.root.lm_head, batch, a)
+        assert out.next_token_logits is not None  # the real LogitsProcessor ran to the end
+
+    def stream(self, reqs):
+        """What the plugin's hook on SGLang's output streamer does after each stream_output(reqs)."""
+        from hstap.capture.sglang.plugin import _after_stream_output
+
+        _after_stream_output(None, object(), reqs, False)
+
+    def finish(self):
+        self.hook.close()
+        evs = []
+        for p in sorted((self.store / EVENTS_DIR).glob("*.jsonl")) if (self.store / EVENTS_DIR).is_dir() else []:
+            evs += [json.loads(x) for x in p.read_text().splitlines()]
+        return evs
+
+    def assert_sample(self, store, rid: str, prompt: list[int], outputs: list[int]):
+        s = store[store.index_of(f"tap-{self.hook.tap_session}-{rid}")]
+        toks = prompt + outputs[:-1]  # the last generated token was never fed: no state
+        assert s["input_ids"].tolist() == toks
+        assert s["loss_mask"].tolist() == [0] * len(prompt) + [1] * (len(outputs) - 1)
+        want = [states(rid, p) for p in range(len(toks))]
+        assert torch.equal(s["aux"], torch.stack([a for a, _ in want]).reshape(len(toks), len(LAYERS), H))
+        assert torch.equal(s["final"], torch.stack([f for _, f in want]))
+
+
+def test_tap_over_extend_mixed_and_decode_batches(sg, tiny_llama, tmp_path):
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, FINISH_MATCHED_TOKEN
+
+    rig = TapRig(tmp_path, tiny_llama)
+    pa, pb, pc = [11, 12, 13, 14, 15, 16], [21, 22, 23, 24, 25], [31, 32, 33, 34]
+    oa, ob, oc = [101, 102, 103], [201, 202, 2], [301]
+    # A's prompt in two chunks; "late" joined with 5 tokens from the radix cache (never computed: not tapped)
+    rig.step("EXTEND", [("A", pa[:4], 0), ("late", [1, 2, 3], 5)])
+    rig.step("EXTEND", [("A", pa[4:], 4), ("B", pb, 0)])  # A's last chunk -> a1; B whole -> b1
+    rig.step("DECODE", [("A", oa[:1], 6), ("B", ob[:1], 5)])  # -> a2, b2
+    rig.step("MIXED", [("C", pc, 0), ("A", oa[1:2], 7), ("B", ob[1:2], 6)])  # C's prefill, then the decode rows
+    rig.stream([make_req("A", pa, oa, FINISH_LENGTH(3)), make_req("B", pb, ob, FINISH_MATCHED_TOKEN(2)),
+                make_req("C", pc, oc)])
+    rig.step("DECODE", [("A", oa[2:], 8), ("C", oc, 4)])  # the overlap scheduler's extra row for A: cut off
+    rig.stream([make_req("A", pa, oa, FINISH_LENGTH(3)), make_req("C", pc, oc + [302], FINISH_ABORT("client gone"))])
+    evs = rig.finish()
+
+    store = open_store(rig.store)
+    assert sorted(store.ids) == sorted(f"tap-{rig.hook.tap_session}-{r}" for r in "AB")
+    rig.assert_sample(store, "A", pa, oa)
+    rig.assert_sample(store, "B", pb, ob)
+    assert store.verify() == []
+    h = store.header
+    assert h["contents"]["kind"] == "served traffic" and h["engine"]["name"] == "sglang"
+    assert h["engine"]["compute_dtype"] == "fp32" and h["layers"] == LAYERS and h["dtype"] == "fp32"
+    drops = [(e["id"], e["reason"]) for e in evs if e["event"] == "dropped"]
+    assert drops == [(f"tap-{rig.hook.tap_session}-C", "aborted")]
+    st = rig.hook.stats
+    assert st["tap_skipped_joined_late"] == 1 and st["tap_dropped_aborted"] == 1 and st["samples"] == 2
+
+
+def test_finish_reaches_the_tap_through_sglangs_output_streamer(sg, tiny_llama, tmp_path, monkeypatch):
+    """The plugin (loaded from its entry point) hooks SGLang's real SchedulerOutputStreamer.stream_output: streaming
+    a finished request stores it."""
+    from sglang.srt import plugins
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.managers.scheduler_components import output_streamer as mod
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    class Detokenizer:  # the scheduler's socket to the detokenizer: records what would be sent
+        def __init__(self):
+            self.sent = []
+
+        def send_output(self, payload):
+            self.sent.append(payload)
+
+    original = mod.SchedulerOutputStreamer.stream_output
+    monkeypatch.setenv("SGLANG_PLUGINS", "hstap")
+    monkeypatch.setenv(ENV_LAYERS, ",".join(map(str, LAYERS)))
+    try:
+        plugins._plugins_loaded = False
+        plugins.load_plugins()
+        assert mod.SchedulerOutputStreamer.stream_output is not original  # patched by HookRegistry
+        rig = TapRig(tmp_path, tiny_llama)
+        prompt, outs = [5, 6, 7], [8, 9]
+        rig.step("EXTEND", [("r1", prompt, 0)])
+        rig.step("DECODE", [("r1", outs[:1], 3)])
+        det = Detokenizer()
+        streamer = mod.SchedulerOutputStreamer(
+            send_to_detokenizer=det, tree_cache=None, server_args=get_server_args(), is_generation=True,
+            spec_algorithm=SpeculativeAlgorithm.NONE, disaggregation_mode=DisaggregationMode.NULL,
+            enable_hicache_storage=lambda: False)
+        with get_parallel().override(dp_rank=0, attn_tp_rank=0, tp_rank=0):  # a single-GPU server's scheduler
+            streamer.stream_output([make_req("r1", prompt, outs, FINISH_LENGTH(2))], False)
+        rig.finish()
+        assert det.sent  # SGLang's own streaming ran
+        rig.assert_sample(open_store(rig.store), "r1", prompt, outs)
+    finally:
+        HookRegistry.reset()
+        mod.SchedulerOutputStreamer.stream_output = original
+        plugins._plugins_loaded = False
+
+
+def test_fraction_retraction_and_decode_in_cuda_graphs(sg, tiny_llama, tmp_path):
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    rig = TapRig(tmp_path, tiny_llama, tap_fraction=0.5)
+    rids = [f"q{i}" for i in range(16)]
+    for r in rids:
+        rig.step("EXTEND", [(r, [3, 4, 5], 0)])
+        rig.step("DECODE", [(r, [6], 3)])
+        rig.stream([make_req(r, [3, 4, 5], [6, 7], FINISH_LENGTH(2))])
+    rig.finish()
+    kept = [r for r in rids if tapped(r, 0.5)]
+    assert 0 < len(kept) < len(rids)
+    store = open_store(rig.store)
+    assert sorted(store.ids) == sorted(f"tap-{rig.hook.tap_session}-{r}" for r in kept)
+    for r in kept:
+        rig.assert_sample(store, r, [3, 4, 5], [6, 7])
+    assert rig.hook.stats["tap_skipped_fraction"] == len(rids) - len(kept)
+
+    rig = TapRig(tmp_path, tiny_llama)
+    # retracted after a decode step and recomputed from the start: stored from the restart
+    rig.step("EXTEND", [("re", [1, 2], 0)])
+    rig.step("DECODE", [("re", [9], 2)])
+    rig.step("EXTEND", [("re", [1, 2, 9], 0)])
+    rig.step("DECODE", [("re", [8], 3)])
+    rig.stream([make_req("re", [1, 2], [9, 8, 7], FINISH_LENGTH(3))])
+    # decode replayed from a CUDA graph: the hook saw the prompt only
+    rig.step("EXTEND", [("graph", [1, 2, 3, 4], 0)])
+    rig.stream([make_req("graph", [1, 2, 3, 4], [5, 6, 7], FINISH_LENGTH(3))])
+    evs = rig.finish()
+    store = open_store(rig.store)
+    assert store.ids == [f"tap-{rig.hook.tap_session}-re"]
+    rig.assert_sample(store, "re", [1, 2], [9, 8, 7])
+    (ev,) = [e for e in evs if e["event"] == "dropped"]
+    assert ev["id"].endswith("-graph") and ev["reason"] == "incomplete"
+    assert "--cuda-graph-backend-decode disabled" in ev["detail"]
+
+
+def test_store_bound_drops_what_does_not_fit(sg, tiny_llama, tmp_path):
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    rig = TapRig(tmp_path, tiny_llama, max_store_gb=1e-9)  # one byte: nothing fits
+    rig.step("EXTEND", [("big", [1, 2, 3], 0)])
+    rig.step("DECODE", [("big", [4], 3)])
+    rig.stream([make_req("big", [1, 2, 3], [4, 5], FINISH_LENGTH(2))])
+    rig.finish()
+    assert rig.hook.stats["tap_dropped_store_full"] == 1 and rig.hook.stats["samples"] == 0
+    assert not (rig.store / "manifest.json").exists()  # nothing half-written: no store without a sample
+
+
+def test_a_writer_behind_drops_tapped_requests_never_stalls_the_scheduler(sg, tiny_llama, tmp_path):
+    import threading
+
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    class Gate:  # an item whose device-to-host copy 'lands' only when the test says so: the writer waits on it
+        def __init__(self):
+            self.open = threading.Event()
+
+        def synchronize(self):
+            self.open.wait(30)
+
+    rig = TapRig(tmp_path, tiny_llama, queue_size=1)
+    rig.step("EXTEND", [("ok", [1, 2], 0)])
+    gate = Gate()
+    rig.hook._q.put({"actions": [], "done": gate})  # the writer takes it and waits (then fails on it: an error event)
+    while not rig.hook._q.empty():
+        pass
+    rig.hook._q.put({"actions": []})  # the queue (size 1) is full now
+    rig.step("EXTEND", [("late", [1, 2], 0)])  # returns at once: "late" is dropped, not queued
+    rig.step("DECODE", [("ok", [3], 2)])  # "ok" too: its rows of this step were not taken
+    rig.stream([make_req("ok", [1, 2], [3, 4], FINISH_LENGTH(2)), make_req("late", [1, 2], [5], FINISH_LENGTH(1))])
+    gate.open.set()
+    evs = rig.finish()
+    st = rig.hook.stats
+    assert st["tap_dropped_queue_full"] == 2 and st["samples"] == 0
+    assert sorted(e["reason"] for e in evs if e["event"] == "dropped") == ["queue_full", "queue_full"]
