@@ -84,6 +84,10 @@ VARIANTS = {  # name -> (train flags, store); each variant is today's recipe (tr
     "fp8": ([], "store-fp8"),  # today's recipe on the fp8 store: parity with base
     "fp8-lr1e-3": (LR, "store-fp8"),
     "lr3e-3+ttt5": (["--lr", "3e-3", "--ttt", "5"], "store"),  # the two best one-layer changes of session 8 together
+    "lr3e-3+ttt5+seed2": (["--lr", "3e-3", "--ttt", "5", "--seed", "2"], "store"),
+    "lr4e-3+ttt5": (["--lr", "4e-3", "--ttt", "5"], "store"),
+    "lr3e-3+ttt4": (["--lr", "3e-3", "--ttt", "4"], "store"),
+    "lr3e-3+ttt5+decay0.9": (["--lr", "3e-3", "--ttt", "5", "--ttt-decay", "0.9"], "store"),
     "ttt5+decay0.6": (["--ttt", "5", "--ttt-decay", "0.6"], "store"),
     # the same training tokens over two answers per prompt: the greedy one and one sampled from the target (MIX)
     "mix": (["--epochs", "1"], "store-mix"),

@@ -1,6 +1,7 @@
 """The dataclass -> CLI generator: flag spellings, help from field docstrings, --config replay, errors."""
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -106,3 +107,22 @@ def test_errors_are_one_line_with_exit_2(argv, tmp_path):
     assert "Traceback" not in r.stderr and len(lines) <= 2, r.stderr
     assert [x for x in lines if "error:" in x] == lines[-1:], r.stderr
     assert len(lines) == 1 or lines[0].startswith(f"usage: hstap {argv[0]} [options]")
+
+
+def test_cpus_busy_sees_other_processes_and_the_cli_then_waits_passively():
+    """Two CPU-bound processes beside the CLI: it counts their CPUs, and a stage run then gets OMP_WAIT_POLICY=PASSIVE
+    (idle OpenMP threads sleep instead of fighting them for the cores)."""
+    from hstap.cli import cpus_busy
+
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        assert cpus_busy(0.3) >= 0.5
+        probe = ("import os, sys, hstap.cli as c; sys.argv = ['hstap', 'prepare', '--help'];\n"
+                 "try: c.main()\nexcept SystemExit: pass\nprint('POLICY', os.environ.get('OMP_WAIT_POLICY'))")
+        p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"})
+        assert "POLICY PASSIVE" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    finally:
+        for q in loops:
+            q.kill()
+            q.wait()
