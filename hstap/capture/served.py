@@ -166,15 +166,17 @@ class ServedWriter:
         return True
 
     def add_traffic(self, sid: str, ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
-                    header: dict, aux_scale: torch.Tensor | None = None, final_scale: torch.Tensor | None = None) -> bool:
-        """Store a served request (tap mode: no prepared row to check against); `header` creates the store if
-        needed. Returns whether it was added (an id already in the store is skipped)."""
+                    header, aux_scale: torch.Tensor | None = None, final_scale: torch.Tensor | None = None) -> bool:
+        """Store a served request (tap mode: no prepared row to check against); `header()` (a callable, made only
+        when needed) creates the store if there is none. Returns whether it was added (an id already in the store is
+        skipped)."""
         if self.writer is None:
-            self.open(create=header)
+            self.open(create=None if (Path(self.store) / "manifest.json").is_file() else header())
         if sid in self.added:
             self.stats["duplicates"] += 1
             return False
-        self.writer.add(sid, ids, mask, aux, final, aux_scale=aux_scale, final_scale=final_scale)  # (T,), (T,), (T,K,H), (T,H)
+        # ids (T,), mask (T,), aux (T, K, H), final (T, H)
+        self.writer.add(sid, ids, mask, aux, final, aux_scale=aux_scale, final_scale=final_scale)
         self.added.add(sid)
         self.dirty = True
         self.stats["samples"] += 1

@@ -1,7 +1,8 @@
 """Tap mode of the SGLang hook on the real `sglang` package: real ForwardBatch / ForwardMode (EXTEND, MIXED and DECODE
 batches laid out as SGLang's scheduler lays them out), SGLang's real LogitsProcessor with the hook attached by its own
-`register_forward_hooks`, real `Req`s with SGLang's finish reasons, the plugin's hook on SGLang's real output
-streamer, writing a real store.
+`register_forward_hooks`, real `Req`s with SGLang's finish reasons streamed through SGLang's real
+`SchedulerOutputStreamer.stream_output` (and ended outside the stream through its `Scheduler.send_abort_output`),
+writing a real store.
 
 Every row's states are a function of (request, position), so each stored sample can be checked row by row."""
 
@@ -22,7 +23,8 @@ if importlib.util.find_spec("sglang") is None:  # installed but broken must fail
 from _sglang_fixtures import H, LAYERS, forward_batch, logits_root  # noqa: E402
 
 from hstap.capture.sglang.hook import CaptureHook  # noqa: E402
-from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, FINISH_SINKS, hook_spec  # noqa: E402
+from hstap.capture.sglang.protocol import EVENTS_DIR, hook_spec  # noqa: E402
+from hstap.capture.sglang.tap import FINISH_SINKS  # noqa: E402
 from hstap.capture.tap import tapped  # noqa: E402
 from hstap.store.reader import open_store  # noqa: E402
 
@@ -32,6 +34,26 @@ def states(rid: str, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (aux (K*H,), final (H,)) the 'engine' computes for request `rid` at position `pos`."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{rid}:{pos}".encode()))
     return torch.randn(len(LAYERS) * H, generator=g), torch.randn(H, generator=g)
+
+
+def real_streamer_and_scheduler():
+    """SGLang's SchedulerOutputStreamer, and its Scheduler's abort path, with recording sockets."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+    from sglang.srt.runtime_context import get_server_args
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    sent = Sent()
+    streamer = SchedulerOutputStreamer(
+        send_to_detokenizer=sent, tree_cache=None, server_args=get_server_args(), is_generation=True,
+        spec_algorithm=SpeculativeAlgorithm.NONE, disaggregation_mode=DisaggregationMode.NULL,
+        enable_hicache_storage=lambda: False)
+    scheduler = object.__new__(Scheduler)  # only its abort path runs: the sockets it sends on
+    scheduler.rust_server, scheduler.ipc_channels = None, SimpleNamespace(send_to_tokenizer=sent)
+    return streamer, scheduler, sent
 
 
 def make_req(rid: str, prompt: list[int], outputs: list[int], reason=None):
@@ -47,20 +69,32 @@ def make_req(rid: str, prompt: list[int], outputs: list[int], reason=None):
     return req
 
 
-class TapRig:
-    """One tap-mode hook on one LogitsProcessor; `step` runs one forward pass, `stream` tells it what finished."""
+class Sent:
+    """The scheduler's sockets to the detokenizer and the tokenizer: records what SGLang would send."""
 
-    def __init__(self, tmp, target, **cfg):
+    def __init__(self):
+        self.sent = []
+
+    def send_output(self, *payload):
+        self.sent.append(payload)
+
+
+class TapRig:
+    """One tap-mode hook on one LogitsProcessor; `step` runs one forward pass, `stream` streams requests through
+    SGLang's own output streamer, `abort` ends one through its scheduler's abort path."""
+
+    def __init__(self, tmp, target, data=None, **cfg):
         from sglang.srt.model_executor.hook_manager import register_forward_hooks
         from transformers import AutoConfig
 
         self.store = tmp / f"tap-{uuid.uuid4().hex[:6]}"
         cfg = {"tap": True, "tap_dtype": "fp32", "flush_s": 0.05, "queue_size": 4096, **cfg}  # a full queue drops
-        spec = json.loads(json.dumps([hook_spec(self.store, None, LAYERS, **cfg)]))
+        spec = json.loads(json.dumps([hook_spec(self.store, data, LAYERS, **cfg)]))
         self.root = logits_root(AutoConfig.from_pretrained(target))
         register_forward_hooks(self.root, spec)
         (self.hook,) = self.root.logits_processor._forward_hooks.values()
         assert isinstance(self.hook, CaptureHook) and self.hook.finished in FINISH_SINKS
+        self.streamer, self.scheduler, self.sent = real_streamer_and_scheduler()
 
     def step(self, mode: str, entries: list[tuple[str, list[int], int]]):
         """entries: (rid, the tokens fed, their first position), in the batch's order."""
@@ -80,10 +114,15 @@ class TapRig:
         assert out.next_token_logits is not None  # the real LogitsProcessor ran to the end
 
     def stream(self, reqs):
-        """What the plugin's hook on SGLang's output streamer does after each stream_output(reqs)."""
-        from hstap.capture.sglang.plugin import _after_stream_output
+        from sglang.srt.runtime_context import get_parallel
 
-        _after_stream_output(None, object(), reqs, False)
+        with get_parallel().override(dp_rank=0, attn_tp_rank=0, tp_rank=0):  # a single-GPU server's scheduler
+            self.streamer.stream_output(reqs, False)
+
+    def abort(self, req):
+        from sglang.srt.managers.io_struct import AbortReq
+
+        self.scheduler.send_abort_output(AbortReq(rid=req.rid), req)
 
     def finish(self):
         self.hook.close()
@@ -133,49 +172,41 @@ def test_tap_over_extend_mixed_and_decode_batches(sg, tiny_llama, tmp_path):
     assert st["tap_skipped_joined_late"] == 1 and st["tap_dropped_aborted"] == 1 and st["samples"] == 2
 
 
-def test_finish_reaches_the_tap_through_sglangs_output_streamer(sg, tiny_llama, tmp_path, monkeypatch):
-    """The plugin (loaded from its entry point) hooks SGLang's real SchedulerOutputStreamer.stream_output: streaming
-    a finished request stores it."""
-    from sglang.srt import plugins
-    from sglang.srt.disaggregation.utils import DisaggregationMode
+def test_ends_outside_the_stream_and_a_drivers_request_beside_tapped_ones(sg, tiny_llama, tiny_tokenizer, tmp_path):
+    """A request SGLang ends outside its output stream (aborted while queued, preempted, retracted) is dropped; the
+    wrappers are installed once; a driver's request in the same batches is stored as `hstap capture` stores it."""
+    from _sglang_fixtures import create_store, make_prepared, records
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-    from sglang.srt.managers.scheduler_components import output_streamer as mod
-    from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang.srt.runtime_context import get_parallel, get_server_args
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 
-    class Detokenizer:  # the scheduler's socket to the detokenizer: records what would be sent
-        def __init__(self):
-            self.sent = []
+    from hstap.capture.session import encode_rid
+    from hstap.data.prepare import load_prepared
 
-        def send_output(self, payload):
-            self.sent.append(payload)
-
-    original = mod.SchedulerOutputStreamer.stream_output
-    monkeypatch.setenv("SGLANG_PLUGINS", "hstap")
-    monkeypatch.setenv(ENV_LAYERS, ",".join(map(str, LAYERS)))
-    try:
-        plugins._plugins_loaded = False
-        plugins.load_plugins()
-        assert mod.SchedulerOutputStreamer.stream_output is not original  # patched by HookRegistry
-        rig = TapRig(tmp_path, tiny_llama)
-        prompt, outs = [5, 6, 7], [8, 9]
-        rig.step("EXTEND", [("r1", prompt, 0)])
-        rig.step("DECODE", [("r1", outs[:1], 3)])
-        det = Detokenizer()
-        streamer = mod.SchedulerOutputStreamer(
-            send_to_detokenizer=det, tree_cache=None, server_args=get_server_args(), is_generation=True,
-            spec_algorithm=SpeculativeAlgorithm.NONE, disaggregation_mode=DisaggregationMode.NULL,
-            enable_hicache_storage=lambda: False)
-        with get_parallel().override(dp_rank=0, attn_tp_rank=0, tp_rank=0):  # a single-GPU server's scheduler
-            streamer.stream_output([make_req("r1", prompt, outs, FINISH_LENGTH(2))], False)
-        rig.finish()
-        assert det.sent  # SGLang's own streaming ran
-        rig.assert_sample(open_store(rig.store), "r1", prompt, outs)
-    finally:
-        HookRegistry.reset()
-        mod.SchedulerOutputStreamer.stream_output = original
-        plugins._plugins_loaded = False
+    data = make_prepared(tiny_tokenizer[1], tmp_path / "prepared", records(2, seed=5, hostile=False))
+    ds = load_prepared(data)
+    rig = TapRig(tmp_path, tiny_llama, data=str(data))
+    create_store(tiny_llama, data, rig.store, LAYERS, "fp32")  # the driver's store; the tap adds to it
+    TapRig(tmp_path, tiny_llama).hook.close()  # a second hook: the wrappers stay single
+    assert getattr(SchedulerOutputStreamer.stream_output, "hstap_tap", False)
+    assert not getattr(SchedulerOutputStreamer.stream_output.__wrapped__, "hstap_tap", False)
+    assert getattr(Scheduler.send_abort_output, "hstap_tap", False)
+    drv, T0 = encode_rid("s1", 0, ds[0]["id"]), len(ds[0]["input_ids"])
+    ids0 = ds[0]["input_ids"]
+    rig.step("EXTEND", [(drv, ids0, 0), ("cl", [7, 8, 9], 0), ("gone", [4, 5], 0)])
+    rig.step("DECODE", [("cl", [10], 3), ("gone", [6], 2)])
+    rig.abort(make_req("gone", [4, 5], [6]))  # preempted: never streamed as finished
+    rig.stream([make_req("cl", [7, 8, 9], [10, 11], FINISH_LENGTH(2))])
+    evs = rig.finish()
+    store = open_store(rig.store)
+    assert sorted(store.ids) == sorted([ds[0]["id"], f"tap-{rig.hook.tap_session}-cl"])
+    rig.assert_sample(store, "cl", [7, 8, 9], [10, 11])
+    d = store[store.index_of(ds[0]["id"])]
+    assert d["input_ids"].tolist() == ids0 and d["loss_mask"].tolist() == ds[0]["loss_mask"]
+    assert torch.equal(d["final"], torch.stack([states(drv, q)[1] for q in range(T0)]))
+    (ev,) = [e for e in evs if e["event"] == "dropped"]
+    assert ev["id"].endswith("-gone") and ev["reason"] == "aborted" and "outside the output stream" in ev["detail"]
+    assert [x for x in rig.sent.sent if len(x) == 2]  # SGLang's own abort path ran and sent its output
 
 
 def test_fraction_retraction_and_decode_in_cuda_graphs(sg, tiny_llama, tmp_path):
@@ -229,6 +260,7 @@ def test_store_bound_drops_what_does_not_fit(sg, tiny_llama, tmp_path):
 
 def test_a_writer_behind_drops_tapped_requests_never_stalls_the_scheduler(sg, tiny_llama, tmp_path):
     import threading
+    import time
 
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 
@@ -239,18 +271,26 @@ def test_a_writer_behind_drops_tapped_requests_never_stalls_the_scheduler(sg, ti
         def synchronize(self):
             self.open.wait(30)
 
+    def drained():  # the writer took everything queued (queue_size 1: the next batch must find room)
+        while not rig.hook._q.empty():
+            time.sleep(0.001)
+
     rig = TapRig(tmp_path, tiny_llama, queue_size=1)
-    rig.step("EXTEND", [("ok", [1, 2], 0)])
+    rig.step("EXTEND", [("ok", [1, 2], 0), ("fin", [1, 2], 0)])
+    drained()
+    rig.step("DECODE", [("ok", [3], 2), ("fin", [5], 2)])  # fin's last needed row: its answer is [5, 6]
+    drained()
     gate = Gate()
     rig.hook._q.put({"actions": [], "done": gate})  # the writer takes it and waits (then fails on it: an error event)
-    while not rig.hook._q.empty():
-        pass
+    drained()
     rig.hook._q.put({"actions": []})  # the queue (size 1) is full now
-    rig.step("EXTEND", [("late", [1, 2], 0)])  # returns at once: "late" is dropped, not queued
-    rig.step("DECODE", [("ok", [3], 2)])  # "ok" too: its rows of this step were not taken
-    rig.stream([make_req("ok", [1, 2], [3, 4], FINISH_LENGTH(2)), make_req("late", [1, 2], [5], FINISH_LENGTH(1))])
+    rig.step("EXTEND", [("late", [1, 2], 0)])  # returns at once: late's rows are not taken
+    rig.step("DECODE", [("ok", [4], 3), ("fin", [6], 3)])  # ok needs this row; fin's is the overlap's extra row
+    rig.stream([make_req("ok", [1, 2], [3, 4, 7], FINISH_LENGTH(3)), make_req("fin", [1, 2], [5, 6], FINISH_LENGTH(2)),
+                make_req("late", [1, 2], [5], FINISH_LENGTH(1))])  # the queue is still full: these ends wait
     gate.open.set()
     evs = rig.finish()
     st = rig.hook.stats
-    assert st["tap_dropped_queue_full"] == 2 and st["samples"] == 0
-    assert sorted(e["reason"] for e in evs if e["event"] == "dropped") == ["queue_full", "queue_full"]
+    assert st["tap_dropped_queue_full"] == 2 and st["samples"] == 1
+    assert sorted(e["id"].rsplit("-", 1)[1] for e in evs if e["event"] == "dropped") == ["late", "ok"]
+    rig.assert_sample(open_store(rig.store), "fin", [1, 2], [5, 6])

@@ -52,8 +52,8 @@ import torch
 
 from hstap.capture.served import Prepared
 from hstap.capture.session import RID_PREFIX, decode_rid, sample_digest
-from hstap.capture.sglang.protocol import ENV_LAYERS, FINISH_SINKS
-from hstap.capture.sglang.tap import TapDemux, decode_graphs_on
+from hstap.capture.sglang.protocol import ENV_LAYERS
+from hstap.capture.sglang.tap import FINISH_SINKS, TapDemux, decode_graphs_on, install_finish_hooks, tap_target
 from hstap.capture.sglang.writer import HookWriter
 from hstap.capture.staging import PinnedPool, staging_layout, staging_pack
 from hstap.common import HstapError
@@ -189,6 +189,8 @@ class CaptureHook:
         self._pending: list = []  # tap actions that found the writer's queue full (sent with the next item)
         if self.tap is not None:
             self.store_dtype = _store_dtype(self.cfg.store) or self.cfg.tap_dtype
+            self.tap_target = tap_target(self.cfg.target)
+            install_finish_hooks()
             FINISH_SINKS.append(self.finished)
             if decode_graphs_on():
                 log.warning("hstap tap: this server replays decode batches from CUDA graphs, where no hook runs: every "
@@ -331,12 +333,12 @@ class CaptureHook:
                 self.tap.gc(now, self.cfg.stale_s, actions)
         return actions, ranges
 
-    def finished(self, reqs) -> None:
-        """Tap mode: the requests SGLang's scheduler streamed (`FINISH_SINKS`, called by the plugin's hook on its output
-        streamer in the scheduler thread); those of ours that finished are stored or dropped."""
+    def finished(self, reqs, outside_stream: bool = False) -> None:
+        """Tap mode: the requests SGLang's scheduler streamed or ended outside the stream (`FINISH_SINKS`, called in
+        the scheduler thread, capture/sglang/tap.py); those of ours that ended are stored or dropped."""
         try:
             actions: list = []
-            self.tap.finished(reqs, actions)
+            self.tap.finished(reqs, actions, outside_stream)
             if actions:
                 self._put({"actions": actions})
         except Exception as e:  # noqa: BLE001 - never take the server down
@@ -418,17 +420,15 @@ class CaptureHook:
 
     def _put(self, item: dict) -> None:
         self._start_writer()
-        if self._pending:  # tap actions that found the queue full go first, in order
-            item = {**item, "actions": self._pending + item["actions"]}
-            self._pending = []
+        pending = self.take_pending()  # tap actions that found the queue full go first, in order
+        if pending:
+            item = {**item, "actions": pending + item["actions"]}
         if self.tap is not None and not any(a[0] in _DRIVEN for a in item["actions"]):
-            try:  # tap-only: never make the scheduler wait (rows were not taken when the queue was full)
+            try:  # tap-only: never make the scheduler wait (no rows are taken while the queue is full: _demux)
                 self._q.put_nowait(item)
-            except queue.Full:
-                self._pending = [a for a in item["actions"] if a[0] != "tpiece"]
-                for a in item["actions"]:
-                    if a[0] == "tpiece":
-                        self.tap.drop(a[1], self._pending, "queue_full", "the writer was behind")
+            except queue.Full:  # an end or an event (no rows): the writer takes it when idle (take_pending)
+                with self._lock:
+                    self._pending = item["actions"] + self._pending
             return
         while True:  # blocks only while queue_size batches wait for storage (backpressure)
             try:
@@ -439,15 +439,23 @@ class CaptureHook:
                     self._disabled = "writer thread stopped"
                     return
 
+    def take_pending(self) -> list:
+        """The tap actions waiting for queue space (emptied); the writer thread takes them when idle."""
+        with self._lock:
+            out, self._pending = self._pending, []
+        return out
+
     def close(self, timeout: float = 60.0) -> None:
-        """Commit everything handed over so far and stop the writer thread (tests; atexit in a server)."""
+        """Commit everything handed over so far and stop the writer thread (tests; atexit in a server). Gives up
+        after `timeout` s when the writer cannot drain (a store waiting for a consumer's room)."""
         if self.finished in FINISH_SINKS:
             FINISH_SINKS.remove(self.finished)
-        if self._pending and self._thread is not None and self._thread.is_alive():
-            self._q.put({"actions": self._pending})
-            self._pending = []
         if self._thread is not None and self._thread.is_alive():
-            self._q.put(None)
+            try:
+                self._q.put(None, timeout=timeout)
+            except queue.Full:
+                log.error("hstap capture hook: the writer did not drain in %.0f s; closing without it", timeout)
+                return
             self._thread.join(timeout)
 
     # -- writer thread -------------------------------------------------------------------------------------------------

@@ -4,10 +4,8 @@
 process. It is a no-op unless `HSTAP_CAPTURE_LAYERS` (canonical layer ids, comma-separated) is set; then it hooks the
 step that configures aux capture (before CUDA-graph capture; SGLang >= 0.5.11), or `ModelRunner.load_model` on
 versions without that step, and calls the model's `set_eagle3_layers_to_capture` with the SGLang ids of those layers
-(`hstap.layers.to_sglang`: the +1 rule). It also hooks SGLang's output streamer (after `stream_output`) to hand the
-streamed requests to the tap-mode hooks of this process (`FINISH_SINKS`): how the tap learns that a request finished
-and why (aborted ones are dropped). The variable's name and the sinks are capture/sglang/protocol.py's; the capture
-hook itself is in capture/sglang/hook.py.
+(`hstap.layers.to_sglang`: the +1 rule). The variable's name is capture/sglang/protocol.py's; the capture hook itself
+is in capture/sglang/hook.py.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from hstap.capture.sglang.protocol import ENV_LAYERS, FINISH_SINKS
+from hstap.capture.sglang.protocol import ENV_LAYERS
 from hstap.common import HstapError
 from hstap.layers import parse_ids, to_sglang
 
@@ -67,17 +65,6 @@ def _after_load_model(result, runner, *args, **kwargs):
     return None
 
 
-STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output"
-
-
-def _after_stream_output(result, streamer, reqs, *args, **kwargs):
-    """AFTER hook on `SchedulerOutputStreamer.stream_output(reqs, ...)`: every request the scheduler streams (finished
-    ones with their `finished_reason`) goes to the tap-mode hooks; nothing is changed."""
-    for sink in FINISH_SINKS:
-        sink(reqs)
-    return None
-
-
 def plugin() -> None:
     """`sglang.srt.plugins` entry point (pyproject.toml). A no-op unless HSTAP_CAPTURE_LAYERS is set."""
     if capture_layers_from_env() is None:
@@ -93,4 +80,3 @@ def plugin() -> None:
     except ImportError:
         HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.load_model", _after_load_model,
                               HookType.AFTER)
-    HookRegistry.register(STREAMER, _after_stream_output, HookType.AFTER)

@@ -5,10 +5,7 @@ never each other.
 - `ENV_LAYERS`: the environment variable (canonical layer ids) that makes the plugin turn on aux capture;
 - `HOOK_FACTORY` and `hook_spec(...)`: the `--forward-hooks` entry that loads the hook;
 - `EVENTS_DIR`: where in the store the hook writes the events (drops, errors) the driver reads, and the driver the end
-  of its session;
-- `FINISH_SINKS`: in a server process, the hooks in tap mode that want to know when requests finish; the plugin's hook
-  on SGLang's output streamer calls each with the requests it streams (tap mode only: the forward pass never says
-  that a request ended, or why).
+  of its session.
 
 Request ids, events and session ends are hstap/capture/session.py's, the same for every engine.
 """
@@ -20,7 +17,6 @@ import os
 HOOK_FACTORY = "hstap.capture.sglang.hook:make_hook"
 ENV_LAYERS = "HSTAP_CAPTURE_LAYERS"
 EVENTS_DIR = "sglang-events"  # inside the store; the store's reader ignores other files
-FINISH_SINKS: list = []  # callables taking a list of SGLang `Req`s (this process's tap-mode hooks)
 
 
 def hook_spec(store: str, data: str | None, layers: list[int], name: str = "hstap", **extra) -> dict:

@@ -15,6 +15,7 @@ from hstap.capture.served import ServedWriter
 from hstap.capture.tap import TapBudget
 from hstap.capture.sglang.protocol import EVENTS_DIR
 from hstap.capture.staging import staging_nbytes, staging_views
+from hstap.common import HstapError
 
 log = logging.getLogger("hstap.sglang")
 
@@ -38,10 +39,15 @@ class HookWriter:
         self.served.event({"session": self.hook.session, **obj})
 
     def flush(self) -> None:
+        """Idle: the tap's ends that found the queue full, then commit the open shard."""
+        pending = self.hook.take_pending()
+        if pending:
+            self.handle({"actions": pending})
         self.served.flush()
 
     def check_end(self) -> None:
-        self.served.check_end()
+        if not self.hook.cfg.tap:  # a tapping server keeps its rank open: its samples never end
+            self.served.check_end()
 
     def handle(self, item: dict) -> None:
         tensors = item.get("tensors")
@@ -53,32 +59,46 @@ class HookWriter:
             self.hook.pool.release(buf)
         off = 0
         for act in item["actions"]:
-            kind = act[0]
-            if kind in ("piece", "tpiece"):
+            if act[0] in ("piece", "tpiece"):
                 _, rid, pos, n = act
-                into = self.pieces if kind == "piece" else self.tpieces
-                into.setdefault(rid, []).append((pos, {k: v[off:off + n] for k, v in tensors.items()}))
+                if act[0] == "piece":
+                    self.pieces.setdefault(rid, []).append((pos, {k: v[off:off + n] for k, v in tensors.items()}))
+                else:  # a copy: a view would keep the whole batch's rows alive for as long as the request runs
+                    rows = {k: v[off:off + n].clone() for k, v in tensors.items()}
+                    self.tpieces.setdefault(rid, []).append((pos, rows))
                 off += n
-            elif kind == "tdone":
-                self.tap_finish(act[1], act[2], act[3])
-            elif kind in ("tdrop", "treset"):
-                self.tpieces.pop(act[1], None)
-                if kind == "tdrop":
-                    self.event({"event": "dropped", "id": self.tap_id(act[1]), "reason": act[2], "detail": act[3]})
-            elif kind == "done":
-                self.finish(act[1], act[2], act[3])
-            elif kind == "drop":
-                _, rid, row, sid, reason, detail, session = act
-                self.pieces.pop(rid, None)
-                self.served.event({"event": "dropped", "id": sid, "row": row, "reason": reason, "detail": detail,
-                                   "session": session})
-            elif kind == "reset":
-                self.pieces.pop(act[1], None)
-            elif kind == "session":
-                self.served.new_session(act[1])
-                self.pieces = {}
-            elif kind == "event":
-                self.served.event(act[1])
+                continue
+            try:
+                self.act(act)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not lose the batch's other requests
+                if isinstance(e, HstapError) and "writer stopped" in str(e):
+                    raise
+                log.exception("hstap: a writer action failed")
+                self.event({"event": "error", "kind": "writer", "message": f"{act[0]}: {type(e).__name__}: {e}"})
+
+    def act(self, act: tuple) -> None:
+        """One writer action other than rows (hook.py and tap.py say which)."""
+        kind = act[0]
+        if kind == "tdone":
+            self.tap_finish(act[1], act[2], act[3])
+        elif kind in ("tdrop", "treset"):
+            self.tpieces.pop(act[1], None)
+            if kind == "tdrop":
+                self.event({"event": "dropped", "id": self.tap_id(act[1]), "reason": act[2], "detail": act[3]})
+        elif kind == "done":
+            self.finish(act[1], act[2], act[3])
+        elif kind == "drop":
+            _, rid, row, sid, reason, detail, session = act
+            self.pieces.pop(rid, None)
+            self.served.event({"event": "dropped", "id": sid, "row": row, "reason": reason, "detail": detail,
+                               "session": session})
+        elif kind == "reset":
+            self.pieces.pop(act[1], None)
+        elif kind == "session":
+            self.served.new_session(act[1])
+            self.pieces = {}
+        elif kind == "event":
+            self.served.event(act[1])
 
     def finish(self, rid: str, row: int, sid: str) -> None:
         pieces = sorted(self.pieces.pop(rid, []), key=lambda p: p[0])
@@ -124,6 +144,10 @@ class HookWriter:
                         "detail": f"states of positions 0..{covered} of {T}{hint}"})
             return
         t = {k: torch.cat([p[1][k] for p in pieces])[:T] for k in pieces[0][1]}  # (T,), (T, K, H), (T, H)
+        if not all(bool(torch.isfinite(t[k].float()).all()) for k in ("aux", "final")):  # SGLang: "NaN happened"
+            self.hook.stats["tap_dropped_nonfinite"] += 1
+            self.event({"event": "dropped", "id": sid, "reason": "nonfinite", "detail": "NaN or inf in its states"})
+            return
         want = torch.tensor(ids[:T], dtype=torch.long)
         if not torch.equal(t["input_ids"].long(), want):
             bad = int((t["input_ids"].long() != want).nonzero()[0, 0])
@@ -138,12 +162,13 @@ class HookWriter:
             return
         mask = torch.zeros(T, dtype=torch.uint8)
         mask[prompt_len:] = 1
-        if self.served.add_traffic(sid, want, mask, t["aux"], t["final"], self.header(),
+        if self.served.add_traffic(sid, want, mask, t["aux"], t["final"], self.header,
                                    aux_scale=t.get("aux_scale"), final_scale=t.get("final_scale")):
             self.hook.store_dtype = self.served.dtype
 
     def header(self) -> dict:
-        """The header a tap creates its store with: the served model, the capture layers, `tap_dtype`, `contents`."""
+        """The header a tap creates its store with (only when there is none): the served model, the capture layers,
+        `tap_dtype`, `contents`."""
         if self._header is None:
             import sglang
 
@@ -152,14 +177,9 @@ class HookWriter:
             from hstap.model_dir import target_fingerprint
 
             c = self.hook.cfg
-            target = c.target
-            if target is None:
-                from sglang.srt.runtime_context import get_server_args
-
-                target = get_server_args().model_path
             engine = {"name": "sglang", "version": getattr(sglang, "__version__", "?"), "device": "server (tap)",
                       "compute_dtype": self.hook.compute_dtype}
-            self._header = store_header(target_fingerprint(target), engine, c.tap_dtype, list(c.layers),
+            self._header = store_header(target_fingerprint(self.hook.tap_target), engine, c.tap_dtype, list(c.layers),
                                         {"tap": True, "store": c.store})
             self._header["contents"] = contents_block("served traffic", tap_fraction=c.tap_fraction,
                                                       max_store_gb=c.max_store_gb)

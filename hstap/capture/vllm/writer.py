@@ -126,7 +126,7 @@ class VllmWriter:
         mask = torch.zeros(T, dtype=torch.uint8)
         mask[save.prompt_len:] = 1
         self.served.add_traffic(f"tap-{self.session}-{save.req_id}", torch.as_tensor(save.token_ids), mask,
-                                rows[:, :-1], self._final(rows), self._header())
+                                rows[:, :-1], self._final(rows), self._header)
 
     def _header(self) -> dict:
         import vllm
