@@ -191,8 +191,14 @@ def drain(q: queue.Queue, flush_s: float, writer, handle) -> None:
         try:
             item = q.get(timeout=flush_s)
         except queue.Empty:
-            writer.flush()
-            writer.check_end()
+            try:
+                writer.flush()
+                writer.check_end()
+            except Exception as e:  # noqa: BLE001 - as an item's failure: an event, and serving goes on
+                log.exception("hstap: the capture writer failed while idle")
+                writer.event({"event": "error", "kind": "writer", "message": f"{type(e).__name__}: {e}"})
+                if isinstance(e, HstapError) and "writer stopped" in str(e):
+                    raise
             continue
         if item is None:
             writer.flush()

@@ -130,6 +130,9 @@ def settings_problems(vllm_config) -> list[str]:
                  "launch with --no-enable-prefix-caching (LLM(enable_prefix_caching=False))")
     if int(vllm_config.parallel_config.pipeline_parallel_size) > 1:
         p.append("pipeline parallelism is not supported: use --pipeline-parallel-size 1")
+    if int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1) > 1:
+        p.append("data parallelism is not supported (every engine would write store rank 0): use "
+                 "--data-parallel-size 1 and one server per store")
     return p
 
 
@@ -150,7 +153,7 @@ class HstapConnector(KVConnectorBase_V1, SupportsHMA):
         self._cache: torch.Tensor | None = None  # (blocks, L, block_size, H)
         self._rank0 = True
         self._copies: dict[str, Any] = {}  # req_id -> CUDA event of its device-to-host copy (None on the CPU)
-        self._writer = None  # the writer thread (capture/vllm/writer.py), started at the first sample
+        self._writer = None  # the writer thread (capture/vllm/writer.py), started with the engine on rank 0
         if role == KVConnectorRole.SCHEDULER:
             problems = settings_problems(vllm_config)
             if problems:
@@ -240,6 +243,11 @@ class HstapConnector(KVConnectorBase_V1, SupportsHMA):
         if self._cache.shape[2] != self._block_size:
             raise HstapError(f"hstap connector: hidden-state cache block size {self._cache.shape[2]} != "
                              f"{self._block_size}: rows would be read from the wrong slots")
+        if self._rank0:  # now, at start-up: a writer that cannot start (a hub id, the rank held) fails the launch
+            from hstap.capture.vllm.writer import VllmWriter
+
+            mc = self._vllm_config.model_config
+            self._writer = VllmWriter(self.cfg, self.layers, str(mc.model), str(mc.dtype).replace("torch.", ""))
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         pass
@@ -258,7 +266,14 @@ class HstapConnector(KVConnectorBase_V1, SupportsHMA):
             return None, None
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         for s in getattr(meta, "saves", ()):
-            self._take(s)
+            try:
+                self._take(s)
+            except Exception as e:  # noqa: BLE001 - never take the engine down: the request is reported, its blocks freed
+                log.exception("hstap connector: copying request %s failed", s.req_id)
+                self._copies[s.req_id] = None
+                if self._writer is not None:
+                    self._writer.served.event({"event": "error", "kind": "copy", "req_id": str(s.req_id)[:200],
+                                               "message": f"{type(e).__name__}: {e}"})
         done = {r for r, ev in self._copies.items() if ev is None or ev.query()}
         for r in done:
             del self._copies[r]
@@ -266,11 +281,6 @@ class HstapConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _take(self, s: _Save) -> None:
         """Copy a finished request's rows out of the cache and queue them for the writer thread."""
-        if self._writer is None:
-            from hstap.capture.vllm.writer import VllmWriter
-
-            mc = self._vllm_config.model_config
-            self._writer = VllmWriter(self.cfg, self.layers, str(mc.model), str(mc.dtype).replace("torch.", ""))
         if not s.block_ids:
             self._writer.put((s, None, None))
             return
