@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import collections
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -200,6 +201,19 @@ class Requests:
             raise HstapError(f"{self.store}: {len(self.pending)} sample(s) were answered by the server but never "
                              f"committed by {writer} within {commit_timeout_s:.0f} s (e.g. "
                              f"{short_id(sorted(self.pending)[0])}); is it writing to this directory? re-run to resume")
+
+    def reasons(self) -> dict[str, int]:
+        """The dropped samples by reason (the word before the first colon of each drop)."""
+        return dict(collections.Counter(v.split(":")[0] for v in self.dropped.values()))
+
+    def print_drops(self, closed: bool, unclosed: str) -> None:
+        """The run's first five drops, and `unclosed` when the engine side did not close its store rank(s)."""
+        from hstap.capture.stage import short_id
+
+        for sid, why in list(self.dropped.items())[:5]:
+            print(f"capture: dropped {short_id(sid)}: {why}")
+        if not closed:
+            print(f"capture: {unclosed}")
 
     def poll(self) -> None:
         """Read this session's events (drops, engine-side errors) and the samples committed so far."""

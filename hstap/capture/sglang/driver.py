@@ -8,7 +8,6 @@ imports the hook's, nor the `sglang` package, and the server process never loads
 
 from __future__ import annotations
 
-import collections
 import fcntl
 import fnmatch
 import json
@@ -20,7 +19,7 @@ import uuid
 
 from hstap.capture.session import RequestError, Requests, encode_rid, end_session, http_json, lock_events
 from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, hook_spec
-from hstap.capture.stage import copy_vocab_map, open_inputs, short_id, store_header
+from hstap.capture.stage import copy_vocab_map, open_inputs, store_header
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
 from hstap.layers import parse_layers, to_sglang
@@ -140,20 +139,17 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     run.check(f"--server {server}", commit_timeout_s, "its hook")
     dropped = run.dropped
     write_run_config(cfg.out, "capture", cfg)
-    reasons = collections.Counter(v.split(":")[0] for v in dropped.values())
+    reasons = run.reasons()
     summary = {"samples": len(todo) - len(dropped), "tokens": sum(lens[i] for i in todo if ids[i] not in dropped),
-               "skipped_committed": skipped, "skipped_too_long": len(too_long), "dropped": dict(reasons),
+               "skipped_committed": skipped, "skipped_too_long": len(too_long), "dropped": reasons,
                "seconds": round(time.perf_counter() - t0, 3), "layers": layers, "dtype": cfg.dtype, "out": cfg.out,
                "store_samples": summary_store["samples"], "server": server, "session": session,
                "writers_closed": closed}
     print(f"capture: {summary['samples']} samples via SGLang {engine['version']} at {server} in "
           f"{summary['seconds']:.1f} s; {skipped} already in the store, {len(too_long)} longer than the context, "
-          f"dropped {dict(reasons) or 0}")
-    for sid, why in list(dropped.items())[:5]:
-        print(f"capture: dropped {short_id(sid)}: {why}")
-    if not closed:
-        print(f"capture: the server's hook did not close every store rank (writers {writers}); a trainer following "
-              f"{cfg.out} will keep waiting for it")
+          f"dropped {reasons or 0}")
+    run.print_drops(closed, f"the server's hook did not close every store rank (writers {writers}); a trainer "
+                            f"following {cfg.out} will keep waiting for it")
     return summary
 
 

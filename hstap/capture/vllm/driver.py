@@ -18,7 +18,6 @@ committed ones (a kill -9 of the whole run loses at most the open shard, which i
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import fcntl
 import json
@@ -124,11 +123,11 @@ def _finish(cfg, run: Requests, engine: dict, server: str | None, session: str, 
     run.check(f"--server {server}" if server else f"{cfg.out}", commit_timeout_s, "hstap's connector")
     dropped = run.dropped
     write_run_config(cfg.out, "capture", cfg)
-    reasons = collections.Counter(v.split(":")[0] for v in dropped.values())
+    reasons = run.reasons()
     done = [i for i in plan.todo if plan.ids[i] not in dropped]
     seconds = time.perf_counter() - t0
     summary = {"samples": len(done), "tokens": sum(plan.lens[i] for i in done), "skipped_committed": plan.skipped,
-               "skipped_too_long": len(plan.too_long), "dropped": dict(reasons), "seconds": round(seconds, 3),
+               "skipped_too_long": len(plan.too_long), "dropped": reasons, "seconds": round(seconds, 3),
                "layers": plan.layers, "vllm_layers": engine["vllm_layers"], "dtype": cfg.dtype, "out": cfg.out,
                "store_samples": summary_store["samples"], "server": server, "session": session,
                "writers_closed": closed, "compute_dtype": engine["compute_dtype"], **timing}
@@ -136,12 +135,9 @@ def _finish(cfg, run: Requests, engine: dict, server: str | None, session: str, 
           f"({'server ' + server if server else 'in this process'}, {engine['compute_dtype']}) in {seconds:.1f} s "
           f"({timing['capture_s']:.1f} s from the first request to the last commit); "
           f"{plan.skipped} already in the store, {len(plan.too_long)} longer than the context, "
-          f"dropped {dict(reasons) or 0}")
-    for sid, why in list(dropped.items())[:5]:
-        print(f"capture: dropped {short_id(sid)}: {why}")
-    if not closed:
-        print(f"capture: hstap's connector did not close its store rank; a trainer following {cfg.out} will keep "
-              "waiting for it")
+          f"dropped {reasons or 0}")
+    run.print_drops(closed, f"hstap's connector did not close its store rank; a trainer following {cfg.out} will "
+                            "keep waiting for it")
     return summary
 
 
