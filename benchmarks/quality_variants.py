@@ -44,7 +44,8 @@ the GPU, so not a clean timing). Then one JSON line; with `lr1e-3` in the run it
 best variant's eval chain-5 over lr1e-3's (the recipe of the issue's 2.268). Env knobs: VARIANTS (comma list, or
 "all"), MEASURE, PAR, EPAR, EPOCHS or STEPS, BT, EV, NP, EP, NT, VAL_FRAC, DEV, CE_CHUNK, COMPILE, ENGINE, WORKERS,
 STAGGER (s the first training runs alone, at most, so that the others find its compiled kernels), timeouts TP TC TT
-TE (s).
+TE (s). REUSE=1: keep W from an earlier run with the same settings (its prepared sets, stores and every variant run
+that has RUN/best) and do the rest: a second call measures what a first one trained.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LR = ["--lr", "1e-3"]  # the recipe of the issue's 2.268 (lr 1e-3): the baseline of its ">= 1.08x" goal
+R = ["--lr", "3e-3", "--ttt", "5"]  # the best pair of the eleventh session (R+... variants change one thing more)
 VARIANTS = {  # name -> (train flags, store); each variant is today's recipe (train's defaults) with one change
     "base": ([], "store"),  # today's recipe: default flags (lr 2e-3, warmup 0.05, floor 0.1 since session 8)
     "seed2": (["--seed", "2"], "store"),  # today's recipe, another seed: how far two runs of one recipe differ
@@ -89,6 +91,16 @@ VARIANTS = {  # name -> (train flags, store); each variant is today's recipe (tr
     "lr3e-3+ttt4": (["--lr", "3e-3", "--ttt", "4"], "store"),
     "lr3e-3+ttt5+decay0.9": (["--lr", "3e-3", "--ttt", "5", "--ttt-decay", "0.9"], "store"),
     "ttt5+decay0.6": (["--ttt", "5", "--ttt-decay", "0.6"], "store"),
+    # twelfth session: around lr3e-3+ttt5 (R)
+    "R+decay0.7": (R + ["--ttt-decay", "0.7"], "store"),
+    "R+decay0.6": (R + ["--ttt-decay", "0.6"], "store"),
+    "R+clip1": (R + ["--grad-clip", "1.0"], "store"),
+    "R+hass": (R + ["--loss", "ce+topk", "--loss-mix", "0.5"], "store"),  # HASS's top-10 distillation term, weight 1
+    "R+hard": (R + ["--loss", "ce+hard", "--loss-mix", "0.5"], "store"),
+    "R+vocab4096": (R + ["--draft-vocab", "4096"], "store"),
+    "R+seed2": (R + ["--seed", "2"], "store"),
+    "lr3e-3+ttt6": (["--lr", "3e-3", "--ttt", "6"], "store"),  # the tree decoder's default depth
+    "lr3e-3+ttt6+decay0.7": (["--lr", "3e-3", "--ttt", "6", "--ttt-decay", "0.7"], "store"),
     # the same training tokens over two answers per prompt: the greedy one and one sampled from the target (MIX)
     "mix": (["--epochs", "1"], "store-mix"),
     "mix-lr3e-3+ttt5": (["--epochs", "1", "--lr", "3e-3", "--ttt", "5"], "store-mix"),
@@ -130,7 +142,7 @@ def settings(tiny: bool) -> dict:
          "WORKERS": e("WORKERS", "0" if tiny else "2"), "TP": int(e("TP", "240")), "TC": int(e("TC", "240")),
          "TT": int(e("TT", "600" if tiny else "330")), "TE": int(e("TE", "600" if tiny else "180")),
          "LAYERS": e("LAYERS", "1,3,4" if tiny else ""), "STAGGER": float(e("STAGGER", "0" if tiny else "90")),
-         "MIX": e("MIX", ""), "T1": e("T1", "")}
+         "MIX": e("MIX", ""), "T1": e("T1", ""), "REUSE": e("REUSE", "") not in ("", "0")}
     names = list(VARIANTS) if s["VARIANTS"] == "all" else s["VARIANTS"].split(",")
     bad = [n for n in names if n not in VARIANTS]
     if bad or "base" not in names:
@@ -247,8 +259,12 @@ def train(s: dict, W: Path) -> dict[str, int]:
     sched = ["--steps", s["STEPS"]] if s["STEPS"] else ["--epochs", s["EPOCHS"]]
     speed = (["--ce-chunk", s["CE_CHUNK"]] if s["CE_CHUNK"] else []) + \
         (["--compile", "false" if s["COMPILE"].lower() in ("0", "false") else "true"] if s["COMPILE"] else [])
-    jobs = []
-    for name in s["names"]:
+    jobs, names = [], [n for n in s["names"] if not (s["REUSE"] and (W / f"run-{n}" / "best").is_dir())]
+    if len(names) < len(s["names"]):
+        print(f"REUSE: trained before, kept: {[n for n in s['names'] if n not in names]}", file=sys.stderr)
+    if not names:
+        return {n: 0 for n in s["names"]}
+    for name in names:
         flags, store = VARIANTS[name]
         vmap = [] if "--draft-vocab" in flags else ["--vocab-map", W / "prep"]
         if "--epochs" in flags:  # the variant sets its own budget (mix: one epoch of two answers), unless STEPS does
@@ -262,18 +278,17 @@ def train(s: dict, W: Path) -> dict[str, int]:
                      W / f"train-{name}.log", s["TT"]))
     # the first variant (base) alone until it has logged 10 steps: the others find its flex_attention kernels
     # (static, then dynamic shapes: the same batches, the same graphs) compiled instead of compiling 12 at once
-    ready = lambda: (W / f"run-{s['names'][0]}" / "metrics.jsonl").is_file()  # noqa: E731
-    rcs = dict(zip(s["names"], parallel(jobs, s["PAR"], ready, s["STAGGER"])))
-    oom = [i for i, n in enumerate(s["names"]) if rcs[n] not in (0, 124)
+    ready = lambda: (W / f"run-{names[0]}" / "metrics.jsonl").is_file()  # noqa: E731
+    rcs = dict(zip(names, parallel(jobs, s["PAR"], ready, s["STAGGER"])))
+    oom = [i for i, n in enumerate(names) if rcs[n] not in (0, 124)
            and "out of memory" in (W / f"train-{n}.log").read_text(errors="replace").lower()]
     if oom:  # too many side by side for the GPU's memory: those again, fewer at a time, from scratch
-        print(f"out of memory: {[s['names'][i] for i in oom]}: again, {max(1, s['PAR'] // 3)} at a time",
-              file=sys.stderr)
+        print(f"out of memory: {[names[i] for i in oom]}: again, {max(1, s['PAR'] // 3)} at a time", file=sys.stderr)
         for i in oom:
-            shutil.rmtree(W / f"run-{s['names'][i]}", ignore_errors=True)
+            shutil.rmtree(W / f"run-{names[i]}", ignore_errors=True)
         again = parallel([jobs[i] for i in oom], max(1, s["PAR"] // 3))
-        rcs |= {s["names"][i]: rc for i, rc in zip(oom, again)}
-    return rcs
+        rcs |= {names[i]: rc for i, rc in zip(oom, again)}
+    return {n: rcs.get(n, 0) for n in s["names"]}
 
 
 def validation(run: Path) -> dict:
@@ -404,17 +419,19 @@ def main(argv: list[str]) -> int:
     tiny = "--tiny" in argv
     s = settings(tiny)
     W, OUT = Path(s["W"]), Path(s["OUT"])
-    if W.exists():
+    reuse = s["REUSE"] and (W / "store-eval").is_dir()
+    if W.exists() and not reuse:
         shutil.rmtree(W)
-    W.mkdir(parents=True)
+    W.mkdir(parents=True, exist_ok=True)
     OUT.mkdir(parents=True, exist_ok=True)
     log = Log()
     if not s["REF"]:
-        s["REF"] = toy_reference(W / "toy")
-    log.stage("prepare")
-    prepare(s, W, log)
-    log.stage("capture")
-    capture(s, W)
+        s["REF"] = str(W / "toy") if reuse else toy_reference(W / "toy")
+    if not reuse:
+        log.stage("prepare")
+        prepare(s, W, log)
+        log.stage("capture")
+        capture(s, W)
     log.stage(f"train {len(s['names'])} variants, {s['PAR']} side by side")
     rcs = train(s, W)
     rows = {n: {"rc": rcs[n], **validation(W / f"run-{n}")} for n in s["names"]}

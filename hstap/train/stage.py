@@ -123,7 +123,8 @@ class TrainConfig:
     """Weight of TTT step k is ttt_decay**k."""
     loss: str = "ce"
     """Per-row objective (`hstap.train.ttt.loss_core`): ce (soft cross-entropy), tv (total variation = 1 - acceptance under
-    sampling), rkl (reverse KL), hard (cross-entropy against the target argmax), 'a+b' = (1 - --loss-mix) a +
+    sampling), rkl (reverse KL), hard (cross-entropy against the target argmax), topk (cross-entropy over the target's
+    10 most likely ids: HASS's distillation term, `ce+topk`), 'a+b' = (1 - --loss-mix) a +
     --loss-mix b, or lk (per-row ce/tv hybrid weighted by exp(-lk_decay * acceptance))."""
     loss_mix: float = 0.5
     """Weight of the second term of an 'a+b' --loss."""

@@ -100,8 +100,12 @@ def ce_core(z: torch.Tensor, p: torch.Tensor, grad: bool = True):
     return loss, (torch.exp(z - lse) * psum - p if grad else None), z.argmax(-1)
 
 
-LOSS_TERMS = ("ce", "tv", "rkl", "hard")
+LOSS_TERMS = ("ce", "tv", "rkl", "hard", "topk")
 """Terms of `--loss`; "a+b" mixes two of them, "lk" is the adaptive ce/tv hybrid (see `loss_core`)."""
+
+TOPK_K = 10
+"""K of the "topk" term: HASS's harmonized objective distillation (Zhang et al., ICLR 2025) takes the target's 10 most
+likely ids; its recipe adds the term to the cross-entropy with weight 1, `--loss ce+topk --loss-mix 0.5` here."""
 
 
 def _term(name: str, z, p, q, lse):
@@ -112,6 +116,11 @@ def _term(name: str, z, p, q, lse):
     if name == "hard":  # cross-entropy against the target's argmax: the greedy-decoding surrogate
         onehot = torch.zeros_like(z).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)  # (n, Vd); compiles (no one_hot)
         return (lse - (onehot * z).sum(-1, keepdim=True)).squeeze(-1), q - onehot
+    if name == "topk":  # the cross-entropy over the target's TOPK_K most likely ids only (HASS)
+        top = p.topk(min(TOPK_K, p.shape[-1]), -1).indices  # (n, K)
+        pk = torch.zeros_like(p).scatter_(-1, top, p.gather(-1, top))  # (n, Vd): p outside its top K set to 0
+        psum = pk.sum(-1, keepdim=True)  # (n, 1)
+        return (lse * psum - (pk * z).sum(-1, keepdim=True)).squeeze(-1), q * psum - pk
     if name == "tv":  # total variation 0.5 sum |q - p| = 1 - acceptance probability under sampling
         s = torch.sign(q - p)  # (n, Vd)
         return 0.5 * (q - p).abs().sum(-1), 0.5 * q * (s - (s * q).sum(-1, keepdim=True))

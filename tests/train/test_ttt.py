@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from _drafter_fixtures import tiny_setup
 
-from hstap.train.ttt import (TTTModel, ce_core, loss_core, plan_rows, replay_chain, soft_ce, soft_ce_rows, step_rows,
-                             target_distribution, ttt_block_mask, ttt_flops, ttt_mask)
+from hstap.train.ttt import (TOPK_K, TTTModel, ce_core, loss_core, plan_rows, replay_chain, soft_ce, soft_ce_rows,
+                             step_rows, target_distribution, ttt_block_mask, ttt_flops, ttt_mask)
 
 
 def _rms(x, w, eps=1e-5):
@@ -340,6 +340,8 @@ def _ref_rows(loss, z, p, mix, decay):
     terms = {"ce": -(p * logq).sum(-1), "tv": 0.5 * (q - p).abs().sum(-1),
              "rkl": (q * (logq - p.clamp_min(1e-30).log())).sum(-1),
              "hard": -logq.gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)}
+    top = p.topk(min(TOPK_K, p.shape[-1]), -1).indices  # (n, K)
+    terms["topk"] = -(p.gather(-1, top) * logq.gather(-1, top)).sum(-1)
     if loss == "lk":
         w = torch.exp(-decay * (1 - terms["tv"].detach()))  # the cross-entropy's weight, held constant
         return w * terms["ce"] + (1 - w) * terms["tv"]
@@ -347,14 +349,15 @@ def _ref_rows(loss, z, p, mix, decay):
     return terms[a] if not b else (1 - mix) * terms[a] + mix * terms[b]
 
 
-@pytest.mark.parametrize("loss", ["ce", "tv", "rkl", "hard", "ce+tv", "tv+rkl", "ce+hard", "lk"])
+@pytest.mark.parametrize("loss", ["ce", "tv", "rkl", "hard", "ce+tv", "tv+rkl", "ce+hard", "lk", "topk", "ce+topk"])
 def test_objectives_equal_autograd_of_a_reference(loss):
     """The closed-form chunked objectives (value, argmax, gradients in x and in the lm_head) against autograd of a
-    plain implementation, across chunk borders."""
+    plain implementation, across chunk borders; topk over a vocabulary wider than its K."""
     g = torch.Generator().manual_seed(7)
+    V = TOPK_K + 6 if "topk" in loss else 7
     x = torch.randn(13, 8, generator=g, requires_grad=True)
-    w = torch.randn(7, 8, generator=g, requires_grad=True)
-    p = torch.softmax(2 * torch.randn(13, 7, generator=g), -1)
+    w = torch.randn(V, 8, generator=g, requires_grad=True)
+    p = torch.softmax(2 * torch.randn(13, V, generator=g), -1)
     _same_as_autograd(lambda: soft_ce(x, w, p, chunk=4, core=loss_core(loss, mix=0.3, lk_decay=2.0)), x, w,
                       lambda logits: _ref_rows(loss, logits, p, 0.3, 2.0).sum(), scale=2.0)
 
