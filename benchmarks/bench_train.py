@@ -58,6 +58,8 @@ from hstap import dist as D
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 from hstap.train.data import Feed
 from hstap.train.stage import TrainConfig
+
+TRAIN_DEFAULTS = TrainConfig(out="/nonexistent", target="/nonexistent", store="/nonexistent")  # train's defaults
 from hstap.train.trainer import Trainer
 from hstap.train.ttt import ttt_flops
 
@@ -128,10 +130,11 @@ def batches_ref(a, cfg, dev, cd, n: int = 8) -> list[dict]:
     return out
 
 
-def make_trainer(drafter, dev, attn: str, compile_: bool, ce_chunk: int, ttt: int, fsdp: bool) -> Trainer:
+def make_trainer(drafter, dev, attn: str, compile_: bool, ce_chunk: int, ttt: int, fsdp: bool,
+                 loss: str = TRAIN_DEFAULTS.loss) -> Trainer:
     """train's Trainer, with a TrainConfig of train's defaults, over a drafter already on dev."""
     tc = TrainConfig(out="/nonexistent", target="/nonexistent", store="/nonexistent", ttt=ttt, ce_chunk=ce_chunk,
-                     compile=compile_ and dev.type == "cuda", fsdp=fsdp)
+                     compile=compile_ and dev.type == "cuda", fsdp=fsdp, loss=loss)
     return Trainer(tc, drafter, D.get_world(), dev, attn, dev.type == "cuda")
 
 
@@ -244,13 +247,13 @@ def run_shape(a, dev, shape: str) -> dict:
     out = {"drafter": {"hidden": cfg.hidden_size, "heads": [cfg.num_attention_heads, cfg.num_key_value_heads],
                        "head_dim": cfg.head_dim, "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
                        "draft_vocab": cfg.draft_vocab_size}, "batch_tokens": a.batch_tokens, "seq": a.seq,
-           "ttt": a.ttt, "runs": {}}
+           "ttt": a.ttt, "loss": a.loss, "runs": {}}
     cuda = dev.type == "cuda"
     configs = ([(n, *REF_CONFIGS[n]) for n in a.ref_configs.split(",")] if shape == "ref"
                else [("compiled" if cuda and not a.no_compile else "eager", cuda and not a.no_compile, a.ce_chunk)])
     for name, comp, chunk in configs:
         d, head, cd = build_drafter(cfg, dev)  # a fresh drafter per config: compile wraps its layers in place
-        tr = make_trainer(d, dev, "flex" if cuda else "sdpa", comp, chunk, a.ttt, a.dist == "fsdp")
+        tr = make_trainer(d, dev, "flex" if cuda else "sdpa", comp, chunk, a.ttt, a.dist == "fsdp", a.loss)
         data = SimpleNamespace(target=None, layers=list(cfg.aux_layers), sel=[0, 1, 2], d2t=d.d2t.cpu(),
                                t2d=d.t2d.cpu())
         feed = Feed(data, head, dev, cd, chunk, a.ttt, pad_to=16 if cuda else 1)  # as train pads on CUDA
@@ -281,7 +284,8 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 4 for ref, 3 for 8b; 1 tiny)")
     p.add_argument("--seq", type=int, default=None, help="8b: sequence length (2048); ref: typical length (296)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (8b 16384, ref 32768)")
-    p.add_argument("--ttt", type=int, default=None, help="TTT steps (default 7; 3 with --tiny)")
+    p.add_argument("--ttt", type=int, default=None, help=f"TTT steps (default train's, {TRAIN_DEFAULTS.ttt}; 3 with --tiny)")
+    p.add_argument("--loss", default=TRAIN_DEFAULTS.loss, help=f"train's --loss (default train's, {TRAIN_DEFAULTS.loss})")
     p.add_argument("--ce-chunk", type=int, default=4096, help="8b: rows per chunk of the target head and fused CE")
     p.add_argument("--ref-configs", default="eager,eager-chunk16k,compiled-chunk16k",
                    help=f"ref: comma list of {', '.join(REF_CONFIGS)}")
@@ -314,7 +318,7 @@ def _main(a, dev) -> dict:
     given = {k: getattr(a, k) for k in ("steps", "warmup", "seq", "batch_tokens", "ttt")}
     for shape in (["8b", "ref"] if a.shape == "both" else [a.shape]):
         full = {"steps": 10, "warmup": 4 if shape == "ref" else 3, "seq": 296 if shape == "ref" else 2048,
-                "batch_tokens": 32768 if shape == "ref" else 16384, "ttt": 7}
+                "batch_tokens": 32768 if shape == "ref" else 16384, "ttt": TRAIN_DEFAULTS.ttt}
         tiny = {"steps": 2, "warmup": 1, "seq": 48 if shape == "ref" else 64, "batch_tokens": 256, "ttt": 3}
         for k, v in given.items():
             setattr(a, k, v if v is not None else (tiny if a.tiny else full)[k])

@@ -99,6 +99,9 @@ VARIANTS = {  # name -> (train flags, store); each variant is today's recipe (tr
     "R+hard": (R + ["--loss", "ce+hard", "--loss-mix", "0.5"], "store"),
     "R+vocab4096": (R + ["--draft-vocab", "4096"], "store"),
     "R+seed2": (R + ["--seed", "2"], "store"),
+    "R+hard+decay0.6": (R + ["--loss", "ce+hard", "--loss-mix", "0.5", "--ttt-decay", "0.6"], "store"),
+    "R+hard0.75": (R + ["--loss", "ce+hard", "--loss-mix", "0.75"], "store"),
+    "R+hard+seed2": (R + ["--loss", "ce+hard", "--loss-mix", "0.5", "--seed", "2"], "store"),
     "lr3e-3+ttt6": (["--lr", "3e-3", "--ttt", "6"], "store"),  # the tree decoder's default depth
     "lr3e-3+ttt6+decay0.7": (["--lr", "3e-3", "--ttt", "6", "--ttt-decay", "0.7"], "store"),
     # the same training tokens over two answers per prompt: the greedy one and one sampled from the target (MIX)
@@ -443,10 +446,12 @@ def main(argv: list[str]) -> int:
     best = max(scored, key=lambda n: rows[n]["val_chain5"]) if scored else None
     want = [best if m == "best" else m for m in s["MEASURE"].split(",") if m]
     want = [m for m in dict.fromkeys(want) if m in rows and rows[m].get("steps")]
+    (OUT / "variants.partial.json").write_text(json.dumps(rows, indent=1) + "\n")
     log.stage(f"measure {want} (hstap eval, {s['EP']} processes each)")
     for n, m in measure(s, W, want).items():
         rows[n].update(measured_tau=m["tau"], lossless=m["lossless"], engine=m["engine"], measured_prompts=m["prompts"],
                        measured_complete=m["complete"], measured_acceptance=m["per_position_acceptance"])
+    (OUT / "variants.partial.json").write_text(json.dumps(rows, indent=1) + "\n")  # kept if a later stage is cut
     if s["T1"]:
         log.stage(f"measure {want} at temperature {s['T1']} (lossless rejection sampling)")
         for n, m in measure(s, W, want, s["T1"]).items():
