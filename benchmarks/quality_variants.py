@@ -44,7 +44,7 @@ the GPU, so not a clean timing). Then one JSON line; with `lr1e-3` in the run it
 best variant's eval chain-5 over lr1e-3's (the recipe of the issue's 2.268). Env knobs: VARIANTS (comma list, or
 "all"), MEASURE, PAR, EPAR, EPOCHS or STEPS, BT, EV, NP, EP, NT, VAL_FRAC, DEV, CE_CHUNK, COMPILE, ENGINE, WORKERS,
 STAGGER (s the first training runs alone, at most, so that the others find its compiled kernels), timeouts TP TC TT
-TE (s). REUSE=1: keep W from an earlier run with the same settings (its prepared sets, stores and every variant run
+TE (s). T0=0: no greedy measure (with T1: temperature T1 alone). REUSE=1: keep W from an earlier run with the same settings (its prepared sets, stores and every variant run
 that has RUN/best) and do the rest: a second call measures what a first one trained.
 """
 
@@ -145,7 +145,8 @@ def settings(tiny: bool) -> dict:
          "WORKERS": e("WORKERS", "0" if tiny else "2"), "TP": int(e("TP", "240")), "TC": int(e("TC", "240")),
          "TT": int(e("TT", "600" if tiny else "330")), "TE": int(e("TE", "600" if tiny else "180")),
          "LAYERS": e("LAYERS", "1,3,4" if tiny else ""), "STAGGER": float(e("STAGGER", "0" if tiny else "90")),
-         "MIX": e("MIX", ""), "T1": e("T1", ""), "REUSE": e("REUSE", "") not in ("", "0")}
+         "MIX": e("MIX", ""), "T1": e("T1", ""), "REUSE": e("REUSE", "") not in ("", "0"),
+         "T0": e("T0", "1") != "0"}
     names = list(VARIANTS) if s["VARIANTS"] == "all" else s["VARIANTS"].split(",")
     bad = [n for n in names if n not in VARIANTS]
     if bad or "base" not in names:
@@ -448,7 +449,7 @@ def main(argv: list[str]) -> int:
     want = [m for m in dict.fromkeys(want) if m in rows and rows[m].get("steps")]
     (OUT / "variants.partial.json").write_text(json.dumps(rows, indent=1) + "\n")
     log.stage(f"measure {want} (hstap eval, {s['EP']} processes each)")
-    for n, m in measure(s, W, want).items():
+    for n, m in (measure(s, W, want) if s["T0"] else {}).items():
         rows[n].update(measured_tau=m["tau"], lossless=m["lossless"], engine=m["engine"], measured_prompts=m["prompts"],
                        measured_complete=m["complete"], measured_acceptance=m["per_position_acceptance"])
     (OUT / "variants.partial.json").write_text(json.dumps(rows, indent=1) + "\n")  # kept if a later stage is cut
