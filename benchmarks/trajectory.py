@@ -56,7 +56,8 @@ def run(a: dict, root: Path, online: bool) -> list[dict]:
 
     kw = dict(target=a["target"], out=str(root / ("online" if online else "offline")), steps=20, batch_tokens=600,
               ttt=3, lr=3e-3, warmup_ratio=0.015, min_lr_ratio=0.0, log_every=1, save_every=10, eval_frac=0.2,
-              skip_verify=True, device="cpu", seed=0, tensorboard=False)  # the schedule of the recorded trajectory
+              skip_verify=True, device="cpu", seed=0, tensorboard=False,
+              loss="ce", ttt_decay=0.8)  # the schedule and objective of the recorded trajectory
     kw |= dict(online=True, data=a["prepared"], aux_layers="1,3,4") if online else dict(store=a["store"], data=a["prepared"])
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         train(TrainConfig(**kw))
