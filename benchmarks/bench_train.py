@@ -284,8 +284,9 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 4 for ref, 3 for 8b; 1 tiny)")
     p.add_argument("--seq", type=int, default=None, help="8b: sequence length (2048); ref: typical length (296)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (8b 16384, ref 32768)")
-    p.add_argument("--ttt", type=int, default=None, help=f"TTT steps (default train's, {TRAIN_DEFAULTS.ttt}; 3 with --tiny)")
-    p.add_argument("--loss", default=TRAIN_DEFAULTS.loss, help=f"train's --loss (default train's, {TRAIN_DEFAULTS.loss})")
+    p.add_argument("--ttt", type=int, default=None,
+                   help=f"TTT steps (default train's, {TRAIN_DEFAULTS.ttt}; 3 with --tiny)")
+    p.add_argument("--loss", default=TRAIN_DEFAULTS.loss, help=f"train's --loss (default {TRAIN_DEFAULTS.loss})")
     p.add_argument("--ce-chunk", type=int, default=4096, help="8b: rows per chunk of the target head and fused CE")
     p.add_argument("--ref-configs", default="eager,eager-chunk16k,compiled-chunk16k",
                    help=f"ref: comma list of {', '.join(REF_CONFIGS)}")

@@ -45,8 +45,9 @@ the GPU, so not a clean timing). Then one JSON line; with `lr1e-3` in the run it
 best variant's eval chain-5 over lr1e-3's (the recipe of the issue's 2.268). Env knobs: VARIANTS (comma list, or
 "all"), MEASURE, PAR, EPAR, EPOCHS or STEPS, BT, EV, NP, EP, NT, VAL_FRAC, DEV, CE_CHUNK, COMPILE, ENGINE, WORKERS,
 STAGGER (s the first training runs alone, at most, so that the others find its compiled kernels), timeouts TP TC TT
-TE (s). T0=0: no greedy measure (with T1: temperature T1 alone). REUSE=1: keep W from an earlier run with the same settings (its prepared sets, stores and every variant run
-that has RUN/best) and do the rest: a second call measures what a first one trained.
+TE (s). T0=0: no greedy measure (with T1: temperature T1 alone). REUSE=1: keep W from an earlier run with the
+same settings (its prepared sets, stores and every variant run that has RUN/best) and do the rest: a second call
+measures what a first one trained.
 """
 
 from __future__ import annotations

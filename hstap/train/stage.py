@@ -11,10 +11,8 @@
 Objective (`hstap.train.ttt`): step k of --ttt at position t feeds x[t+1+k] and the step k-1 output, and predicts x[t+2+k]
 against the target's distribution at t+1+k over the draft vocabulary (the frozen target lm_head, read from the target
 directory's safetensors, applied to the stored `final` state). Counted: loss_mask[t+2+k] == 1, t+2+k < length, target
-argmax in the draft vocabulary. loss = sum_k 0.6^k mean_k(0.5 soft CE + 0.5 hard CE) (--ttt-decay; --loss picks the
-per-row objective: the soft cross-entropy alone, the hard one against the target's argmax, total variation, reverse
-KL, HASS's top-10 term, mixes, an LK-style hybrid). --draft-layers N > 1 stacks N-1 plain
-Llama layers after the midlayer, each with its own TTT cache.
+argmax in the draft vocabulary. loss = sum_k 0.6^k mean_k(0.5 soft CE + 0.5 CE against the target argmax) (--ttt-decay;
+--loss: soft CE alone, TV, reverse KL, HASS's top-10, mixes, LK). --draft-layers N > 1 stacks N-1 plain Llama layers.
 
 Exact global mean. An optimizer step covers world x --grad-accum micro-batches. Every micro-batch's target distribution
 is computed first; the counted positions N_k are summed over micro-batches and all-reduced; each micro-batch then
@@ -119,28 +117,24 @@ class TrainConfig:
     epochs: int | None = None
     """Epochs over the training split (default 1 when --steps is not given)."""
     ttt: int = 5
-    """Training-time-test steps K (1 = no TTT). 5 = the drafts of a chain round at hstap eval's default k; with
-    --ttt-decay 0.6 and --loss ce+hard it gave chain-5 tau 1.083x TTT 7 / decay 0.8 / ce at equal budget (RESULTS.md,
-    twelfth session). A tree deeper than K (eval's default depth 6) drafts its last level with an untrained step."""
+    """Training-time-test steps K (1 = no TTT); 5 = eval's default k. With decay 0.6 and ce+hard: chain-5 tau 1.083x
+    TTT 7 / decay 0.8 / ce (RESULTS.md, twelfth session). A tree deeper than K drafts its last levels untrained."""
     ttt_decay: float = 0.6
-    """Weight of TTT step k is ttt_decay**k (0.6: the early drafts, which every accepted run needs, weigh most; 0.8, 0.9
-    and 1.0 measured lower)."""
+    """Weight of TTT step k is ttt_decay**k (0.6: the early drafts weigh most; 0.7-1.0 measured lower)."""
     loss: str = "ce+hard"
     """Per-row objective (`hstap.train.ttt.loss_core`): ce (soft cross-entropy), tv (total variation = 1 - acceptance under
     sampling), rkl (reverse KL), hard (cross-entropy against the target argmax), topk (cross-entropy over the target's
-    10 most likely ids: HASS's distillation term, `ce+topk`), 'a+b' = (1 - --loss-mix) a +
-    --loss-mix b, or lk (per-row ce/tv hybrid weighted by exp(-lk_decay * acceptance))."""
+    10 most likely ids: HASS's term), 'a+b' = (1 - --loss-mix) a + --loss-mix b, or lk (per-row ce/tv hybrid
+    weighted by exp(-lk_decay * acceptance))."""
     loss_mix: float = 0.5
-    """Weight of the second term of an 'a+b' --loss (the default ce+hard: half soft cross-entropy, half cross-entropy
-    against the target's argmax, what greedy verification accepts)."""
+    """Weight of the second term of an 'a+b' --loss."""
     lk_decay: float = 3.0
     """--loss lk: the cross-entropy's weight of a row is exp(-lk_decay * (1 - tv))."""
     draft_layers: int = 1
     """Drafter decoder layers: 1 = the EAGLE-3 midlayer alone; N > 1 adds N-1 plain Llama layers (vLLM export)."""
     lr: float = 3e-3
-    """Peak learning rate (AdamW), part of the twelfth session's recipe (RESULTS.md): on the reference drafter with TTT 5,
-    3e-3 was 0.6% below 4e-3 on validation and 1.1% above it on the eval prompts; 2e-3 beat 1e-3 by 9%. Not measured
-    at wide shapes, where a lower rate (SpecForge: 1e-4) may be safer."""
+    """Peak learning rate (AdamW; RESULTS.md: with TTT 5, 3e-3 ~ 4e-3 > 2e-3 > 1e-3 on the reference drafter). Not
+    measured at wide shapes, where a lower rate (SpecForge: 1e-4) may be safer."""
     min_lr_ratio: float = 0.1
     """Cosine schedule floor as a fraction of --lr. 0.1 with --warmup-ratio 0.05: the best schedule on validation
     (RESULTS.md, eighth session; eval chain-5 tau 2.636 against 2.610 with 0.0 / 0.015)."""
