@@ -1,4 +1,4 @@
-"""Training throughput of EAGLE-3 drafter steps (TTT 7), one GPU: the 8B-shaped drafter and the reference target's.
+"""Training throughput of EAGLE-3 drafter steps, one GPU: the 8B-shaped drafter and the reference target's.
 
     python benchmarks/bench_train.py                       # H200: both shapes, one JSON line ("shapes": {"8b", "ref"})
     python benchmarks/bench_train.py --shape 8b            # the 8B shape alone, + the causal-only baseline
@@ -58,10 +58,10 @@ from hstap import dist as D
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 from hstap.train.data import Feed
 from hstap.train.stage import TrainConfig
-
-TRAIN_DEFAULTS = TrainConfig(out="/nonexistent", target="/nonexistent", store="/nonexistent")  # train's defaults
 from hstap.train.trainer import Trainer
 from hstap.train.ttt import ttt_flops
+
+TRAIN_DEFAULTS = TrainConfig(out="/nonexistent", target="/nonexistent", store="/nonexistent")  # train's defaults
 
 REF_CONFIGS = {"eager": (False, 4096), "eager-chunk16k": (False, 16384), "compiled": (True, 4096),
                "compiled-chunk16k": (True, 16384)}

@@ -59,7 +59,7 @@ sched="--epochs $EPOCHS"; [ -n "${STEPS:-}" ] && sched="--steps $STEPS"
 stamp "train EAGLE-3 (and the EAGLE-1-style drafter side by side unless BASELINE=0): $sched, lr $LR"
 common="--store $W/store --eval-store $W/store-eval --target $T --vocab-map $W/prep $sched --lr $LR \
   --batch-tokens ${BT:-32768} --device $DEV --eval-every ${EV:-100} --save-every ${EV:-100} --log-every 50 --keep 2"
-timeout "${TT:-240}" $H train $common --out $W/run-eagle3 --ttt 7 > $W/train-eagle3.log 2>&1 &
+timeout "${TT:-240}" $H train $common --out $W/run-eagle3 --ttt 7 --ttt-decay 0.8 --loss ce > $W/train-eagle3.log 2>&1 &
 runs="eagle3"
 if [ "${BASELINE:-1}" != 0 ]; then
   timeout "${TT:-240}" $H train $common --out $W/run-eagle1 --aux-layers final --ttt 1 > $W/train-eagle1.log 2>&1 &

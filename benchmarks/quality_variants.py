@@ -35,7 +35,7 @@ Stages.
 
 MIX (optional): a dir with regen-train.jsonl[.gz], other answers of the target to the same train prompts (say,
 `hstap generate --temperature 1 --seed 1`): the `mix*` variants train on the train split's greedy answers plus these
-(ids suffixed `~mix`; validation prompts left out of both) for one epoch, the same training tokens as base's two
+(ids suffixed `~mix`; validation prompts left out of both) for one epoch, the same training tokens as OLD's two
 epochs over one answer per prompt. T1 (optional, a temperature): the measured variants are also decoded with lossless
 rejection sampling at that temperature (`hstap eval --temperature T1`), for tau and per-position acceptance.
 
@@ -82,7 +82,7 @@ HARD = ("--loss", "ce+hard", "--loss-mix", "0.5")
 VARIANTS = {  # name -> (train flags, store); every variant but base is OLD with the changes its name says
     "base": ([], "store"),  # train's defaults (since the twelfth session: lr 3e-3, TTT 5, decay 0.6, ce+hard)
     "defaults-42f1a69": (old(), "store"),  # the defaults before: the twelfth session's and earlier tables' "base"
-    "seed2": (old("--seed", "2"), "store"),  # another seed: how far two runs of one recipe differ
+    "seed2": (old("--seed", "2"), "store"),  # defaults-42f1a69's other seed: how far two runs of one recipe differ
     "lr1e-4": (old("--lr", "1e-4"), "store"),  # the default before the sixth session
     "lr1e-3": (old(*LR), "store"),  # the issue's recipe
     "lr3e-3": (old("--lr", "3e-3"), "store"),
@@ -110,7 +110,7 @@ VARIANTS = {  # name -> (train flags, store); every variant but base is OLD with
     "R+decay0.7": (old(*R, "--ttt-decay", "0.7"), "store"),
     "R+decay0.6": (old(*R, "--ttt-decay", "0.6"), "store"),
     "R+clip1": (old(*R, "--grad-clip", "1.0"), "store"),
-    "R+hass": (old(*R, "--loss", "ce+topk", "--loss-mix", "0.5"), "store"),  # HASS's top-10 distillation, weight 1
+    "R+hass": (old(*R, "--loss", "ce+topk", "--loss-mix", "0.5"), "store"),  # HASS's ce + top-10, times 0.5
     "R+hard": (old(*R, *HARD), "store"),
     "R+vocab4096": (old(*R, "--draft-vocab", "4096"), "store"),
     "R+seed2": (old(*R, "--seed", "2"), "store"),
@@ -123,7 +123,7 @@ VARIANTS = {  # name -> (train flags, store); every variant but base is OLD with
     "mix": (old("--epochs", "1"), "store-mix"),
     "mix-lr3e-3+ttt5": (old("--epochs", "1", *R), "store-mix"),
 }
-DEFAULT = "base,seed2,lr1e-3,cosine0,lk,ttt5,n2,fp8"
+DEFAULT = "base,defaults-42f1a69,seed2,lr1e-3,cosine0,lk,ttt5,n2,fp8"
 TINY = "base,lk,n2,fp8"
 
 
@@ -278,23 +278,27 @@ def train(s: dict, W: Path) -> dict[str, int]:
     sched = ["--steps", s["STEPS"]] if s["STEPS"] else ["--epochs", s["EPOCHS"]]
     speed = (["--ce-chunk", s["CE_CHUNK"]] if s["CE_CHUNK"] else []) + \
         (["--compile", "false" if s["COMPILE"].lower() in ("0", "false") else "true"] if s["COMPILE"] else [])
-    jobs, names = [], [n for n in s["names"] if not (s["REUSE"] and (W / f"run-{n}" / "best").is_dir())]
-    if len(names) < len(s["names"]):
-        print(f"REUSE: trained before, kept: {[n for n in s['names'] if n not in names]}", file=sys.stderr)
-    if not names:
-        return {n: 0 for n in s["names"]}
-    for name in names:
+    jobs, names = [], []
+    for name in s["names"]:
         flags, store = VARIANTS[name]
         vmap = [] if "--draft-vocab" in flags else ["--vocab-map", W / "prep"]
         if "--epochs" in flags:  # the variant sets its own budget (mix: one epoch of two answers), unless STEPS does
             i = flags.index("--epochs")
             flags = flags[:i] + flags[i + 2:] if s["STEPS"] else flags
         own = "--epochs" in flags
-        jobs.append((hstap("train", "--store", W / store, "--eval-store", W / "store-val", "--target", T, *vmap,
-                           *([] if own else sched), "--batch-tokens", s["BT"], "--device", s["DEV"], "--eval-every", s["EV"],
-                           "--save-every", s["EV"], "--log-every", 10, "--keep", 1, "--workers", s["WORKERS"],
-                           "--skip-verify", "--tensorboard", "false", *speed, *flags, "--out", W / f"run-{name}"),
-                     W / f"train-{name}.log", s["TT"]))
+        cmd = hstap("train", "--store", W / store, "--eval-store", W / "store-val", "--target", T, *vmap,
+                    *([] if own else sched), "--batch-tokens", s["BT"], "--device", s["DEV"], "--eval-every", s["EV"],
+                    "--save-every", s["EV"], "--log-every", 10, "--keep", 1, "--workers", s["WORKERS"],
+                    "--skip-verify", "--tensorboard", "false", *speed, *flags, "--out", W / f"run-{name}")
+        if s["REUSE"] and _trained_before(W, name, cmd):
+            continue
+        names.append(name)
+        jobs.append((cmd, W / f"train-{name}.log", s["TT"]))
+    if len(names) < len(s["names"]):
+        print(f"REUSE: trained before by the same command, kept: {[n for n in s['names'] if n not in names]}",
+              file=sys.stderr)
+    if not names:
+        return {n: "reused" for n in s["names"]}
     # the first variant (base) alone until it has logged 10 steps: the others find its flex_attention kernels
     # (static, then dynamic shapes: the same batches, the same graphs) compiled instead of compiling 12 at once
     ready = lambda: (W / f"run-{names[0]}" / "metrics.jsonl").is_file()  # noqa: E731
@@ -307,7 +311,16 @@ def train(s: dict, W: Path) -> dict[str, int]:
             shutil.rmtree(W / f"run-{names[i]}", ignore_errors=True)
         again = parallel([jobs[i] for i in oom], max(1, s["PAR"] // 3))
         rcs |= {names[i]: rc for i, rc in zip(oom, again)}
-    return {n: rcs.get(n, 0) for n in s["names"]}
+    for (cmd, _, _), n in zip(jobs, names):  # what REUSE compares
+        (W / f"run-{n}.cmd.json").write_text(json.dumps({"cmd": cmd, "rc": rcs[n]}) + "\n")
+    return {n: rcs.get(n, "reused") for n in s["names"]}  # "reused": trained by an earlier call (REUSE)
+
+
+def _trained_before(W: Path, name: str, cmd: list[str]) -> bool:
+    """REUSE: run-{name} was trained to the end by this very command (flags, store, budget) in an earlier call."""
+    f = W / f"run-{name}.cmd.json"
+    rec = json.loads(f.read_text()) if f.is_file() else {}
+    return rec.get("cmd") == cmd and rec.get("rc") == 0 and (W / f"run-{name}" / "best").is_dir()
 
 
 def validation(run: Path) -> dict:
@@ -372,6 +385,7 @@ def measure(s: dict, W: Path, names: list[str], temperature: str = "") -> dict[s
     for name in names:
         for i in range(s["EP"]):
             out = W / f"eval{tag}-{name}-{i}"
+            shutil.rmtree(out, ignore_errors=True)  # REUSE: an earlier call's report must not stand in for this one's
             jobs.append((hstap("eval", "--target", T, "--drafter", W / f"run-{name}", "--data", W / f"prep-eval-{i}",
                                "--out", out, "--mode", "chain", "--k", 5, "--max-new-tokens", s["NT"], "--device",
                                s["DEV"], "--dtype", "fp32", "--engine", s["ENGINE"], *temp),
@@ -438,7 +452,10 @@ def main(argv: list[str]) -> int:
     tiny = "--tiny" in argv
     s = settings(tiny)
     W, OUT = Path(s["W"]), Path(s["OUT"])
+    data = {k: s[k] for k in ("REF", "REGEN", "MIX", "MAXS", "NP", "EP", "VAL_FRAC", "LAYERS", "DEV")}  # W's inputs
     reuse = s["REUSE"] and (W / "store-eval").is_dir()
+    if reuse and (json.loads((W / "qv_data.json").read_text()) if (W / "qv_data.json").is_file() else {}) != data:
+        sys.exit(f"quality_variants: REUSE: {W} was prepared with other settings than {data} ({W}/qv_data.json)")
     if W.exists() and not reuse:
         shutil.rmtree(W)
     W.mkdir(parents=True, exist_ok=True)
@@ -451,6 +468,7 @@ def main(argv: list[str]) -> int:
         prepare(s, W, log)
         log.stage("capture")
         capture(s, W)
+        (W / "qv_data.json").write_text(json.dumps(data) + "\n")
     log.stage(f"train {len(s['names'])} variants, {s['PAR']} side by side")
     rcs = train(s, W)
     rows = {n: {"rc": rcs[n], **validation(W / f"run-{n}")} for n in s["names"]}

@@ -51,7 +51,8 @@ def test_gpu_capture_matches_cpu_fp32(tiny_llama, tmp_path, dtype):
         torch.testing.assert_close(c[c.index_of(b.ids[i])]["aux"], b[i]["aux"], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("num_layers,loss,compile_", [(1, "ce", False), (2, "lk", False), (3, "ce+tv", True)])
+@pytest.mark.parametrize("num_layers,loss,compile_", [(1, "ce", False), (2, "lk", False), (3, "ce+tv", True),
+                                                      (1, "ce+hard", True), (1, "ce+topk", True)])
 def test_flex_ttt_matches_sdpa_with_grads(monkeypatch, num_layers, loss, compile_):
     import _drafter_fixtures as td
 

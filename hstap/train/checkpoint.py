@@ -19,9 +19,13 @@ from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsyn
 from hstap.models.drafter import Eagle3Drafter
 
 RESUME_KEYS = ("world_size", "grad_accum", "batch_tokens", "seed", "ttt", "eval_frac", "lr", "warmup_ratio",
-               "min_lr_ratio")
-"""Run settings a resume must repeat: they decide the data order, the global batch, the model's shape and the learning
-rate schedule (whose defaults changed in the eighth session: a run started before resumes only with its own values)."""
+               "min_lr_ratio", "ttt_decay", "loss", "loss_mix", "lk_decay")
+"""Run settings a resume must repeat: they decide the data order, the global batch, the model's shape, the learning
+rate schedule and the objective (defaults changed in the eighth and twelfth sessions: a run started before resumes
+only with its own values)."""
+
+BEFORE_KEY = {"ttt_decay": 0.8, "loss": "ce", "loss_mix": 0.5, "lk_decay": 3.0}
+"""What a checkpoint written before a RESUME_KEYS setting existed was trained with."""
 
 
 def complete(run: Path) -> list[Path]:
@@ -100,10 +104,10 @@ def load(ckpt: Path, config: dict, drafter: Eagle3Drafter) -> dict:
     equal the checkpoint's."""
     state = json.loads((ckpt / "trainer_state.json").read_text())
     for k in RESUME_KEYS:
-        if state["config"][k] != config[k]:
+        was = state["config"].get(k, BEFORE_KEY.get(k)) if k in BEFORE_KEY else state["config"][k]
+        if was != config[k]:
             flag = "the number of ranks" if k == "world_size" else "--" + k.replace("_", "-")
-            raise HstapError(f"{ckpt}/trainer_state.json: {k} was {state['config'][k]}; resume with the same value "
-                             f"({flag})")
+            raise HstapError(f"{ckpt}/trainer_state.json: {k} was {was}; resume with the same value ({flag})")
     weights = load_file(str(ckpt / "drafter.safetensors"))
     if any(n in weights and not torch.equal(weights[n].cpu(), getattr(drafter, n).cpu()) for n in ("d2t", "t2d")):
         raise HstapError(f"{ckpt}/drafter.safetensors: its draft vocabulary ({weights['d2t'].numel()} ids) is not this "

@@ -117,8 +117,8 @@ class TrainConfig:
     epochs: int | None = None
     """Epochs over the training split (default 1 when --steps is not given)."""
     ttt: int = 5
-    """Training-time-test steps K (1 = no TTT); 5 = eval's default k. With decay 0.6 and ce+hard: chain-5 tau 1.083x
-    TTT 7 / decay 0.8 / ce (RESULTS.md, twelfth session). A tree deeper than K drafts its last levels untrained."""
+    """Training-time-test steps K (1 = no TTT); 5 = eval's default k. With lr 3e-3, decay 0.6, ce+hard: chain-5
+    tau 1.083x lr 2e-3 / TTT 7 / 0.8 / ce (RESULTS.md, twelfth session); a tree deeper than K drafts untrained steps."""
     ttt_decay: float = 0.6
     """Weight of TTT step k is ttt_decay**k (0.6: the early drafts weigh most; 0.7-1.0 measured lower)."""
     loss: str = "ce+hard"

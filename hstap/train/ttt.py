@@ -10,8 +10,9 @@ decoding uses for the k-th draft token, and SpecForge's `position_ids + lck`); t
 draft vocabulary of the target's logits at t+1+k (the frozen target lm_head applied to `final[t+1+k]`, columns of the
 hot ids); predicted token x[t+2+k]. A (step, position) is counted when loss_mask[t+2+k] == 1, t+2+k < length and the
 target's full-vocabulary argmax at t+1+k lies in the draft vocabulary. Loss = sum_k decay^k * mean over counted
-positions of the per-row objective: by default the soft cross-entropy -sum p_target log softmax(draft logits);
-`loss_core` gives the others (total variation, reverse KL, hard cross-entropy, mixes, the LK-style hybrid).
+positions of the per-row objective: by default (`TTTModel`) the soft cross-entropy -sum p_target log softmax(draft
+logits); `loss_core` gives the others (total variation, reverse KL, hard cross-entropy, HASS's top-k, mixes, the
+LK-style hybrid; train's default is ce+hard). Evaluation reports the same objective.
 
 Right padding needs no mask of its own: a counted query (t+2+k < length) only sees step-0 keys at s <= t and diagonal
 keys at t, all of which were built from real tokens.
@@ -105,7 +106,8 @@ LOSS_TERMS = ("ce", "tv", "rkl", "hard", "topk")
 
 TOPK_K = 10
 """K of the "topk" term: HASS's harmonized objective distillation (Zhang et al., ICLR 2025) takes the target's 10 most
-likely ids; its recipe adds the term to the cross-entropy with weight 1, `--loss ce+topk --loss-mix 0.5` here."""
+likely ids; its recipe adds the term to the cross-entropy with weight 1: `--loss ce+topk --loss-mix 0.5` here, which
+is that sum times 0.5 (the same direction; AdamW's steps hardly change, the norm that --grad-clip sees halves)."""
 
 
 def _term(name: str, z, p, q, lse):
@@ -134,10 +136,10 @@ def loss_core(loss: str = "ce", mix: float = 0.5, lk_decay: float = 3.0):
     """The per-row objective of `--loss` as a core for `soft_ce`: core(z, p, grad) -> (loss (n,), d loss / d z or
     None, argmax (n,)), z fp32 draft logits (n, Vd), p target probabilities (n, Vd). Exact gradients, in closed form.
 
-    "ce" is `ce_core` itself (today's objective, bit for bit). "tv", "rkl", "hard": one term (`_term`). "a+b": (1 -
-    mix) * a + mix * b. "lk" (LK-style lambda hybrid, per row): w * ce + (1 - w) * tv with w = exp(-lk_decay * (1 -
-    tv)) held constant (no gradient through w): rows the drafter already accepts well are trained on acceptance,
-    the others mostly on the cross-entropy."""
+    "ce" is `ce_core` itself (the soft cross-entropy, bit for bit). "tv", "rkl", "hard", "topk": one term (`_term`).
+    "a+b": (1 - mix) * a + mix * b. "lk" (LK-style lambda hybrid, per row): w * ce + (1 - w) * tv with
+    w = exp(-lk_decay * (1 - tv)) held constant (no gradient through w): rows the drafter already accepts well are
+    trained on acceptance, the others mostly on the cross-entropy."""
     if loss == "ce":
         return ce_core
     names = loss.split("+") if loss != "lk" else ["ce", "tv"]
@@ -215,9 +217,11 @@ def soft_ce(x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, chunk: int =
 
 
 @torch.no_grad()
-def soft_ce_rows(x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, chunk: int = 4096, compute_dtype=None):
-    """The same soft cross-entropy per row, without gradients (evaluation) -> (losses (n,), argmax (n,))."""
-    _, loss, pred, _, _ = _ce_chunks(x, weight, p, chunk, compute_dtype or x.dtype, ce_core, grad=False)
+def soft_ce_rows(x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, chunk: int = 4096, compute_dtype=None,
+                 core=None):
+    """The same objective per row (default the soft cross-entropy), without gradients (evaluation) -> (losses (n,),
+    argmax (n,))."""
+    _, loss, pred, _, _ = _ce_chunks(x, weight, p, chunk, compute_dtype or x.dtype, core or ce_core, grad=False)
     return loss, pred
 
 
@@ -289,6 +293,7 @@ class TTTModel(nn.Module):
         self._masks: dict = {}
         self.attn_fallback: str | None = None
         self.ce_core = loss_core(loss, loss_mix, lk_decay)  # the objective of `soft_ce` (compiled with compile=True)
+        self.eval_core = self.ce_core  # the same objective for evaluation, never compiled (no grad: one pass anyway)
         if compile:
             for layer in drafter.decoder_layers():
                 layer.pre = compile_region(layer.pre)  # norms + q/k/v + RoPE fused
@@ -349,7 +354,7 @@ class TTTModel(nn.Module):
             x = d.norm(h.reshape(B * T, -1).index_select(0, rows_t))  # (n, H)
             p, tgt = tb["p"].index_select(0, rows_c), tb["tgt"].index_select(0, rows_c)  # (n, Vd), (n,)
             if evaluate:
-                ce, pred = soft_ce_rows(x, d.lm_head.weight, p, self.ce_chunk, cd)  # (n,), (n,)
+                ce, pred = soft_ce_rows(x, d.lm_head.weight, p, self.ce_chunk, cd, self.eval_core)  # (n,), (n,)
                 inv = tb["inv"].index_select(0, rows_c)  # (n,)
                 ok = (pred == tgt) & inv
                 stats[k] = torch.stack([(ce * inv).sum().double(), ok.sum().double(), inv.sum().double()])

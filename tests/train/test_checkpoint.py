@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ from hstap.train import checkpoint
 from hstap.train.ttt import TTTModel, step_rows, target_distribution
 
 CONFIG = {"world_size": 1, "grad_accum": 1, "batch_tokens": 600, "seed": 0, "ttt": 2, "eval_frac": 0.0, "lr": 2e-3,
-          "warmup_ratio": 0.05, "min_lr_ratio": 0.1}
+          "warmup_ratio": 0.05, "min_lr_ratio": 0.1, "ttt_decay": 0.6, "loss": "ce+hard", "loss_mix": 0.5,
+          "lk_decay": 3.0}
 
 
 def _trained(steps: int = 2):
@@ -84,8 +86,17 @@ def test_resume_must_repeat_the_runs_resume_keys(tmp_path):
     _save(tmp_path, 1, d, params, opt)
     (ckpt,) = checkpoint.complete(tmp_path)
     for k in checkpoint.RESUME_KEYS:
-        with pytest.raises(HstapError, match=f"{k} was {CONFIG[k]}; resume with the same value"):
-            checkpoint.load(ckpt, {**CONFIG, k: CONFIG[k] + 1}, _fresh()[0])
+        other = CONFIG[k] + ("x" if isinstance(CONFIG[k], str) else 1)
+        with pytest.raises(HstapError, match=re.escape(f"{k} was {CONFIG[k]}; resume with the same value")):
+            checkpoint.load(ckpt, {**CONFIG, k: other}, _fresh()[0])
+    # a checkpoint from before the objective settings were recorded was trained with the soft CE and decay 0.8
+    f = ckpt / "trainer_state.json"
+    state = json.loads(f.read_text())
+    f.write_text(json.dumps({**state, "config": {k: v for k, v in state["config"].items()
+                                                 if k not in ("ttt_decay", "loss", "loss_mix", "lk_decay")}}))
+    with pytest.raises(HstapError, match="ttt_decay was 0.8; resume with the same value"):
+        checkpoint.load(ckpt, CONFIG, _fresh()[0])
+    assert checkpoint.load(ckpt, {**CONFIG, "ttt_decay": 0.8, "loss": "ce"}, d)["step"] == 1
 
 
 def test_resume_into_another_draft_vocabulary_is_one_error(tmp_path):

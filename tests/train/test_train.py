@@ -60,7 +60,7 @@ def test_offline_training_learns_and_checkpoints(assets, tmp_path, capsys):
     assert [r["step"] for r in rows] == list(range(1, 25))
     for r in rows:
         assert len(r["acc"]) == 3 and len(r["loss_k"]) == 3 and r["tok_s"] > 0 and 0 < r["mfu"] < 1
-        assert r["loss"] == pytest.approx(sum(0.8 ** k * x for k, x in enumerate(r["loss_k"])))
+        assert r["loss"] == pytest.approx(sum(TrainConfig.ttt_decay ** k * x for k, x in enumerate(r["loss_k"])))
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-4:]) / 4
     assert last < 0.8 * first, (first, last)
     assert sum(rows[-1]["acc"]) > sum(rows[0]["acc"])
@@ -240,7 +240,7 @@ def test_deeper_drafter_with_another_objective_trains_and_exports(assets, tmp_pa
     out = train(cfg)
     rows, evals = metrics(run)
     assert [r["step"] for r in rows] == [3, 6] and evals and evals[-1]["sim_tau"] >= 0
-    assert rows[-1]["loss"] == pytest.approx(sum(0.8 ** k * x for k, x in enumerate(rows[-1]["loss_k"])))
+    assert rows[-1]["loss"] == pytest.approx(sum(TrainConfig.ttt_decay ** k * x for k, x in enumerate(rows[-1]["loss_k"])))
     d, _ = load_drafter(run)
     assert d.config.num_layers == 2 and out["steps"] == 6
     export(ExportConfig(run=str(run), to="vllm", out=str(tmp_path / "vl"), target=str(assets["target"])))
