@@ -121,8 +121,7 @@ def _term(name: str, z, p, q, lse):
     if name == "topk":  # the cross-entropy over the target's TOPK_K most likely ids only (HASS)
         top = p.topk(min(TOPK_K, p.shape[-1]), -1).indices  # (n, K)
         pk = torch.zeros_like(p).scatter_(-1, top, p.gather(-1, top))  # (n, Vd): p outside its top K set to 0
-        psum = pk.sum(-1, keepdim=True)  # (n, 1)
-        return (lse * psum - (pk * z).sum(-1, keepdim=True)).squeeze(-1), q * psum - pk
+        return _term("ce", z, pk, q, lse)  # the soft cross-entropy against that truncated p
     if name == "tv":  # total variation 0.5 sum |q - p| = 1 - acceptance probability under sampling
         s = torch.sign(q - p)  # (n, Vd)
         return 0.5 * (q - p).abs().sum(-1), 0.5 * q * (s - (s * q).sum(-1, keepdim=True))
