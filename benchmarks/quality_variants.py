@@ -46,8 +46,8 @@ best variant's eval chain-5 over lr1e-3's (the recipe of the issue's 2.268). Env
 "all"), MEASURE, PAR, EPAR, EPOCHS or STEPS, BT, EV, NP, EP, NT, VAL_FRAC, DEV, CE_CHUNK, COMPILE, ENGINE, WORKERS,
 STAGGER (s the first training runs alone, at most, so that the others find its compiled kernels), timeouts TP TC TT
 TE (s). T0=0: no greedy measure (with T1: temperature T1 alone). REUSE=1: keep W from an earlier run with the
-same settings (its prepared sets, stores and every variant run that has RUN/best) and do the rest: a second call
-measures what a first one trained.
+same data settings (W/qv_data.json: its prepared sets and stores; other settings are one error line) and every run
+that the same train command finished (W/run-NAME.cmd.json); do the rest: a second call measures what a first trained.
 """
 
 from __future__ import annotations
