@@ -85,10 +85,10 @@ def plain_prefill(target: str, data: Path, dtype: str, batch_tokens: int, device
         kv.update(kv_connector="NoopConnector", kv_connector_module_path="vllm_noop_connector")
         kw = dict(speculative_config=speculative_config(to_vllm(parse_layers(layers, N)) + [N]),
                   kv_transfer_config=kv)
-    from hstap.capture.vllm.protocol import cpu_memory_utilization
+    from hstap.capture.vllm.protocol import cpu_kv_cache_bytes
 
     if device == "cpu":
-        kw["gpu_memory_utilization"] = cpu_memory_utilization()
+        kw["kv_cache_memory_bytes"] = cpu_kv_cache_bytes()  # as hstap capture --engine vllm sizes it
     t0 = time.perf_counter()
     llm = LLM(model=target, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], enforce_eager=device == "cpu",
               max_model_len=max(len(p["prompt_token_ids"]) for p in prompts) + 1, enable_prefix_caching=False,

@@ -41,11 +41,8 @@ def vllm_env() -> dict:
 @contextlib.contextmanager
 def serve(model: Path, port: int, log: Path, *args: str, timeout: float = 600.0):
     """`python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT ARGS` until /v1/models answers."""
-    from hstap.capture.vllm.protocol import cpu_memory_utilization
-
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-           "--gpu-memory-utilization", f"{cpu_memory_utilization():.3f}", *args]
+           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", *args]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
     try:

@@ -62,10 +62,10 @@ def _run(target: str, dtype: str, prompts: list[list[int]], max_new: int, temper
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from hstap.capture.vllm.protocol import cpu_memory_utilization
+    from hstap.capture.vllm.protocol import cpu_kv_cache_bytes
 
     longest = max(len(p) for p in prompts) + max_new + 8
-    extra = {"gpu_memory_utilization": cpu_memory_utilization()} if device == "cpu" else {}
+    extra = {"kv_cache_memory_bytes": cpu_kv_cache_bytes()} if device == "cpu" else {}
     llm = LLM(model=target, **extra, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], enforce_eager=device == "cpu",
               max_model_len=longest, enable_prefix_caching=False, speculative_config=spec, seed=seed,
               disable_log_stats=False)

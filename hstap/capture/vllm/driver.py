@@ -29,7 +29,7 @@ from pathlib import Path
 
 from hstap.capture.session import RequestError, Requests, encode_rid, end_session, http_json, lock_events
 from hstap.capture.stage import copy_vocab_map, open_inputs, short_id, store_header
-from hstap.capture.vllm.protocol import (EVENTS_DIR, HELLO_PREFIX, PARAMS_KEY, cpu_memory_utilization,
+from hstap.capture.vllm.protocol import (EVENTS_DIR, HELLO_PREFIX, PARAMS_KEY, cpu_kv_cache_bytes,
                                          kv_transfer_config, serve_command, speculative_config)
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
@@ -177,7 +177,7 @@ def _start_llm(cfg, dtype: str, vids: list[int], max_len: int):
         # vLLM wants prompt + 1 <= max_model_len; a capture request never runs its sampled token through the model
         # (max_tokens 1), so no position beyond the target's max_position_embeddings is ever computed
         os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-    extra = {"gpu_memory_utilization": cpu_memory_utilization()} if cpu else {}
+    extra = {"kv_cache_memory_bytes": cpu_kv_cache_bytes()} if cpu else {}
     return LLM(model=cfg.target, **extra, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], enforce_eager=cpu,
                max_model_len=max_len, enable_prefix_caching=False, max_num_batched_tokens=cfg.batch_tokens,
                speculative_config=speculative_config(vids), kv_transfer_config=kv_transfer_config(
