@@ -282,6 +282,7 @@ def test_ranks_with_barrier_and_new_replace_an_old_store(tmp_path):
         try:
             w = StoreWriter(p, header(), rank=rank, world_size=2, shard_tokens=50, new=True, barrier=barrier.wait)
             assert w.committed_ids() == set()
+            barrier.wait()  # neither rank commits before both looked: committed_ids() reads every rank's commits
             for i in range(rank, n, 2):
                 w.add(sid(i), *sample(i, seed=7))
             w.close()
