@@ -19,8 +19,8 @@ Stages.
    target's default [1, 3, 4]; fp32 compute).
 3. train every variant side by side (PAR at a time) at EQUAL budget: EPOCHS epochs of BT tokens per step (2 x 32768,
    the issue's baseline), --eval-store = validation every EV steps; RUN/best = the checkpoint of the highest
-   validation sim_tau. base is train's defaults; every other variant is `OLD` (the defaults before the twelfth
-   session) with the changes its name says. Speed knobs applied to
+   validation sim_tau. The recipes by name are benchmarks/recipes.py's: base is train's defaults, every other
+   variant `OLD` (the defaults before the twelfth session) with the changes its name says. Speed knobs applied to
    every variant alike: CE_CHUNK (rows per fused-CE chunk; empty: train's auto), COMPILE (empty: train's default,
    compiled on CUDA; 0: --compile false, eager, as the fifth and sixth sessions' recipes were measured). Selection
    uses validation figures only. A variant that runs out of GPU memory is trained again afterwards, fewer at a time.
@@ -45,9 +45,11 @@ the GPU, so not a clean timing). Then one JSON line; with `lr1e-3` in the run it
 best variant's eval chain-5 over lr1e-3's (the recipe of the issue's 2.268). Env knobs: VARIANTS (comma list, or
 "all"), MEASURE, PAR, EPAR, EPOCHS or STEPS, BT, EV, NP, EP, NT, VAL_FRAC, DEV, CE_CHUNK, COMPILE, ENGINE, WORKERS,
 STAGGER (s the first training runs alone, at most, so that the others find its compiled kernels), timeouts TP TC TT
-TE (s). T0=0: no greedy measure (with T1: temperature T1 alone). REUSE=1: keep W from an earlier run with the
-same data settings (W/qv_data.json: its prepared sets and stores; other settings are one error line) and every run
-that the same train command finished (W/run-NAME.cmd.json); do the rest: a second call measures what a first trained.
+TE (s). T0=0: no greedy chain measure (with T1: temperature T1 alone). TREE=1: the measured variants also decoded
+greedily with eval's default tree (8 x depth 6, 60 nodes), whatever depth they were trained to. REUSE=1: keep W from
+an earlier run with the same data settings (W/qv_data.json: its prepared sets and stores; other settings are one
+error line) and every run that the same train command finished (W/run-NAME.cmd.json); do the rest: a second call
+measures what a first trained.
 """
 
 from __future__ import annotations
@@ -64,65 +66,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from recipes import VARIANTS
+
 REPO = Path(__file__).resolve().parent.parent
-OLD = {"--lr": "2e-3", "--ttt": "7", "--ttt-decay": "0.8", "--loss": "ce"}
-"""The recipe of train's defaults before the twelfth session (`42f1a69`): every variant but base is built on it, so a
-name means the same training whatever train's defaults are today."""
-
-
-def old(*flags: str) -> list[str]:
-    """OLD with `flags` ("--name", value pairs) changed or added -> train flags."""
-    kv = {**OLD, **dict(zip(flags[::2], flags[1::2]))}
-    return [x for pair in kv.items() for x in pair]
-
-
-LR = ("--lr", "1e-3")  # the recipe of the issue's 2.268 (lr 1e-3): the baseline of its ">= 1.08x" goal
-R = ("--lr", "3e-3", "--ttt", "5")  # the best pair of the eleventh session (R+... variants change one thing more)
-HARD = ("--loss", "ce+hard", "--loss-mix", "0.5")
-VARIANTS = {  # name -> (train flags, store); every variant but base is OLD with the changes its name says
-    "base": ([], "store"),  # train's defaults (since the twelfth session: lr 3e-3, TTT 5, decay 0.6, ce+hard)
-    "defaults-42f1a69": (old(), "store"),  # the defaults before: the twelfth session's and earlier tables' "base"
-    "seed2": (old("--seed", "2"), "store"),  # defaults-42f1a69's other seed: how far two runs of one recipe differ
-    "lr1e-4": (old("--lr", "1e-4"), "store"),  # the default before the sixth session
-    "lr1e-3": (old(*LR), "store"),  # the issue's recipe
-    "lr3e-3": (old("--lr", "3e-3"), "store"),
-    "cosine0": (old("--warmup-ratio", "0.015", "--min-lr-ratio", "0.0"), "store"),  # the schedule before session 8
-    "ce+tv": (old("--loss", "ce+tv", "--loss-mix", "0.5"), "store"),
-    "tv": (old("--loss", "tv"), "store"),
-    "lk": (old("--loss", "lk"), "store"),
-    "ce+hard": (old(*HARD), "store"),
-    "ce+rkl": (old("--loss", "ce+rkl", "--loss-mix", "0.5"), "store"),
-    "decay0.6": (old("--ttt-decay", "0.6"), "store"),
-    "decay1.0": (old("--ttt-decay", "1.0"), "store"),
-    "ttt5": (old("--ttt", "5"), "store"),
-    "vocab4096": (old("--draft-vocab", "4096"), "store"),  # no --vocab-map: the top 4096 of the store's counts
-    "n2": (old("--draft-layers", "2"), "store"),
-    "n3": (old("--draft-layers", "3"), "store"),
-    "fp8": ([], "store-fp8"),  # base on the fp8 store: parity with base
-    "fp8-lr1e-3": (old(*LR), "store-fp8"),
-    "lr3e-3+ttt5": (old(*R), "store"),  # the two best one-layer changes of session 8 together
-    "lr3e-3+ttt5+seed2": (old(*R, "--seed", "2"), "store"),
-    "lr4e-3+ttt5": (old("--lr", "4e-3", "--ttt", "5"), "store"),
-    "lr3e-3+ttt4": (old("--lr", "3e-3", "--ttt", "4"), "store"),
-    "lr3e-3+ttt5+decay0.9": (old(*R, "--ttt-decay", "0.9"), "store"),
-    "ttt5+decay0.6": (old("--ttt", "5", "--ttt-decay", "0.6"), "store"),
-    # twelfth session: around lr3e-3+ttt5 (R)
-    "R+decay0.7": (old(*R, "--ttt-decay", "0.7"), "store"),
-    "R+decay0.6": (old(*R, "--ttt-decay", "0.6"), "store"),
-    "R+clip1": (old(*R, "--grad-clip", "1.0"), "store"),
-    "R+hass": (old(*R, "--loss", "ce+topk", "--loss-mix", "0.5"), "store"),  # HASS's ce + top-10, times 0.5
-    "R+hard": (old(*R, *HARD), "store"),
-    "R+vocab4096": (old(*R, "--draft-vocab", "4096"), "store"),
-    "R+seed2": (old(*R, "--seed", "2"), "store"),
-    "R+hard+decay0.6": (old(*R, *HARD, "--ttt-decay", "0.6"), "store"),  # = base since the twelfth session
-    "R+hard0.75": (old(*R, "--loss", "ce+hard", "--loss-mix", "0.75"), "store"),
-    "R+hard+seed2": (old(*R, *HARD, "--seed", "2"), "store"),
-    "lr3e-3+ttt6": (old("--lr", "3e-3", "--ttt", "6"), "store"),  # the tree decoder's default depth
-    "lr3e-3+ttt6+decay0.7": (old("--lr", "3e-3", "--ttt", "6", "--ttt-decay", "0.7"), "store"),
-    # the same training tokens over two answers per prompt: the greedy one and one sampled from the target (MIX)
-    "mix": (old("--epochs", "1"), "store-mix"),
-    "mix-lr3e-3+ttt5": (old("--epochs", "1", *R), "store-mix"),
-}
 DEFAULT = "base,defaults-42f1a69,seed2,lr1e-3,cosine0,lk,ttt5,n2,fp8"
 TINY = "base,lk,n2,fp8"
 
@@ -161,7 +107,7 @@ def settings(tiny: bool) -> dict:
          "TT": int(e("TT", "600" if tiny else "330")), "TE": int(e("TE", "600" if tiny else "180")),
          "LAYERS": e("LAYERS", "1,3,4" if tiny else ""), "STAGGER": float(e("STAGGER", "0" if tiny else "90")),
          "MIX": e("MIX", ""), "T1": e("T1", ""), "REUSE": e("REUSE", "") not in ("", "0"),
-         "T0": e("T0", "1") != "0"}
+         "T0": e("T0", "1") != "0", "TREE": e("TREE", "") not in ("", "0")}
     names = list(VARIANTS) if s["VARIANTS"] == "all" else s["VARIANTS"].split(",")
     bad = [n for n in names if n not in VARIANTS]
     if bad or "base" not in names:
@@ -376,19 +322,20 @@ def replay(runs: dict[str, Path], store: Path, target: Path, dev: str, k: int = 
     return out
 
 
-def measure(s: dict, W: Path, names: list[str], temperature: str = "") -> dict[str, dict]:
-    """`hstap eval` chain-5 over the EP prompt parts of each variant, side by side; merged per variant (greedy, or
-    lossless rejection sampling at `temperature`)."""
+def measure(s: dict, W: Path, names: list[str], temperature: str = "", mode: str = "chain") -> dict[str, dict]:
+    """`hstap eval` over the EP prompt parts of each variant, side by side; merged per variant (greedy, or lossless
+    rejection sampling at `temperature`). mode: chain k=5, or tree = eval's default tree (8 x depth 6, 60 nodes)."""
     T = Path(s["REF"]) / "target-tiny"
     jobs, keys = [], []
     tag, temp = (f"-t{temperature}", ["--temperature", temperature]) if temperature else ("", [])
+    tag, draft = (tag + "-tree", ["--mode", "tree"]) if mode == "tree" else (tag, ["--mode", "chain", "--k", 5])
     for name in names:
         for i in range(s["EP"]):
             out = W / f"eval{tag}-{name}-{i}"
             shutil.rmtree(out, ignore_errors=True)  # REUSE: an earlier call's report must not stand in for this one's
             jobs.append((hstap("eval", "--target", T, "--drafter", W / f"run-{name}", "--data", W / f"prep-eval-{i}",
-                               "--out", out, "--mode", "chain", "--k", 5, "--max-new-tokens", s["NT"], "--device",
-                               s["DEV"], "--dtype", "fp32", "--engine", s["ENGINE"], *temp),
+                               "--out", out, *draft, "--max-new-tokens", s["NT"], "--device", s["DEV"], "--dtype",
+                               "fp32", "--engine", s["ENGINE"], *temp),
                          W / f"eval{tag}-{name}-{i}.log", s["TE"]))
             keys.append((name, out))
     rcs = parallel(jobs, s["EPAR"])
@@ -408,7 +355,8 @@ def measure(s: dict, W: Path, names: list[str], temperature: str = "") -> dict[s
         c = e.get("accept_counts") or []
         m["accept_counts"] = c if m["accept_counts"] is None else [a + b for a, b in zip(m["accept_counts"], c)]
         m["prompts"] += r["num_prompts"]
-        m["lossless"] = None if m["lossless"] is None else bool(m["lossless"] and r.get("lossless"))
+        ok = r.get("lossless")  # None at temperature > 0: sampled outputs are not compared token for token
+        m["lossless"] = None if m["lossless"] is None or ok is None else bool(m["lossless"] and ok)
         m["engine"] = r.get("engine") or m["engine"] or "eager (hstap.spec.drivers)"
     for m in res.values():
         m["tau"] = m["tokens"] / m["rounds"] if m["rounds"] else None
@@ -492,6 +440,13 @@ def main(argv: list[str]) -> int:
             rows[n].update(t1_tau=m["tau"], t1_acceptance=m["per_position_acceptance"], t1_complete=m["complete"])
             print(f"temperature {s['T1']}: {n}: tau {m['tau']}, per-position acceptance {m['per_position_acceptance']}",
                   file=sys.stderr)
+    if s["TREE"]:
+        log.stage(f"measure {want} with eval's default tree (greedy)")
+        for n, m in measure(s, W, want, mode="tree").items():
+            rows[n].update(tree_tau=m["tau"], tree_lossless=m["lossless"], tree_acceptance=m["per_position_acceptance"],
+                           tree_complete=m["complete"])
+            print(f"tree: {n}: tau {m['tau']}, lossless {m['lossless']}, per-depth acceptance "
+                  f"{m['per_position_acceptance']}", file=sys.stderr)
     log.stage("done")
     for f in W.glob("*.log"):
         (OUT / "logs").mkdir(exist_ok=True)
