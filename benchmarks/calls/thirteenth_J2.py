@@ -1,5 +1,6 @@
-"""Call J2 (thirteenth session, issue #29): the runs trained in call J1 (restored into W from its tar) decoded with
-`hstap eval` through benchmarks/quality_variants.py's measure(): chain k=5 with lossless rejection sampling at
+"""Call J2 (thirteenth session, issue #29): the runs trained in call J1, in J1's work dir W on the same (still warm)
+machine, decoded with `hstap eval` through benchmarks/quality_variants.py's measure() (the calls that
+`REUSE=1 T0=0 T1=... TREE=1` makes after its replay): chain k=5 with lossless rejection sampling at
 temperature T1 over the NP eval prompts, then greedy with eval's default tree (8 x depth 6, 60 nodes); one JSON line.
 Env: quality_variants' knobs (REF, W, VARIANTS, NP, EP, EPAR, NT, DEV, ENGINE, T1) plus TE1 / TET, the per-process
 timeouts of the two stages (s)."""
