@@ -1,5 +1,5 @@
-"""Batch-1 decoding speed: the fast engine (hstap.spec.fast: static KV cache, CUDA graphs) against the eager one
-(hstap.spec.drivers) in the same run, against the weight-bandwidth bound; and EAGLE-3 chain / tree and n-gram speedups
+"""Batch-1 decoding speed: the fast engine (hstap.speculative.fast: static KV cache, CUDA graphs) against the eager one
+(hstap.speculative.drivers) in the same run, against the weight-bandwidth bound; and EAGLE-3 chain / tree and n-gram speedups
 over target-only decoding on the fast engine, next to the latency models' predictions, for several chain lengths and
 tree shapes, and for several engine variants side by side.
 
@@ -27,10 +27,10 @@ chain (k = --k) for the comparison. Nothing is picked: every row is printed.
 
 Speculative runs are lossless-exact by default: target and drafter in fp32 (--spec-dtype, the eval's convention;
 TF32 stays off), every output compared token for token with target-only decoding; a mismatch is classified with
-hstap.spec.evaluate.check_lossless (a near-tie when both tokens are within --tie-tol of the target's top logit).
+hstap.speculative.evaluate.check_lossless (a near-tie when both tokens are within --tie-tol of the target's top logit).
 Latency models, per round from the measured costs: `model` = the issue's tau / (1 + D c_draft / c_verify) (D drafter
 forwards per round: a chain's k, a tree's depth; c_verify the verify forward of this method), `model+` =
-hstap.spec.latency.round_model, tau c_token / (D c_draft + c_verify + c_host), c_token the target-only per-token cost; the
+hstap.speculative.latency.round_model, tau c_token / (D c_draft + c_verify + c_host), c_token the target-only per-token cost; the
 latency_model_within_10pct check is on model+. Kernels per step: on CUDA the device kernels one run of the step
 launches (torch.profiler over the step run outside its graph), on the CPU its top-level aten ops.
 
@@ -120,7 +120,7 @@ def random_drafter(target, seed: int = 0):
 
 def prompts_for(target, tok, data: str | None, n: int) -> list[list[int]]:
     if data:
-        from hstap.spec.evaluate import load_prompts
+        from hstap.speculative.evaluate import load_prompts
 
         return [p for _, p in load_prompts(data, tok, n)]
     if tok is not None and getattr(tok, "chat_template", None):
@@ -139,7 +139,7 @@ VARIANTS = {"base": {}, "cdt": {"inductor": "cdt"}, "lean": {"lean": True},
 
 
 def variant_kw(name: str) -> dict:
-    from hstap.spec.fast import FUSED, INDUCTOR_CDT
+    from hstap.speculative.fast import FUSED, INDUCTOR_CDT
 
     rows, _, mb = name.removeprefix("fused").removesuffix("+cdt").partition("/")
     if name.startswith("fused") and name.endswith("+cdt") and rows.isdigit() and (mb.isdigit() or not mb):
@@ -200,8 +200,8 @@ def decode_tok_s(fn, prompt, n: int) -> tuple[float, dict]:
 
 
 def target_only(name: str, target, args, bw: float, variant: str, eager: bool) -> dict:
-    from hstap.spec.drivers import target_generate
-    from hstap.spec.fast import FastDecoder
+    from hstap.speculative.drivers import target_generate
+    from hstap.speculative.fast import FastDecoder
 
     prompt = [1] + list(range(10, 10 + args.prompt_len - 1))
     wb = weight_bytes(target.model)
@@ -246,8 +246,8 @@ def spec_methods(fd, args, full: bool, first: bool) -> dict:
 
 
 def run_method(fd, fn, depth, prompts, n: int) -> tuple[list, dict]:
-    from hstap.spec.evaluate import aggregate
-    from hstap.spec.latency import latency_model
+    from hstap.speculative.evaluate import aggregate
+    from hstap.speculative.latency import latency_model
 
     before = set(fd.steps)
     _, warm = fn(prompts[0], min(n, 32))  # warm-up: capture, compilation
@@ -268,9 +268,9 @@ def run_method(fd, fn, depth, prompts, n: int) -> tuple[list, dict]:
 def speculative(ctx: dict, args, budget: Budget, variant: str, full: bool, store: dict) -> None:
     """The methods of one variant on the fast engine over ctx's prompts into store[variant] (budget permitting);
     ctx holds the target, drafter, prompts and, per variant, its FastDecoder and outputs across calls."""
-    from hstap.spec.evaluate import check_lossless
-    from hstap.spec.fast import FastDecoder
-    from hstap.spec.latency import round_model
+    from hstap.speculative.evaluate import check_lossless
+    from hstap.speculative.fast import FastDecoder
+    from hstap.speculative.latency import round_model
 
     n, target, prompts = args.new_tokens, ctx["target"], ctx["prompts"]
     if variant not in ctx:
@@ -390,7 +390,7 @@ def _stop(signum, frame):
 def _jobs(a, out: dict, budget: Budget, bw: float, dev: torch.device, path) -> None:
     """The measurements in priority order, into `out`."""
     from hstap.model_dir import load_target
-    from hstap.spec.evaluate import load_any_drafter
+    from hstap.speculative.evaluate import load_any_drafter
 
     spec = []  # the speculative variants, in priority order
     if path and not a.no_spec and (a.drafter or a.random_drafter or a.tiny):

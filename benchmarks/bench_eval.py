@@ -9,7 +9,7 @@ Rows: target (plain decoding with a KV cache: the 1.00x reference), ngram (k = -
 eagle3-tree (--tree topk,depth,tokens), and baseline-chain / baseline-tree when --baseline-drafter is given (e.g. an
 EAGLE-1-style final-state drafter from `hstap train --aux-layers final`). Each method runs one warm-up prompt first.
 Greedy (temperature 0) by default: every output is checked against the target's (near-ties in low precision are
-reported, not failed; see hstap/spec/evaluate.py). tau = tokens from verify forwards / verify forwards; tokens/s includes
+reported, not failed; see hstap/speculative/evaluate.py). tau = tokens from verify forwards / verify forwards; tokens/s includes
 the prefill. Prints a table, then one JSON line.
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from hstap.spec.drivers import ngram_generate, speculative_generate, target_generate
-from hstap.spec.evaluate import check_lossless, eos_ids, load_prompts, read_sim_tau, run_method, sim_chain_tau
+from hstap.speculative.drivers import ngram_generate, speculative_generate, target_generate
+from hstap.speculative.evaluate import check_lossless, eos_ids, load_prompts, read_sim_tau, run_method, sim_chain_tau
 
 
 def build_tiny(root: Path) -> dict:
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     topk, depth, tokens = (int(x) for x in args.tree.split(","))
 
     from hstap.model_dir import load_target
-    from hstap.spec.evaluate import load_any_drafter
+    from hstap.speculative.evaluate import load_any_drafter
 
     target, tok = load_target(args.target, device=args.device, dtype=args.dtype)
     dev = target.device

@@ -1,4 +1,4 @@
-"""Host cost of n-gram (prompt-lookup) drafting per decoding round: `hstap.spec.drivers.NgramIndex`, grown by each
+"""Host cost of n-gram (prompt-lookup) drafting per decoding round: `hstap.speculative.drivers.NgramIndex`, grown by each
 round's tokens, against the whole-context scan the decoders ran before it (numpy sliding windows, in this file), on
 the same token streams; both must propose the same drafts.
 
@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hstap.spec.drivers import NgramIndex  # noqa: E402
+from hstap.speculative.drivers import NgramIndex  # noqa: E402
 
 
 def scan(ids: list[int], k: int, max_ngram: int) -> list[int]:

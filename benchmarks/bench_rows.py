@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hstap.spec.device_tree import top_k  # noqa: E402
-from hstap.spec.fast import INDUCTOR_CDT  # noqa: E402
+from hstap.speculative.device_tree import top_k  # noqa: E402
+from hstap.speculative.fast import INDUCTOR_CDT  # noqa: E402
 
 REP = 20
 

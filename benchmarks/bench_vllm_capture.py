@@ -68,13 +68,14 @@ def plain_prefill(target: str, data: Path, dtype: str, batch_tokens: int, device
     """(a) vLLM generating one token per prompt, no capture (noop=False); (a') the same with extract_hidden_states and
     a connector that stores nothing (noop=True: vllm_noop_connector.py, writing into `store` only its settings).
     The timer covers generate() only."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from hstap.capture.vllm.protocol import kv_transfer_config, speculative_config
     from hstap.data.prepare import load_prepared
     from hstap.layers import parse_layers, to_vllm
     from hstap.model_dir import load_config
+    from hstap.vllm_engine import start_llm, stop_llm
 
     ds = load_prepared(data)
     prompts = [TokensPrompt(prompt_token_ids=list(r["input_ids"])) for r in ds]
@@ -85,21 +86,16 @@ def plain_prefill(target: str, data: Path, dtype: str, batch_tokens: int, device
         kv.update(kv_connector="NoopConnector", kv_connector_module_path="vllm_noop_connector")
         kw = dict(speculative_config=speculative_config(to_vllm(parse_layers(layers, N)) + [N]),
                   kv_transfer_config=kv)
-    from hstap.capture.vllm.protocol import cpu_kv_cache_bytes
-
-    if device == "cpu":
-        kw["kv_cache_memory_bytes"] = cpu_kv_cache_bytes()  # as hstap capture --engine vllm sizes it
-    t0 = time.perf_counter()
-    llm = LLM(model=target, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], enforce_eager=device == "cpu",
-              max_model_len=max(len(p["prompt_token_ids"]) for p in prompts) + 1, enable_prefix_caching=False,
-              max_num_batched_tokens=batch_tokens, **kw)
+    t0 = time.perf_counter()  # the KV cache sized as hstap capture --engine vllm sizes it
+    llm = start_llm(target, dtype, device, max(len(p["prompt_token_ids"]) for p in prompts) + 1,
+                    max_num_batched_tokens=batch_tokens, **kw)
     start = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
         s = time.perf_counter() - t0
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        stop_llm(llm)
     tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     return {"seconds": s, "tokens": tokens, "tok_s": tokens / s, "engine_start_s": start}
 

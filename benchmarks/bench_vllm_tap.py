@@ -30,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def prompts_of(target: str, data: str, n: int) -> list[list[int]]:
@@ -111,13 +110,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import vllm
-    from _procs import free_port
-    from _vllm_fixtures import serve
 
     from hstap.capture.vllm.protocol import CONNECTOR, CONNECTOR_MODULE, speculative_config
+    from hstap.common import free_port
     from hstap.layers import default_aux_layers, to_vllm
     from hstap.model_dir import load_config
     from hstap.store.reader import open_store
+    from hstap.vllm_engine import vllm_server
 
     N = load_config(a.target).num_hidden_layers
     prompts = prompts_of(a.target, a.data, a.requests)
@@ -137,7 +136,9 @@ def main(argv=None) -> int:
                           "kv_role": "kv_producer", "kv_connector_extra_config": {"store": str(store), "tap": True}}
                     args += ["--speculative-config", json.dumps(speculative_config(to_vllm(default_aux_layers(N)) + [N])),
                              "--kv-transfer-config", json.dumps(kv)]
-                with serve(Path(a.target), free_port(), root / f"{mode}{r}.log", *args) as url:
+                with vllm_server(a.target, free_port(), root / f"{mode}{r}.log", "--dtype", a.dtype, "--enforce-eager",
+                                 "--max-model-len", "512", *args, env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
+                                                                       "VLLM_LOGGING_LEVEL": "WARNING"}) as url:
                     runs[mode].append(load(url, prompts, a.max_tokens, a.concurrency))
                     if mode == "on":
                         time.sleep(3.0)  # the last commit (flush after 1 s idle)

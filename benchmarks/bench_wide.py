@@ -9,8 +9,8 @@ For each target (wide, then reference) on the same prompts, in bf16 on the fast 
 FastDecoder, CUDA graphs, torch.compile'd steps), each method over all prompts after a warm-up prompt:
 target-only, EAGLE-3 chain (--k, eval's default 5), EAGLE-2 tree (--tree, eval's default 8x6x60) and n-gram prompt
 lookup (k = --k, up to 3-grams). Reported per method: tau, tokens/s (the prefill included), speedup over target-only,
-the predicted speedup (hstap.spec.latency.round_model), per-round draft / verify / host ms, and the greedy outputs
-against target-only's (hstap.spec.evaluate.check_lossless: a mismatch within --tie-tol of the top logit is a near-tie).
+the predicted speedup (hstap.speculative.latency.round_model), per-round draft / verify / host ms, and the greedy outputs
+against target-only's (hstap.speculative.evaluate.check_lossless: a mismatch within --tie-tol of the top logit is a near-tie).
 Target-only also gets decode tok/s (one-token steps only) against its weight-bandwidth bound: weight bytes / the
 device-to-device copy bandwidth measured in this run (bytes read + written). The wide target's drafter is the same
 drafter widened: the report gives both targets' tau, which agree up to bf16 rounding of the rescaled norms.
@@ -69,9 +69,9 @@ def methods(fd, args, eos) -> dict:
 
 
 def bench_target(name: str, target, drafter, prompts, eos, args, bw: float) -> dict:
-    from hstap.spec.evaluate import check_lossless, run_method
-    from hstap.spec.fast import FastDecoder
-    from hstap.spec.latency import round_model
+    from hstap.speculative.evaluate import check_lossless, run_method
+    from hstap.speculative.fast import FastDecoder
+    from hstap.speculative.latency import round_model
 
     longest = max(len(p) for _, p in prompts) + args.new_tokens + 64
     fd = FastDecoder(target, drafter, max_len=longest, compile=None if args.compile else False)
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args(argv)
     from hstap.model_dir import load_target
-    from hstap.spec.evaluate import eos_ids, load_any_drafter, load_prompts
+    from hstap.speculative.evaluate import eos_ids, load_any_drafter, load_prompts
 
     if a.tiny:
         import tempfile

@@ -357,7 +357,7 @@ def measure(s: dict, W: Path, names: list[str], temperature: str = "", mode: str
         m["prompts"] += r["num_prompts"]
         ok = r.get("lossless")  # None at temperature > 0: sampled outputs are not compared token for token
         m["lossless"] = None if m["lossless"] is None or ok is None else bool(m["lossless"] and ok)
-        m["engine"] = r.get("engine") or m["engine"] or "eager (hstap.spec.drivers)"
+        m["engine"] = r.get("engine") or m["engine"] or "eager (hstap.speculative.drivers)"
     for m in res.values():
         m["tau"] = m["tokens"] / m["rounds"] if m["rounds"] else None
         m["per_position_acceptance"] = [round(c / m["rounds"], 4) for c in m["accept_counts"] or []] \

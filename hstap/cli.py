@@ -29,20 +29,30 @@ from typing import Any
 
 from hstap.common import HstapError
 
-# subcommand -> (module, config class, entry function, one-line help). Only stages that work are listed.
+# subcommand -> (module, config class, entry function, one-line help). Only stages that work are listed. An entry
+# "module:function" lives in another module than its config: `generate` is the capture stage's composition (--capture).
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": ("hstap.demo", "DemoConfig", "demo", "the whole pipeline end to end, offline, on a toy target (or yours)"),
     "prepare": ("hstap.data.prepare", "PrepareConfig", "prepare", "conversations -> input_ids + assistant loss_mask + draft vocab map"),
-    "generate": ("hstap.data.generate", "GenerateConfig", "generate",
+    "generate": ("hstap.data.generate", "GenerateConfig", "hstap.capture.tap:generate",
                  "regenerate assistant turns with the target (embedded, or an OpenAI-compatible server)"),
     "capture": ("hstap.capture.stage", "CaptureConfig", "capture", "run the target over a prepared set and store its hidden states"),
     "train": ("hstap.train.stage", "TrainConfig", "train", "train an EAGLE-3 drafter on a store (offline) or a live target (online)"),
     "export": ("hstap.export.stage", "ExportConfig", "export", "drafter -> SGLang / vLLM (speculators) / hf checkpoint, validated"),
-    "eval": ("hstap.spec.evaluate", "EvalConfig", "evaluate",
+    "eval": ("hstap.speculative.evaluate", "EvalConfig", "evaluate",
              "speculative decoding (chain/tree) vs target-only: tau, per-position acceptance, speedup, losslessness"),
+    "serve": ("hstap.data.serve", "ServeConfig", "serve",
+              "a minimal OpenAI-compatible server over the embedded engine (tests, local generate --server runs)"),
     "verify": ("hstap.verify", "VerifyConfig", "verify",
                "store integrity, recompute vs the target, layer-offset detection, compare two stores"),
 }
+
+
+def stage_entry(stage: str):
+    """The entry function of a COMMANDS stage (its "module:function" form resolved)."""
+    mod_name, _, fn_name, _ = COMMANDS[stage]
+    fn_mod, _, fn = fn_name.rpartition(":")
+    return getattr(importlib.import_module(fn_mod or mod_name), fn)
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -202,14 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     if stage not in COMMANDS:
         print(f"hstap: error: unknown command {stage!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    mod_name, cls_name, fn_name, helptext = COMMANDS[stage]
+    mod_name, cls_name, _, helptext = COMMANDS[stage]
     # Read when torch loads its OpenMP runtime, i.e. below.
     if "OMP_WAIT_POLICY" not in os.environ and cpus_busy() >= 0.5:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
         mod = importlib.import_module(mod_name)
         cfg = make_config(stage, getattr(mod, cls_name), argv[1:], helptext)
-        getattr(mod, fn_name)(cfg)
+        stage_entry(stage)(cfg)
     except HstapError as e:
         print(f"hstap: error: {e}", file=sys.stderr)
         return 2

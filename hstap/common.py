@@ -12,6 +12,7 @@ import datetime
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -113,3 +114,10 @@ def run_meta(stage: str, cfg: Any) -> dict:
 
 def write_run_config(out_dir: str | os.PathLike, stage: str, cfg: Any) -> None:
     atomic_write_json(Path(out_dir) / "config.json", run_meta(stage, cfg))
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now (the OS's choice): for servers hstap or its tests start."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

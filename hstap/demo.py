@@ -157,7 +157,7 @@ def demo(cfg: DemoConfig) -> dict:
 
     from hstap.capture.stage import CaptureConfig, capture
     from hstap.data.prepare import PrepareConfig, prepare
-    from hstap.spec.evaluate import EvalConfig, evaluate
+    from hstap.speculative.evaluate import EvalConfig, evaluate
     from hstap.train.stage import TrainConfig, train
 
     t_start = time.perf_counter()

@@ -31,7 +31,7 @@ def _save(fig, path: str | Path) -> None:
 
 
 def acceptance_plot(results: dict, mode: str, path: str | Path):
-    """Per-position acceptance of each drafting method (`hstap.spec.evaluate.aggregate` results by method name): the
+    """Per-position acceptance of each drafting method (`hstap.speculative.evaluate.aggregate` results by method name): the
     fraction of verify rounds whose accepted draft reached position (chain) or depth (tree) i. Returns the figure."""
     from matplotlib.ticker import MaxNLocator
 

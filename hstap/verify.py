@@ -102,15 +102,17 @@ def _label(j: int, n: int) -> str:
     return f"output of layer {j}"
 
 
-def _open_checked(store_path: str, target_dir: str, device: str, compute_dtype: str, target) -> tuple:
-    """(store, target, the store's engine block, notes): the target loaded unless given, and checked to be the one the
-    store can come from (hidden size, layer range); a differing or missing fingerprint is only noted."""
+def _open_checked(store_path: str, target_dir: str, device: str, compute_dtype: str, target, store=None) -> tuple:
+    """(store, target, the store's engine block, notes): the store opened and the target loaded unless given, and
+    checked to be the one the store can come from (hidden size, layer range); a differing or missing fingerprint is
+    only noted."""
     from hstap.model_dir import load_target, target_fingerprint
     from hstap.store.reader import open_store
 
-    s = open_store(store_path)
+    s = store if store is not None else open_store(store_path)
+    tok = None
     if target is None:
-        target, _ = load_target(target_dir, device=device, dtype=compute_dtype)
+        target, tok = load_target(target_dir, device=device, dtype=compute_dtype)
     N, H = target.num_layers, target.hidden_size
     where = str(store_path)
     if s.hidden_size != H:
@@ -121,7 +123,7 @@ def _open_checked(store_path: str, target_dir: str, device: str, compute_dtype: 
     engine = s.manifest.get("engine") or {}
     notes: list[str] = []
     try:
-        fp = target_fingerprint(target_dir)
+        fp = target_fingerprint(target_dir, tokenizer=tok)  # the tokenizer read once
         st = s.manifest.get("target") or {}
         differs = [k for k in ("config_sha256", "weights_fingerprint") if st.get(k) and st.get(k) != fp.get(k)]
         if differs:
@@ -233,11 +235,12 @@ def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list
 
 @torch.no_grad()
 def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = "cpu", compute_dtype: str = "auto",
-              max_tokens: int = 1024, target=None) -> dict:
+              max_tokens: int = 1024, target=None, store=None) -> dict:
     """Recompute `samples` samples of the store with the target; per-layer metrics, offsets and problems (see above).
 
-    `target`: an already loaded hstap Target (its device/dtype are used) to skip loading."""
-    s, target, engine, notes = _open_checked(store_path, target_dir, device, compute_dtype, target)
+    `target`: an already loaded hstap Target (its device/dtype are used) to skip loading; `store`: the store at
+    `store_path` already opened (`hstap.store.reader.open_store`)."""
+    s, target, engine, notes = _open_checked(store_path, target_dir, device, compute_dtype, target, store)
     N = target.num_layers
     compute = compute_class(engine.get("compute_dtype"), str(target.dtype))
     tol_name, tol = tolerance([s.dtype], compute)
@@ -374,10 +377,11 @@ def verify(cfg: VerifyConfig) -> dict:
     return rep
 
 
-def quick_check(store_path: str, target_dir: str, samples: int = 2, device: str = "cpu", target=None) -> dict:
+def quick_check(store_path: str, target_dir: str, samples: int = 2, device: str = "cpu", target=None,
+                store=None) -> dict:
     """Train's pre-flight: recompute a few samples; HstapError (naming the offset or problem) if the store does not
-    match the target. `target`: an already loaded Target to reuse (e.g. train's online target)."""
-    rep = recompute(store_path, target_dir, samples=samples, device=device, max_tokens=256, target=target)
+    match the target. `target`, `store`: already loaded / opened (as `recompute` takes them)."""
+    rep = recompute(store_path, target_dir, samples=samples, device=device, max_tokens=256, target=target, store=store)
     if not rep["ok"]:
         _fail(rep, f"{store_path} does not match {target_dir} (hstap verify --store S --target DIR for details; "
                    "--skip-verify to train anyway)")

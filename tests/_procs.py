@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -24,12 +23,6 @@ PRELOAD = ["torch", "numpy", "datasets", "pyarrow", "safetensors", "tqdm", "tran
            "hstap.models.drafter", "hstap.export.stage", "hstap.dist", "_capture_fixtures", "_train_fixtures"]
 
 _CTX = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def forkserver():

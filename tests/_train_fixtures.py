@@ -19,7 +19,9 @@ import sys
 from pathlib import Path
 
 import _procs
-from _procs import free_port, redirect_output, start_forkserver  # noqa: F401 (re-exported)
+from _procs import redirect_output, start_forkserver  # noqa: F401 (re-exported)
+
+from hstap.common import free_port
 
 
 def build_assets(root: Path, tokenizer, n: int = 28, with_store: bool = True) -> dict:
@@ -114,8 +116,8 @@ def greedy_drafter(target_dir: Path, root: Path, ttt: int = 3, n_new: int = 24, 
     from hstap.capture.stage import CaptureConfig, capture
     from hstap.data.prepare import PrepareConfig, load_prepared, prepare, record_batch
     from hstap.model_dir import load_target
-    from hstap.spec.drivers import target_generate
-    from hstap.spec.evaluate import eos_ids, prompt_from_mask
+    from hstap.speculative.drivers import target_generate
+    from hstap.speculative.evaluate import eos_ids, prompt_from_mask
     from hstap.toy import stdlib_conversations
     from hstap.train.stage import TrainConfig, train
 

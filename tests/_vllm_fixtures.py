@@ -7,15 +7,8 @@ torchvision mismatch requirements-vllm.txt avoids, say) fails, so that CI never 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -38,34 +31,10 @@ def vllm_env() -> dict:
     return {**os.environ, **ENV}
 
 
-@contextlib.contextmanager
 def serve(model: Path, port: int, log: Path, *args: str, timeout: float = 600.0):
-    """`python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT ARGS` until /v1/models answers."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", *args]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited {proc.returncode}: {log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
-                    if json.loads(r.read()).get("data"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not answer in {timeout:.0f} s: {log.read_text()[-4000:]}")
-            time.sleep(1.0)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+    """`vllm serve MODEL` on PORT as the tests run it (fp32, eager, 512-token context) with ARGS, until /v1/models
+    answers (`hstap.vllm_engine.vllm_server`)."""
+    from hstap.vllm_engine import vllm_server
+
+    return vllm_server(model, port, log, "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", *args,
+                       env=vllm_env(), timeout=timeout)

@@ -88,7 +88,7 @@ def test_gpu_speculative_greedy_equals_target(tiny_llama):
     from _speculate_fixtures import random_drafter
 
     from hstap.model_dir import load_target
-    from hstap.spec.drivers import speculative_generate, target_generate
+    from hstap.speculative.drivers import speculative_generate, target_generate
 
     target, _ = load_target(tiny_llama, device="cuda", dtype="fp32")
     prompt = [1, 3, 50, 60, 70, 2, 4]
@@ -147,7 +147,7 @@ def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_ll
     assert len(batches) > 12 and stats["zero_copy"]["pinned_allocations"] <= 8
 
 
-# --- the fast decoder (hstap.spec.fast): CUDA graphs == eager, one host sync per round ---------------------------
+# --- the fast decoder (hstap.speculative.fast): CUDA graphs == eager, one host sync per round ---------------------------
 def _fast_setup(path, vocab_draft=None, aux=(1, 2, 3)):
     from _speculate_fixtures import random_drafter
 
@@ -178,8 +178,8 @@ def vocab8(tmp_path_factory):
 
 @pytest.mark.parametrize("which", ["llama", "qwen3", "deepseek_v3", "vocab8"])
 def test_gpu_fastdecode_graphs_equal_eager(which, tiny_llama, tiny_qwen3, tiny_deepseek, vocab8):
-    from hstap.spec.drivers import ngram_generate, speculative_generate, target_generate
-    from hstap.spec.fast import FastDecoder
+    from hstap.speculative.drivers import ngram_generate, speculative_generate, target_generate
+    from hstap.speculative.fast import FastDecoder
 
     path = {"llama": tiny_llama, "qwen3": tiny_qwen3, "deepseek_v3": tiny_deepseek, "vocab8": vocab8}[which]
     target, drafter = _fast_setup(path, aux=(0, 1, 2))
@@ -219,7 +219,7 @@ def test_gpu_fastdecode_graphs_equal_eager(which, tiny_llama, tiny_qwen3, tiny_d
 def test_gpu_fastdecode_one_host_sync_per_round(tiny_llama):
     import warnings
 
-    from hstap.spec.fast import FastDecoder
+    from hstap.speculative.fast import FastDecoder
 
     target, drafter = _fast_setup(tiny_llama)
     fd = FastDecoder(target, drafter, max_len=256, compile=False)
@@ -246,9 +246,9 @@ def test_gpu_fastdecode_one_host_sync_per_round(tiny_llama):
 def test_gpu_fastdecode_compiled_equals_eager(tiny_llama, kernels):
     """torch.compile'd steps inside the graphs (the default on CUDA): the same tokens; compiling takes minutes.
     fused: fastdecode.FUSED (`hstap eval --kernels fused`): the lean target and drafter layers, math attention,
-    few-row products as fused reductions, coordinate-descent tuning; also the same acceptance as spec/drivers.py."""
-    from hstap.spec.drivers import ngram_generate, speculative_generate, target_generate
-    from hstap.spec.fast import FUSED, FastDecoder
+    few-row products as fused reductions, coordinate-descent tuning; also the same acceptance as speculative/drivers.py."""
+    from hstap.speculative.drivers import ngram_generate, speculative_generate, target_generate
+    from hstap.speculative.fast import FUSED, FastDecoder
 
     target, drafter = _fast_setup(tiny_llama)
     said: list[str] = []

@@ -2,7 +2,8 @@
 the states the target computed while generating (the prompt's at prefill, each answer token's at its decode step),
 so that the target runs once per sample instead of twice (`hstap generate` then `hstap capture`).
 
-Used by `hstap generate --capture STORE` (embedded engine); the servers' tap modes (hstap's vLLM connector, the SGLang
+Used by `hstap generate --capture STORE` (embedded engine: `generate` below composes the data stage's generate with a
+`GeneratedStore`, since the data stage never imports this one); the servers' tap modes (hstap's vLLM connector, the SGLang
 hook) share what tapping means here: which requests are kept (`tapped`), the bound on the store (`TapBudget`) and the
 header's `contents`. A sample is a conversation's last assistant turn: input_ids
 = the rendered prompt + the generated tokens the target was fed (the stop token and, for an answer cut at
@@ -128,3 +129,20 @@ class GeneratedStore:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def generate(cfg) -> dict:
+    """`hstap generate` (`hstap.data.generate.GenerateConfig`): with --capture STORE, the data stage's generate with a
+    `GeneratedStore` as its tap, made where the data stage would make it (after its output's resume checks)."""
+    from hstap.data.generate import generate as run
+
+    if cfg.capture is None:
+        return run(cfg)
+    from hstap.model_dir import resolve_device, resolve_dtype
+
+    def make_tap() -> GeneratedStore:
+        dt = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+        name = str(dt).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16")
+        return GeneratedStore(cfg.capture, cfg.target, cfg.layers, cfg.capture_dtype, cfg, name, cfg.new)
+
+    return run(cfg, make_tap)

@@ -2,7 +2,7 @@
 own distribution instead of whoever wrote the corpus.
 
     hstap generate --target TARGET_DIR --data corpus.jsonl --out regen.jsonl            # embedded HF engine
-    hstap generate --server http://127.0.0.1:30000 --data corpus.jsonl --out regen.jsonl  # SGLang / vLLM / hstap.data.serve
+    hstap generate --server http://127.0.0.1:30000 --data corpus.jsonl --out regen.jsonl  # SGLang / vLLM / hstap serve
 
 What is regenerated: system and user turns are kept verbatim; every existing assistant turn is replaced, in order, and
 turn i is generated from the conversation *as regenerated so far* (turns before i already replaced), which is what the
@@ -15,7 +15,7 @@ Engines:
   (`temperature 0`) or sampled (temperature + top_p). A turn stops at an end-of-turn/eos token (not kept in the text)
   or `max_new_tokens`.
 - server (`--server URL`, hstap/data/openai_client.py): any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM,
-  `python -m hstap.data.serve`); `concurrency` conversations in flight (threads, stdlib urllib), retries with exponential
+  `hstap serve`); `concurrency` conversations in flight (threads, stdlib urllib), retries with exponential
   backoff on connection errors, HTTP 5xx and 429 (honouring Retry-After), `retries` times at most, then the run stops
   (finished records are kept).
 
@@ -40,7 +40,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +63,7 @@ class GenerateConfig:
     target: str | None = None
     """Target model directory for the embedded engine (give this or --server)."""
     server: str | None = None
-    """Base URL of an OpenAI-compatible server (SGLang, vLLM, hstap.data.serve), e.g. http://127.0.0.1:30000."""
+    """Base URL of an OpenAI-compatible server (SGLang, vLLM, hstap serve), e.g. http://127.0.0.1:30000."""
     model: str | None = None
     """Model name sent to the server (default: the first model listed by /v1/models)."""
     max_new_tokens: int = 512
@@ -348,8 +348,12 @@ def _run_server(cfg: GenerateConfig, todo, emit, stats: dict) -> None:
         stats["retried"] = client.retried
 
 
-def generate(cfg: GenerateConfig) -> dict:
-    """Regenerate the assistant turns of `cfg.data` into `cfg.out` (resumable); returns the summary it printed."""
+def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) -> dict:
+    """Regenerate the assistant turns of `cfg.data` into `cfg.out` (resumable); returns the summary it printed.
+    `make_tap`: with --capture, the store the answers' states go to (`hstap.capture.tap.generate` passes it: `hstap
+    generate --capture` is the capture stage's composition of this one)."""
+    if cfg.capture is not None and make_tap is None:
+        raise HstapError("generate: --capture: the store is the capture stage's (hstap.capture.tap.generate)")
     out = Path(cfg.out)
     if out.is_dir():
         raise HstapError(f"generate: out: {out} is a directory; give a .jsonl file path")
@@ -377,15 +381,7 @@ def generate(cfg: GenerateConfig) -> dict:
             print(f"hstap generate: {stats['conversations']} written, {stats['generated_tokens']} tokens",
                   file=sys.stderr)
 
-    tap = None
-    if cfg.capture is not None:
-        from hstap.capture.tap import GeneratedStore
-        from hstap.model_dir import resolve_device, resolve_dtype
-
-        dt = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
-        tap = GeneratedStore(cfg.capture, cfg.target, cfg.layers, cfg.capture_dtype, cfg,
-                             str(dt).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16"),
-                             cfg.new)
+    tap = make_tap() if cfg.capture is not None else None
     t0 = time.perf_counter()
     try:
         todo = _todo(cfg, done, stats)

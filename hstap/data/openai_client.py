@@ -1,5 +1,5 @@
 """A minimal OpenAI-compatible chat client (stdlib urllib) for `hstap generate --server URL`: SGLang, vLLM or
-`python -m hstap.data.serve`.
+`hstap serve`.
 
 `ChatClient` retries connection errors, HTTP 5xx and 429 (honouring Retry-After) with exponential backoff, `retries`
 times at most, then raises HstapError; a request the server refuses for good (HTTP 4xx other than 429) raises

@@ -1,6 +1,6 @@
 """A tiny OpenAI-compatible server over the embedded HF engine (stdlib `http.server`), for tests and small local runs.
 
-    python -m hstap.data.serve --target TARGET_DIR --port 8000 [--device cuda] [--batch-size 8]
+    hstap serve --target TARGET_DIR --port 8000 [--device cuda] [--batch-size 8]
 
 Endpoints: `GET /health` (200 once the model is loaded, with request counters), `GET /v1/models`,
 `POST /v1/chat/completions` (non-streaming, n=1: messages -> chat template -> greedy or sampled generation ->
@@ -21,7 +21,6 @@ import json
 import os
 import queue
 import random
-import sys
 import threading
 import time
 import uuid
@@ -139,7 +138,7 @@ class Server:
                 raise _BadRequest(f"messages[{i}]: needs role system|user|assistant and string content")
             clean.append({"role": m["role"], "content": m["content"]})
         if body.get("stream"):
-            raise _BadRequest("stream: not supported by hstap.data.serve")
+            raise _BadRequest("stream: not supported by hstap serve")
         if body.get("n", 1) != 1:
             raise _BadRequest("n: only 1 is supported")
         try:
@@ -221,24 +220,14 @@ def _make_handler(srv: Server):
     return Handler
 
 
-def main(argv: list[str] | None = None) -> int:
-    from hstap.cli import make_config
-
-    try:
-        cfg = make_config("serve", ServeConfig, list(sys.argv[1:] if argv is None else argv), __doc__.splitlines()[0])
-        srv = Server(cfg)
-    except HstapError as e:
-        print(f"hstap: error: {e}", file=sys.stderr)
-        return 2
+def serve(cfg: ServeConfig) -> None:
+    """`hstap serve`: load the target, answer on cfg.host:cfg.port until interrupted (Ctrl-C, SIGINT)."""
+    srv = Server(cfg)
     srv.start()
-    print(f"hstap.data.serve: {srv.name} on http://{cfg.host}:{srv.port}", flush=True)
+    print(f"hstap serve: {srv.name} on http://{cfg.host}:{srv.port}", flush=True)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
         pass
-    srv.shutdown()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    finally:
+        srv.shutdown()

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter's forward with fewer kernels per step, for the fast decoder's draft steps (hstap.spec.fast,
+"""The EAGLE-3 drafter's forward with fewer kernels per step, for the fast decoder's draft steps (hstap.speculative.fast,
 `lean=True`): the same function as `Eagle3Drafter.forward` (hstap.models.drafter) on the same weights, up to rounding.
 
 On a small target a draft step is kernel-count bound (a few microseconds per kernel even inside a CUDA graph), so

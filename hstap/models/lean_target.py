@@ -1,4 +1,4 @@
-"""The target's decoder layers with fewer kernels per step, for the fast decoder (hstap.spec.fast,
+"""The target's decoder layers with fewer kernels per step, for the fast decoder (hstap.speculative.fast,
 `target_layers="lean"`): the same function as the HF layers that `fast_steps.run_target` calls, on the same weights,
 up to rounding.
 

@@ -97,17 +97,22 @@ def recover(run: Path) -> None:
         shutil.rmtree(t, ignore_errors=True)
 
 
-def load(ckpt: Path, config: dict, drafter: Eagle3Drafter) -> dict:
-    """trainer_state.json of ckpt after loading its weights into the unwrapped drafter.
+def read_state(ckpt: Path, config: dict) -> dict:
+    """trainer_state.json of ckpt, once its RESUME_KEYS are checked against this run's.
 
-    config: this run's trainer_state "config" ({"world_size": W, **the TrainConfig fields}); its RESUME_KEYS must
-    equal the checkpoint's."""
+    config: this run's trainer_state "config" ({"world_size": W, **the TrainConfig fields})."""
     state = json.loads((ckpt / "trainer_state.json").read_text())
     for k in RESUME_KEYS:
         was = state["config"].get(k, BEFORE_KEY.get(k)) if k in BEFORE_KEY else state["config"][k]
         if was != config[k]:
             flag = "the number of ranks" if k == "world_size" else "--" + k.replace("_", "-")
             raise HstapError(f"{ckpt}/trainer_state.json: {k} was {was}; resume with the same value ({flag})")
+    return state
+
+
+def load_weights(ckpt: Path, drafter: Eagle3Drafter) -> None:
+    """ckpt's weights into the unwrapped drafter, which already holds this run's vocab map (it must be the one the
+    checkpoint was trained with)."""
     weights = load_file(str(ckpt / "drafter.safetensors"))
     if any(n in weights and not torch.equal(weights[n].cpu(), getattr(drafter, n).cpu()) for n in ("d2t", "t2d")):
         raise HstapError(f"{ckpt}/drafter.safetensors: its draft vocabulary ({weights['d2t'].numel()} ids) is not this "
@@ -115,7 +120,6 @@ def load(ckpt: Path, config: dict, drafter: Eagle3Drafter) -> dict:
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     if [k for k in missing if not k.startswith("rotary.")] or unexpected:
         raise HstapError(f"{ckpt}/drafter.safetensors: does not fit this drafter ({missing} / {unexpected})")
-    return state
 
 
 def load_rest(ckpt: Path, state: dict, rank: int, params: list, opt) -> None:

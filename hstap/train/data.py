@@ -1,5 +1,6 @@
-"""The training data of `hstap train`: where the samples come from, which aux layers feed fc, the draft vocabulary, the
-train/eval split, and each batch's way to the model's inputs.
+"""The training data of `hstap train`: where the samples come from, which aux layers feed fc, the train/eval split, and
+each batch's way to the model's inputs (the inputs themselves, the vocab map included, are resolved once by
+`hstap.train.inputs`).
 
 Sources: a store (offline: its aux and final states), or a prepared set + the live target in-process (online: the same
 Target.capture as hstap capture). Splits: by a hash of the sample id (stable across stores, ranks and resumes), or a
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hstap import dist as D
 from hstap.batching import Rows, eval_batches
 from hstap.common import HstapError, sha256_bytes
 from hstap.models.target import Target
@@ -71,104 +71,36 @@ def select_layers(spec: str, available: list[int] | None, num_layers: int) -> tu
     return want, [available.index(i) for i in want]
 
 
-def vocab_size_conflict(cfg, n: int, V: int, src) -> str | None:
-    """The error line when --draft-vocab asks for another size than the n-id map of src (None: no conflict)."""
-    want = cfg.draft_vocab  # 0: the map's own size
-    if not want or n == min(want, V):
-        return None
-    return (f"train: --draft-vocab {want}: the vocab map of {src} has {n} draft ids (give a map of {want} ids, or "
-            f"leave --draft-vocab unset)")
-
-
-def follow_vocab_map(cfg) -> None:
-    """--follow's map (--vocab-map or --data's) read and checked against --draft-vocab before the store is claimed:
-    a followed store is not complete, so its counts cannot decide the vocabulary."""
-    from hstap.data.vocab import load_vocab_map
-    d2t, t2d = load_vocab_map(cfg.vocab_map or cfg.data)
-    err = vocab_size_conflict(cfg, d2t.numel(), t2d.numel(), cfg.vocab_map or cfg.data)
-    if err:
-        raise HstapError(err)
-
-
-def _vocab_map(cfg, store, V: int) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """--vocab-map, else --data's, else the one capture copied into the store (the vocabulary chosen at prepare),
-    else one built from the store's loss-masked token counts (--draft-vocab, 32000 when unset). A --draft-vocab that
-    differs from the size of the prepared or stored map builds the top N from the store's counts instead (one printed
-    line; never ignored); one that differs from an explicit --vocab-map's, or with no complete store to count
-    (--online, --follow), is an error."""
-    from hstap.data.vocab import build_vocab_map, load_store_vocab_map, load_vocab_map
-    src = cfg.vocab_map or cfg.data
-    stored = load_store_vocab_map(store.path, store.header) if not src and store is not None else None
-    if src:
-        d2t, t2d = load_vocab_map(src)
-    elif stored is not None:
-        d2t, t2d, p = stored
-        src = f"{p} (the prepared set's, copied by capture)"
-    else:
-        d2t = None
-    err = vocab_size_conflict(cfg, d2t.numel(), V, src) if d2t is not None else None
-    if err and (cfg.vocab_map or store is None or cfg.follow):
-        raise HstapError(err)
-    if err:
-        D.print0(f"hstap train: --draft-vocab {cfg.draft_vocab}: not the {d2t.numel()} ids of {src}: the top "
-                 f"{min(cfg.draft_vocab, V)} of the store's loss-masked token counts instead")
-        d2t = None
-    if d2t is None:
-        n = min(cfg.draft_vocab or 32000, V)
-        d2t, t2d = (torch.from_numpy(a) for a in build_vocab_map(store.token_counts(V), n))
-        src = f"{cfg.store} (the top {n} of its loss-masked token counts)"
-    if t2d.numel() != V:
-        raise HstapError(f"{src}: vocab map covers {t2d.numel()} ids, the target has {V}")
-    return d2t.long(), t2d.bool(), str(src)
-
-
-def preflight(cfg, rank: int, dev: torch.device) -> None:
-    """hstap.verify.quick_check (the store matches the target) on rank 0; its failure stops every rank."""
-    err = None
-    if rank == 0 and not cfg.skip_verify:
-        from hstap.train.follow import check_store_target
-        from hstap.verify import quick_check
-        try:
-            if cfg.follow:  # the store may hold no sample yet: its header's target fingerprints
-                check_store_target(cfg.store, cfg.target)
-            else:
-                quick_check(cfg.store, cfg.target, samples=2, device=dev.type)
-        except HstapError as e:
-            err = e
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    if not D.agree(err is None):
-        raise err or HstapError(f"{cfg.store}: rank 0's pre-flight check failed (see its output)")
-
-
 def auto_ce_chunk(target_vocab: int) -> int:
     """--ce-chunk 0: 16,384 rows when their target logits are at most 2^28 values, else 4,096 (TrainConfig.ce_chunk)."""
     return 16384 if 16384 * target_vocab <= 1 << 28 else 4096
 
 
-def build_data(cfg, hf_cfg, rank: int, world: int, dev: torch.device, bf16: bool) -> TrainData:
-    """Open the sources, select the layers, load or derive the vocab map and split the samples (`hf_cfg`: the
-    target's HF config)."""
-    V = int(hf_cfg.vocab_size)
-    target = store = None
+def source_layers(cfg, hf_cfg, store) -> tuple[list[int], list[int] | None]:
+    """(the drafter's aux_layers, indices into the store's aux) for --aux-layers, after the store's cheap checks
+    against the target (hidden size); `store` None: online."""
+    if store is not None and store.hidden_size != int(hf_cfg.hidden_size):
+        raise HstapError(f"{cfg.store}: hidden_size {store.hidden_size} != the target's {hf_cfg.hidden_size}")
+    return select_layers(cfg.aux_layers, store.layers if store is not None else None, int(hf_cfg.num_hidden_layers))
+
+
+def build_data(cfg, store, layers: list[int], sel: list[int] | None, vocab: tuple, rank: int, world: int,
+               dev: torch.device, bf16: bool) -> TrainData:
+    """The sources (the opened store, or the prepared set and the live target with --online), provenance and splits,
+    from the resolved layers and vocab map (`hstap.train.inputs.resolve`)."""
+    d2t, t2d, vocab_src = vocab
+    target = None
     if cfg.online:
         from hstap.data.prepare import load_prepared
         from hstap.model_dir import load_target, target_fingerprint
         src = load_prepared(cfg.data)
         ids_all, lengths_all = list(src["id"]), [len(x) for x in src["input_ids"]]
         target, _ = load_target(cfg.target, device=dev, dtype="bf16" if bf16 else "fp32")
-        layers, sel = select_layers(cfg.aux_layers, None, int(hf_cfg.num_hidden_layers))
         prov = {"target": target_fingerprint(cfg.target), "layers": layers, "engine": {"name": "hf-online"}}
     else:
-        from hstap.store.reader import open_store
-        src = store = open_store(cfg.store)
+        src = store
         ids_all, lengths_all = list(store.ids), list(store.lengths)
-        if store.hidden_size != int(hf_cfg.hidden_size):
-            raise HstapError(f"{cfg.store}: hidden_size {store.hidden_size} != the target's {hf_cfg.hidden_size}")
-        layers, sel = select_layers(cfg.aux_layers, store.layers, int(hf_cfg.num_hidden_layers))
         prov = {**store.header, "layers": layers, "captured_layers": store.layers, "path": str(store.path)}
-        preflight(cfg, rank, dev)
-    d2t, t2d, vocab_src = _vocab_map(cfg, store, V)
     from hstap.export.drafter_dir import vocab_map_sha256
     meta = {"store": prov, "vocab_map_sha256": vocab_map_sha256(d2t, t2d), "vocab_map_source": vocab_src}
 

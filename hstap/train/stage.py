@@ -59,8 +59,9 @@ bitwise on CPU fp32), slots and epochs, replay, consumption, exactly-once resume
 RUN/follow.jsonl are specified in `hstap.train.follow`'s docstring; the store side (writer ranks and the end of writing,
 consumer.json, the writers' back-pressure) in hstap/store/format.py. Without --steps the learning rate is constant.
 
-Layout: this module holds the stage's config, its entry and the loop; `hstap.train.data` the sources, layers, vocab
-map, split and batches; `hstap.train.trainer` the drafter's init, wrapping, optimizer, schedule, step and evaluation;
+Layout: this module holds the stage's config, its entry and the loop; `hstap.train.inputs` resolves what a run needs
+(run directory and resume point, target head, vocab map, store and its pre-flight check, layers) once, before
+anything is written; `hstap.train.data` the sources, layers, split and batches; `hstap.train.trainer` the drafter's init, wrapping, optimizer, schedule, step and evaluation;
 `hstap.train.checkpoint` the checkpoint files.
 """
 
@@ -78,10 +79,10 @@ import torch
 from hstap import dist as D
 from hstap.batching import TrainBatches
 from hstap.common import HstapError, write_run_config
-from hstap.model_dir import load_config, target_head
 from hstap.train import checkpoint
-from hstap.train.data import Feed, TrainData, auto_ce_chunk, build_data, follow_vocab_map
-from hstap.train.follow import FollowBatches, open_followed_store
+from hstap.train.data import Feed, TrainData
+from hstap.train.follow import FollowBatches
+from hstap.train.inputs import resolve
 from hstap.train.log import CURVES, MetricsLog, Throughput, draw_curves, print_summary, train_line
 from hstap.train.trainer import Schedule, Trainer, init_drafter
 from hstap.train.ttt import ttt_attention
@@ -324,12 +325,6 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
     return summary
 
 
-def _check_run(cfg: TrainConfig, run: Path) -> None:
-    """No silent overwrite of a trained run."""
-    if checkpoint.complete(run) and not cfg.resume:
-        raise HstapError(f"{run}: has checkpoints already; pass --resume to continue or choose another --out")
-
-
 def _open_run(cfg: TrainConfig, run: Path, rank: int) -> None:
     """RUN ready to write, once the inputs are validated (a run that fails on bad input leaves no RUN/config.json):
     created, a crashed save undone, config.json written."""
@@ -341,31 +336,24 @@ def _open_run(cfg: TrainConfig, run: Path, rank: int) -> None:
 
 
 def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[_Run, TrainState]:
-    """Data, drafter, trainer and batch stream of this rank, restored from RUN's newest checkpoint with --resume."""
+    """Data, drafter, trainer and batch stream of this rank from the resolved inputs (`hstap.train.inputs.resolve`),
+    restored from RUN's newest checkpoint with --resume."""
     run, cuda = Path(cfg.out), dev.type == "cuda"
     bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and cuda)
     if bf16 and not cuda:
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
-    _check_run(cfg, run)
-    hf_cfg = load_config(cfg.target)
-    cfg.ce_chunk = cfg.ce_chunk or auto_ce_chunk(int(hf_cfg.vocab_size))  # resolved: config.json records it
-    if cfg.follow:
-        follow_vocab_map(cfg)  # bad input fails before the store is claimed and waited for
-        open_followed_store(cfg, run, rank)
-    data = build_data(cfg, hf_cfg, rank, world, dev, bf16)
-    cfg.draft_vocab = int(data.d2t.numel())  # resolved, as ce_chunk
-    embed, head = target_head(cfg.target)
-    drafter = init_drafter(cfg, hf_cfg, data, embed, head)
+    inp = resolve(cfg, rank, world, dev, bf16)
+    data, ckpt, state, run_config = inp.data, inp.ckpt, inp.state, inp.run_config
+    drafter = init_drafter(cfg, inp.hf_cfg, data, inp.embed, inp.head)
     attn, why = ttt_attention(cfg.attn, dev.type, drafter.config.head_dim)
-    feed = Feed(data, head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt,
+    feed = Feed(data, inp.head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt,
                 pad_to=16 if cuda else 1)  # CUDA: T in steps of 16 bounds the TTT masks and compiled shapes
-    del embed, head
+    del inp  # the target's embedding and head: the drafter and the feed hold what they need
     _open_run(cfg, run, rank)
 
     # A resume loads the weights before wrapping and the optimizer and RNG after.
-    run_config = {"world_size": world, **vars(cfg)}
-    ckpt = checkpoint.complete(run)[-1] if cfg.resume and checkpoint.complete(run) else None
-    state = checkpoint.load(ckpt, run_config, drafter) if ckpt else {}
+    if ckpt:
+        checkpoint.load_weights(ckpt, drafter)
     drafter.to(dev)
     trainer = Trainer(cfg, drafter, world, dev, attn, bf16)
     # best_sim_tau of a run saved before tau included the bonus token (no "tau_definition") is not comparable

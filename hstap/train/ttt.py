@@ -378,7 +378,7 @@ class TTTModel(nn.Module):
 def replay_chain(runs: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor, max_k: int):
     """Greedy chain decoding replayed on teacher-forced runs -> (tokens (max_k,), rounds (max_k,)) for k = 1..max_k.
 
-    Each answer (maximal span [P, E) of loss_mask = 1) is decoded as `spec/drivers.py` would: x[P] comes from the
+    Each answer (maximal span [P, E) of loss_mask = 1) is decoded as `speculative/drivers.py` would: x[P] comes from the
     prefill; a round at drafter position t (first t = P-1) accepts a = min(k, runs[t]) drafts plus one target token,
     producing x[t+2 .. t+2+a], and the next round starts at t + a + 1. On the target's own greedy outputs (`hstap
     generate`) this is what decoding does, round for round, so tokens / rounds predicts the measured tau; unlike the

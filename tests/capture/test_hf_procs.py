@@ -14,9 +14,10 @@ import time
 
 import pytest
 from _capture_fixtures import Run, assert_same_store, make_prepared, run_cli, store_samples
-from _procs import free_port, start_forkserver
+from _procs import start_forkserver
 
 from hstap.capture.stage import CaptureConfig, capture
+from hstap.common import free_port
 from hstap.store.reader import open_store
 
 N = 40  # samples

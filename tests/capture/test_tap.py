@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from hstap.data.generate import GenerateConfig, generate
+from hstap.capture.tap import generate
+from hstap.data.generate import GenerateConfig
 
 CORPUS = [{"id": f"c{i}", "conversations": [{"role": "user", "content": f"question {i}: " + "indent " * i},
                                             {"role": "assistant", "content": "x"}]} for i in range(5)] + [

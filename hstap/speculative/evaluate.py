@@ -46,11 +46,11 @@ import torch
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, write_run_config
 from hstap.console import Progress
 from hstap.plots import acceptance_plot
-from hstap.spec.drivers import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
-from hstap.spec.fast import FUSED, FastDecoder
-from hstap.spec.latency import latency_model, round_model
-from hstap.spec.report import PLOT, markdown, print_summary, speedup_notes
-from hstap.spec.vllm import agreement, run_vllm, vllm_drafter_dir
+from hstap.speculative.drivers import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
+from hstap.speculative.fast import FUSED, FastDecoder
+from hstap.speculative.latency import latency_model, round_model
+from hstap.speculative.report import PLOT, markdown, print_summary, speedup_notes
+from hstap.speculative.vllm import agreement, run_vllm, vllm_drafter_dir
 
 
 @dataclass
@@ -90,9 +90,9 @@ class EvalConfig:
     tie_tol: float | None = None
     """Logit gap under which a greedy mismatch counts as a numerical near-tie (unset: 1e-3 in fp32, 0.5 in bf16)."""
     engine: str = field(default="auto", metadata={"choices": ["auto", "fast", "eager", "vllm"]})
-    """Decoder: fast (static KV caches, CUDA graphs: hstap.spec.fast), eager (hstap.spec.drivers), auto = fast on CUDA,
+    """Decoder: fast (static KV caches, CUDA graphs: hstap.speculative.fast), eager (hstap.speculative.drivers), auto = fast on CUDA,
     eager on the CPU. Every method runs on the same one. vllm: hstap's (auto) decoder, and the drafter inside vLLM's own
-    speculative decoding on the same prompts, with vLLM's counters (hstap.spec.vllm; chain mode)."""
+    speculative decoding on the same prompts, with vLLM's counters (hstap.speculative.vllm; chain mode)."""
     kernels: str = field(default="standard", metadata={"choices": ["standard", "fused"]})
     """Fast engine: standard (the model's layers, SDPA) or fused (fastdecode.FUSED: faster steps, long compiles)."""
 

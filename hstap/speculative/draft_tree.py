@@ -1,7 +1,7 @@
 """Draft trees for speculative decoding: the tree a round verifies, how an EAGLE-3 drafter grows it (EAGLE-2's dynamic
 tree; a chain is the topk=1 case) and the attention mask that verifies all of it in one target forward.
 
-Growing (step 2 of a round, see `hstap.spec.drivers`): the tree is rooted at x[L-1], the newest committed token. Level-1
+Growing (step 2 of a round, see `hstap.speculative.drivers`): the tree is rooted at x[L-1], the newest committed token. Level-1
 children come from h_last, the drafter's output at position L-2; a level-d node (sequence index L-1+d) is fed to the
 drafter at position L-2+d with its parent's h_out as hidden, attending to the drafter cache plus its ancestors. The
 drafter's rotary position grows with depth, as in SGLang/EAGLE decoding. A chain of k tokens is the tree with topk=1,
@@ -12,7 +12,7 @@ Which nodes are kept. At T = 0 the tree is EAGLE-2's: expand the top-k nodes of 
 keep the best `tokens`-1 nodes overall (ancestor-closed: a child never scores above its parent, ties go to the parent).
 At T > 0 each expanded node's children are drawn from q = softmax(drafter / T) without replacement, by Gumbel-top-k
 (the top-k of log q + Gumbel noise, in order, is exactly sequential sampling without replacement), and pruning follows
-rule (b) of `hstap.spec.acceptance`: a node is expanded only if it will be verified, decided before its children are drawn
+rule (b) of `hstap.speculative.acceptance`: a node is expanded only if it will be verified, decided before its children are drawn
 (per level the best min(topk, budget left) nodes by cumulative log q; the budget left at the end goes to the best
 unexpanded nodes, which have no children). Every drawn child is recorded, verified or not, for rule (a).
 """

@@ -1,5 +1,5 @@
-"""The fast decoder (hstap.spec.fast: static caches, device-side trees and acceptance) against the eager one
-(hstap.spec.drivers) on tiny random CPU targets: the same tokens (greedy; Llama, Qwen2, Qwen3, DeepSeek-V3), the same
+"""The fast decoder (hstap.speculative.fast: static caches, device-side trees and acceptance) against the eager one
+(hstap.speculative.drivers) on tiny random CPU targets: the same tokens (greedy; Llama, Qwen2, Qwen3, DeepSeek-V3), the same
 EAGLE-2 trees node for node, caches after tree rounds equal to a fresh prefill, the output law at temperature > 0
 (chi-square), one host read per round, and the one-line fallbacks."""
 
@@ -14,12 +14,12 @@ from _speculate_fixtures import chi2_pvalue, load_tiny_target, oracle_drafter, r
 
 from hstap.common import HstapError
 from hstap.models.drafter import DrafterCache
-from hstap.spec.device_tree import TreeShape, accept_greedy, best, draft, ranks, top_k
-from hstap.spec.draft_tree import draft_tree, tree_mask
-from hstap.spec.drivers import (drafter_extend, new_cache, ngram_generate, prefill, speculative_generate,
+from hstap.speculative.device_tree import TreeShape, accept_greedy, best, draft, ranks, top_k
+from hstap.speculative.draft_tree import draft_tree, tree_mask
+from hstap.speculative.drivers import (drafter_extend, new_cache, ngram_generate, prefill, speculative_generate,
                                 target_forward, target_generate)
-from hstap.spec.fast import FastDecoder
-from hstap.spec.static_kv import DrafterStaticCache
+from hstap.speculative.fast import FastDecoder
+from hstap.speculative.static_kv import DrafterStaticCache
 
 TYPES = ["llama", "qwen2", "qwen3", "deepseek_v3"]
 
@@ -255,7 +255,7 @@ def test_unsupported_cache_falls_back_with_one_line(tiny_tokenizer, tmp_path):
 @pytest.mark.parametrize("kernels", ["standard", "fused"])
 def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys, kernels):
     from hstap.export.drafter_dir import save_drafter
-    from hstap.spec.evaluate import EvalConfig, evaluate
+    from hstap.speculative.evaluate import EvalConfig, evaluate
 
     target = load_tiny_target(tiny_llama)[0]
     save_drafter(tmp_path / "d", random_drafter(target, (1, 2, 3), draft_vocab=300))
@@ -270,12 +270,12 @@ def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys, kernels):
     assert rep["kernels"] == kernels and f"({kernels} kernels)" in (tmp_path / "r" / "report.md").read_text()
     for m in rep["methods"].values():
         assert m["verify_ms_per_round"] > 0 and m["host_ms_per_round"] >= 0
-    from hstap.spec.latency import round_model
+    from hstap.speculative.latency import round_model
 
     eagle = rep["methods"]["eagle"]
     assert rep["predicted_speedup"] == pytest.approx(round_model(eagle, rep["methods"]["target"]))
     assert eagle["predicted_speedup_naive"] == pytest.approx(rep["tau"] / (1 + eagle["draft_s"] / eagle["verify_s"]))
-    assert "predicted speedup (hstap.spec.latency.round_model)" in (tmp_path / "r" / "report.md").read_text()
+    assert "predicted speedup (hstap.speculative.latency.round_model)" in (tmp_path / "r" / "report.md").read_text()
     err = capsys.readouterr().err  # progress per method on the fast engine too: prompts done / total, tokens/s
     for m in ("target", "ngram", "eagle"):
         assert f"hstap eval: {m}: 2/2 prompts, " in err and "tokens/s" in err, err
@@ -287,7 +287,7 @@ def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys, kernels):
 def test_lean_drafter_equals_drafter(tiny_models, mt, attention, fuse_rows):
     """LeanDrafter (fused q/k/v and gate/up GEMMs, rotary tables, grouped SDPA) is the drafter's forward."""
     from hstap.models.lean_drafter import LeanDrafter
-    from hstap.spec.static_kv import causal_rows
+    from hstap.speculative.static_kv import causal_rows
 
     target = tiny_models[mt]
     drafter = random_drafter(target, (1, 2, 3), draft_vocab=300)
@@ -315,7 +315,7 @@ def test_lean_drafter_equals_drafter(tiny_models, mt, attention, fuse_rows):
 
 
 def test_lean_decoding_equals_eager(tiny_models):
-    """lean=True: chains draft with argmax alone, trees through LeanDrafter; tokens and acceptance as spec/drivers.py."""
+    """lean=True: chains draft with argmax alone, trees through LeanDrafter; tokens and acceptance as speculative/drivers.py."""
     target = tiny_models["qwen3"]
     prompt = _prompt(target.vocab_size, 8, seed=6)
     ref, _ = target_generate(target, prompt, 32)
@@ -370,7 +370,7 @@ def test_fuse_bytes_caps_the_reductions():
                                                                ("qwen2", "math", 8, 16 << 20),
                                                                ("llama", "math", 16, 40 << 10)])
 def test_lean_target_decoding_equals_eager(tiny_models, mt, attention, fuse_rows, fuse_bytes):
-    """Every method over the lean target layers (and the lean drafter) gives spec/drivers.py's tokens and acceptance."""
+    """Every method over the lean target layers (and the lean drafter) gives speculative/drivers.py's tokens and acceptance."""
     target = tiny_models[mt]
     prompt = _prompt(target.vocab_size, 8, seed=6)
     ref, _ = target_generate(target, prompt, 32)

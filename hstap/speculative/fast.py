@@ -1,6 +1,6 @@
 """The fast evaluation decoder: static KV caches, fixed-shape steps, device-side trees and acceptance, CUDA graphs.
 
-Same drivers and outputs as hstap.spec.drivers (target_generate, speculative_generate chain/tree, ngram_generate; batch 1;
+Same drivers and outputs as hstap.speculative.drivers (target_generate, speculative_generate chain/tree, ngram_generate; batch 1;
 `(generated ids, stats)`), the same bookkeeping between rounds (target cache L-1 entries, drafter cache L-1 once the
 pending pairs are in: drivers.py's module docstring), and the same tokens: greedy outputs equal drivers.py's and
 target-only decoding's, sampled outputs follow the same law. What differs is how a round runs:
@@ -13,7 +13,7 @@ target-only decoding's, sampled outputs follow the same law. What differs is how
     host      ONE read of a few integers (accepted count, new tokens), to stop at eos / max_new_tokens
 
 On CUDA each step is torch.compile'd (decoding steps; `compile`) and captured into a CUDA graph on first use
-(hstap.spec.cudagraph.Step), then replayed; a step that cannot be captured runs eagerly after one printed line. The one-time
+(hstap.speculative.cudagraph.Step), then replayed; a step that cannot be captured runs eagerly after one printed line. The one-time
 costs (warm-up, compilation, capture) are taken out of the call's timings and reported as capture_s. On the CPU the
 same steps run as plain calls, which is what the tests compare with drivers.py. Target-only decoding is a one-token
 step; n-gram lookup drafts on the host and verifies in a (k+1)-token step whose padding is never accepted.
@@ -35,7 +35,7 @@ starts, so no one-time cost is inside them):
               device sat idle waiting for the host (Python, launches, the one read per round). Device spans of
               different rounds never overlap and all lie inside the loop, so host_s >= 0 up to the events'
               resolution (~1 us per round).
-hstap.spec.latency turns them into the issue's predicted speedup tau / (1 + k c_draft / c_verify) and into the refined one
+hstap.speculative.latency turns them into the issue's predicted speedup tau / (1 + k c_draft / c_verify) and into the refined one
 that also counts the verify forward's growth with its token count and the host time per round.
 """
 
@@ -50,13 +50,13 @@ from hstap.common import HstapError
 from hstap.layers import last_layer
 from hstap.models.lean_drafter import LeanDrafter
 from hstap.models.lean_target import FUSE_MAX_BYTES, lean_target
-from hstap.spec import drivers
-from hstap.spec.cudagraph import Clock, GraphPolicy, Step
-from hstap.spec.device_tree import TreeShape
-from hstap.spec.fast_steps import (decode_body, decode_buffers, ngram_body, ngram_buffers, prefill_body,
+from hstap.speculative import drivers
+from hstap.speculative.cudagraph import Clock, GraphPolicy, Step
+from hstap.speculative.device_tree import TreeShape
+from hstap.speculative.fast_steps import (decode_body, decode_buffers, ngram_body, ngram_buffers, prefill_body,
                                    prefill_buffers, run_target, spec_bodies, spec_buffers)
-from hstap.spec.latency import latency_model
-from hstap.spec.static_kv import DrafterStaticCache, StaticUnsupported, additive, causal_rows, seek, target_cache
+from hstap.speculative.latency import latency_model
+from hstap.speculative.static_kv import DrafterStaticCache, StaticUnsupported, additive, causal_rows, seek, target_cache
 
 SLOT_QUANTUM = 256  # cache lengths are rounded up to this (aligned masks, fewer re-allocations)
 
@@ -95,19 +95,19 @@ def finish(out: list[int], new: list[int], max_new: int, eos: set[int]) -> bool:
 def _ids(prompt_ids) -> list[int]:
     prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
     if not prompt:
-        raise HstapError("spec/fast.py: prompt_ids: empty prompt")
+        raise HstapError("speculative/fast.py: prompt_ids: empty prompt")
     return prompt
 
 
 def _check(mode: str, k: int, topk: int, depth: int, tokens: int, temperature: float, max_new: int) -> None:
     if mode not in ("chain", "tree"):
-        raise HstapError(f"spec/fast.py: mode: expected 'chain' or 'tree', got {mode!r}")
+        raise HstapError(f"speculative/fast.py: mode: expected 'chain' or 'tree', got {mode!r}")
     for name, v, lo in (("k", k, 1), ("topk", topk, 1), ("depth", depth, 1), ("tokens", tokens, 2),
                         ("max_new_tokens", max_new, 1)):
         if v < lo:
-            raise HstapError(f"spec/fast.py: {name}: must be >= {lo}, got {v}")
+            raise HstapError(f"speculative/fast.py: {name}: must be >= {lo}, got {v}")
     if temperature < 0:
-        raise HstapError(f"spec/fast.py: temperature: must be >= 0, got {temperature}")
+        raise HstapError(f"speculative/fast.py: temperature: must be >= 0, got {temperature}")
 
 
 class FastDecoder:
@@ -135,13 +135,13 @@ class FastDecoder:
         self.target, self.drafter, self.dev = target, drafter, target.device
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         if graphs and self.dev.type != "cuda":
-            raise HstapError("spec/fast.py: graphs=True needs a CUDA target")
+            raise HstapError("speculative/fast.py: graphs=True needs a CUDA target")
         self.policy = GraphPolicy(self.dev.type == "cuda" if graphs is None else graphs,
                                   f"a {target.config.model_type} decoding step", self.log)
         self.compile = self.dev.type == "cuda" if compile is None else compile
         self.inductor, self.lean = dict(inductor or {}), lean
         if target_layers not in ("hf", "lean") or attention not in ("sdpa", "math"):
-            raise HstapError(f"spec/fast.py: target_layers / attention: expected hf|lean / sdpa|math, got "
+            raise HstapError(f"speculative/fast.py: target_layers / attention: expected hf|lean / sdpa|math, got "
                              f"{target_layers!r} / {attention!r}")
         self.target_layers, self.attention, self.lt = target_layers, attention, None
         self.fuse_rows, self.fuse_bytes = fuse_rows, fuse_bytes
@@ -366,10 +366,10 @@ class FastDecoder:
         prompt = _ids(prompt_ids)
         _check(mode, k, topk, depth, tokens, temperature, max_new_tokens)
         if self.drafter is None:
-            raise HstapError("spec/fast.py: speculative_generate needs a FastDecoder built with a drafter")
+            raise HstapError("speculative/fast.py: speculative_generate needs a FastDecoder built with a drafter")
         c = self.drafter.config
         if c.vocab_size != self.target.vocab_size or (c.aux_layers and max(c.aux_layers) >= self.target.num_layers):
-            raise HstapError(f"spec/fast.py: drafter (vocab {c.vocab_size}, aux_layers {list(c.aux_layers)}) does "
+            raise HstapError(f"speculative/fast.py: drafter (vocab {c.vocab_size}, aux_layers {list(c.aux_layers)}) does "
                              f"not fit a {self.target.num_layers}-layer target of vocab {self.target.vocab_size}")
         eager = self._eager(f"EAGLE {mode} decoding")
         if not eager and getattr(c, "num_layers", 1) > 1:
@@ -432,7 +432,7 @@ class FastDecoder:
         padding is never accepted)."""
         prompt = _ids(prompt_ids)
         if k < 1 or max_ngram < 1:
-            raise HstapError(f"spec/fast.py: k and max_ngram must be >= 1 (got {k}, {max_ngram})")
+            raise HstapError(f"speculative/fast.py: k and max_ngram must be >= 1 (got {k}, {max_ngram})")
         if self._eager("n-gram decoding"):
             return drivers.ngram_generate(self.target, prompt, max_new_tokens, k, max_ngram, temperature, eos_ids,
                                             generator)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hstap.models.drafter import DrafterCache
-from hstap.spec.draft_tree import Tree, draft_tree, tree_mask
-from hstap.spec.drivers import drafter_extend, new_cache, target_forward
+from hstap.speculative.draft_tree import Tree, draft_tree, tree_mask
+from hstap.speculative.drivers import drafter_extend, new_cache, target_forward
 from tests._speculate_fixtures import StubDrafter, load_tiny_target, random_prompts
 
 

@@ -74,7 +74,7 @@ def markdown(cfg, r: dict) -> str:
         lines.append(f"| {name} | {m['tau']:.3f} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
                      f"{fmt(m.get('predicted_speedup'))}{'x' if m.get('predicted_speedup') else ''} | "
                      f"{fmt(m.get('draft_s'))} | {fmt(m.get('verify_s'))} | {split} | {acc} |")
-    lines += ["", ("predicted speedup (hstap.spec.latency.round_model) = tau c_token / (D c_draft + c_verify + "
+    lines += ["", ("predicted speedup (hstap.speculative.latency.round_model) = tau c_token / (D c_draft + c_verify + "
                    "c_host): the round's measured draft, verify and host time against c_token, target-only's cost "
                    "per token (its step and host time); it leaves out the prefill and the first token. The simpler "
                    "tau / (1 + k c_draft / c_verify), which assumes a verify costs one target-only step and the host "
@@ -105,7 +105,7 @@ def markdown(cfg, r: dict) -> str:
 
 
 def vllm_lines(v: dict | None) -> list[str]:
-    """What `--engine vllm` measured inside vLLM (hstap.spec.vllm), and whether it agrees with hstap's decoder."""
+    """What `--engine vllm` measured inside vLLM (hstap.speculative.vllm), and whether it agrees with hstap's decoder."""
     if not v:
         return []
     a = v.get("agreement") or {}

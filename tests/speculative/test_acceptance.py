@@ -1,12 +1,12 @@
 """The acceptance rule on hand-built trees: the greedy walk, and rule (a) at T > 0 (an accepted child outside the
-verified tree ends the round). The output law over whole generations is tested in tests/spec/test_drivers.py."""
+verified tree ends the round). The output law over whole generations is tested in tests/speculative/test_drivers.py."""
 
 from __future__ import annotations
 
 import torch
 
-from hstap.spec.acceptance import accept
-from hstap.spec.draft_tree import Tree
+from hstap.speculative.acceptance import accept
+from hstap.speculative.draft_tree import Tree
 
 V = 8
 

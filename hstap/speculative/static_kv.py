@@ -1,4 +1,4 @@
-"""Preallocated KV caches for the fast decoder (hstap.spec.fast), their attention masks and the in-place compaction
+"""Preallocated KV caches for the fast decoder (hstap.speculative.fast), their attention masks and the in-place compaction
 of an accepted tree path. Fixed shapes only: nothing here allocates storage that outlives a call, reads a tensor value
 on the host, or branches on one, so every function can run inside a captured CUDA graph.
 
@@ -15,7 +15,7 @@ Drafter: `DrafterStaticCache`, duck-typed like `hstap.models.drafter.DrafterCach
 
 Compaction: after a tree verify the accepted path's target entries are gathered into place (`keep_path`); the
 drafter needs none: its draft-step entries were made from its own h_out, and the next round's extend rewrites the
-accepted positions from the target's states (spec/drivers.py's invariant, kept here).
+accepted positions from the target's states (speculative/drivers.py's invariant, kept here).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ import pytest
 
 from hstap.common import HstapError
 from hstap.export.drafter_dir import save_drafter
-from hstap.spec.drivers import target_generate
-from hstap.spec.evaluate import EvalConfig, evaluate, prompt_from_mask, read_sim_tau, sim_chain_tau
+from hstap.speculative.drivers import target_generate
+from hstap.speculative.evaluate import EvalConfig, evaluate, prompt_from_mask, read_sim_tau, sim_chain_tau
 from tests._speculate_fixtures import load_tiny_target, random_drafter
 
 CONVERSATIONS = [
@@ -123,7 +123,7 @@ def test_prompt_from_mask():
 
 
 def test_lossless_violation_fails_loudly(setup, tiny_llama, monkeypatch, capsys):
-    import hstap.spec.evaluate as ev
+    import hstap.speculative.evaluate as ev
 
     target, tok, jsonl, run, root = setup
     real = ev.speculative_generate
@@ -149,7 +149,7 @@ def test_lossless_violation_fails_loudly(setup, tiny_llama, monkeypatch, capsys)
 def test_near_ties_are_one_line_and_still_lossless(setup, tiny_llama, monkeypatch, capsys):
     """The same swapped tokens, now within --tie-tol of the top logit: one console line with their count, the details
     in report.json, and report.md says why the run still counts as lossless."""
-    import hstap.spec.evaluate as ev
+    import hstap.speculative.evaluate as ev
 
     target, tok, jsonl, run, root = setup
     real = ev.speculative_generate
@@ -200,7 +200,7 @@ def test_config_validation_and_cli_flags(tmp_path):
             EvalConfig(target="t", data="d", out="o", **bad)
     with pytest.raises(HstapError, match="no usable prompt"):
         (tmp_path / "x.jsonl").write_text(json.dumps(CONVERSATIONS[2]) + "\n")
-        from hstap.spec.evaluate import load_prompts
+        from hstap.speculative.evaluate import load_prompts
         load_prompts(str(tmp_path / "x.jsonl"), object())
 
 

@@ -1,6 +1,6 @@
 """Speculative decoding: KV rollback, greedy losslessness (real tiny models), pinned accept patterns (stub models with
 fixed logits) and the output distribution at temperature > 0 (chi-square, fixed seeds). Exact tree attention and the
-tree's nodes: tests/spec/test_draft_tree.py; the acceptance rule on hand-built trees: tests/spec/test_acceptance.py."""
+tree's nodes: tests/speculative/test_draft_tree.py; the acceptance rule on hand-built trees: tests/speculative/test_acceptance.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from hstap.common import HstapError
 from hstap.models.drafter import DrafterCache
-from hstap.spec.drivers import (NgramIndex, drafter_extend, new_cache, ngram_generate, prefill, spec_step,
+from hstap.speculative.drivers import (NgramIndex, drafter_extend, new_cache, ngram_generate, prefill, spec_step,
                                 speculative_generate, target_forward, target_generate)
 from tests._speculate_fixtures import (StubDrafter, StubTarget, chi2_pvalue, load_tiny_target, oracle_drafter,
                                        random_drafter, random_prompts)

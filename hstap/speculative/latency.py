@@ -1,5 +1,5 @@
 """Latency models of speculative decoding: the speedup predicted from the measured per-round costs of a method
-(draft_s, verify_s, host_s summed over its rounds, and verify_forwards, the rounds; hstap.spec.fast's stats), to set
+(draft_s, verify_s, host_s summed over its rounds, and verify_forwards, the rounds; hstap.speculative.fast's stats), to set
 beside the measured one.
 
     issue's model   tau / (1 + k c_draft / c_verify)                        (latency_model)

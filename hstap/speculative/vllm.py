@@ -59,16 +59,13 @@ def _counters(llm) -> dict:
 def _run(target: str, dtype: str, prompts: list[list[int]], max_new: int, temperature: float, eos: list[int],
          seed: int, spec: dict | None, device: str) -> tuple[list[list[int]], float, dict]:
     """(outputs, wall seconds, counters of this run) of one vLLM engine over the prompts."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from hstap.capture.vllm.protocol import cpu_kv_cache_bytes
+    from hstap.vllm_engine import start_llm, stop_llm
 
     longest = max(len(p) for p in prompts) + max_new + 8
-    extra = {"kv_cache_memory_bytes": cpu_kv_cache_bytes()} if device == "cpu" else {}
-    llm = LLM(model=target, **extra, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], enforce_eager=device == "cpu",
-              max_model_len=longest, enable_prefix_caching=False, speculative_config=spec, seed=seed,
-              disable_log_stats=False)
+    llm = start_llm(target, dtype, device, longest, speculative_config=spec, seed=seed, disable_log_stats=False)
     try:
         params = SamplingParams(max_tokens=max_new, temperature=temperature, stop_token_ids=list(eos), seed=seed)
         before = _counters(llm)
@@ -77,9 +74,7 @@ def _run(target: str, dtype: str, prompts: list[list[int]], max_new: int, temper
         wall = time.perf_counter() - t0
         after = _counters(llm)
     finally:
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+        stop_llm(llm)
     diff = {k: (after[k] - before.get(k, 0)) if k in COUNTERS else
             [a - b for a, b in zip(after[k], before.get(k, [0] * len(after[k])))] for k in after}
     return [list(o.outputs[0].token_ids) for o in outs], wall, diff

@@ -1,17 +1,17 @@
-"""EAGLE-2 drafting and lossless acceptance as fixed-shape tensor code: what `hstap.spec.drivers` does with Python lists,
+"""EAGLE-2 drafting and lossless acceptance as fixed-shape tensor code: what `hstap.speculative.drivers` does with Python lists,
 done on the device so a whole round can be captured in CUDA graphs and needs one host read at most.
 
 Shapes (`TreeShape`): k = topk, D = depth levels, C = k + (D-1) k^2 candidates (level 1 has k, every later level the
 k children of each of the k nodes expanded there), N = min(tokens, C+1) verified nodes (root included), F = (D-1) k
 drafter slots written while drafting, P = min(D, N-1) + 1 the longest accepted path (root included). A chain of k
-drafts is topk=1, depth=k, tokens=k+1, as in spec/drivers.py.
+drafts is topk=1, depth=k, tokens=k+1, as in speculative/drivers.py.
 
 The tree is speculate.draft_tree's at T = 0, candidate for candidate: candidates are numbered in creation order
 (level by level, and within a level by the rank of the parent, then the child's rank); each level expands its best k
 by cumulative log-prob with ties to the lower number (a stable descending sort, Python's sort by (-score, index));
 the kept nodes are the best N-1 overall, ties again to the lower number, so a parent (never below its child's score,
 and numbered first) is kept before its child: ancestor-closed. At T > 0 only the chain is built here (children are
-Gumbel-top-1 draws from q, as spec/drivers.py draws them); trees at T > 0 stay with the eager decoder.
+Gumbel-top-1 draws from q, as speculative/drivers.py draws them); trees at T > 0 stay with the eager decoder.
 
 No sort or torch.topk kernel runs at T = 0: the children are `top_k` of the logits (their log-probs: minus the
 logsumexp, log_softmax's values up to rounding), the level fronts and kept nodes come from `ranks` (pairwise
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hstap.spec.static_kv import block_mask, causal_rows
+from hstap.speculative.static_kv import block_mask, causal_rows
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class TreeShape:
 
 
 def gumbel(u: torch.Tensor) -> torch.Tensor:
-    """Uniforms -> Gumbel(0, 1) noise (spec/drivers.py's transform, with its clamp)."""
+    """Uniforms -> Gumbel(0, 1) noise (speculative/drivers.py's transform, with its clamp)."""
     return -(-u.clamp_min(1e-20).log()).log()
 
 
@@ -278,7 +278,7 @@ def accept_sampled_chain(logits: torch.Tensor, tok: torch.Tensor, q: torch.Tenso
     qa = torch.cat([q, torch.zeros_like(q[:1])]).index_select(0, a.view(1))[0]  # (V,) zero past the last draft
     r = (pa - qa).clamp_min(0)  # residual after a rejection
     qta = torch.cat([qt, qt.new_zeros(1)]).index_select(0, a.view(1))[0]
-    use_r = (a < n_valid) & (qta > 0) & (r.sum() > 0)  # q(t) == 0 or rounding: spec/drivers.py samples p itself
+    use_r = (a < n_valid) & (qta > 0) & (r.sum() > 0)  # q(t) == 0 or rounding: speculative/drivers.py samples p itself
     dist = torch.where(use_r, r, pa)  # (V,)
     y = (dist.log() + g).argmax()  # Gumbel-max: a sample of dist / sum(dist)
     return a, ar, y

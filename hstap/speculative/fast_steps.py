@@ -1,4 +1,4 @@
-"""The fixed-shape steps of the fast decoder (hstap.spec.fast): the target forward over the static cache, and the
+"""The fixed-shape steps of the fast decoder (hstap.speculative.fast): the target forward over the static cache, and the
 bodies of the target-only, EAGLE draft / verify and n-gram verify steps.
 
 A body is a function of no arguments over a dict of preallocated buffers `b` (0-d long scalars `start` = L-1, the
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from hstap.spec.device_tree import (TreeShape, accept_greedy, accept_sampled_chain, draft, draft_chain, extend, gumbel,
+from hstap.speculative.device_tree import (TreeShape, accept_greedy, accept_sampled_chain, draft, draft_chain, extend, gumbel,
                                     next_pending)
-from hstap.spec.static_kv import additive, block_mask, causal_rows, keep_path, seek
+from hstap.speculative.static_kv import additive, block_mask, causal_rows, keep_path, seek
 
 
 def run_target(target, cache, layers: list[int], ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,

