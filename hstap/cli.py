@@ -33,6 +33,8 @@ from hstap.common import HstapError
 # "module:function" lives in another module than its config: `generate` is the capture stage's composition (--capture).
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": ("hstap.demo", "DemoConfig", "demo", "the whole pipeline end to end, offline, on a toy target (or yours)"),
+    "convert": ("hstap.convert", "ConvertConfig", "convert",
+                "a GGUF file, or an installed package holding one, -> a plain HF model directory (checked)"),
     "prepare": ("hstap.data.prepare", "PrepareConfig", "prepare", "conversations -> input_ids + assistant loss_mask + draft vocab map"),
     "generate": ("hstap.data.generate", "GenerateConfig", "hstap.capture.tap:generate",
                  "regenerate assistant turns with the target (embedded, or an OpenAI-compatible server)"),

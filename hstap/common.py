@@ -121,3 +121,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def package_files(dist: str, suffix: str = "") -> list[Path]:
+    """Files of an installed Python distribution (`pip install NAME`) whose path ends with `suffix`, as installed
+    (importlib.metadata's record). Raises a one-line HstapError when the distribution is not installed."""
+    import importlib.metadata as md
+
+    try:
+        files = md.distribution(dist).files or []
+    except md.PackageNotFoundError:
+        raise HstapError(f"package {dist!r} is not installed (pip install {dist})") from None
+    return [Path(f.locate()) for f in files if str(f).endswith(suffix) and "__pycache__" not in str(f)]
+
+
+def package_version(dist: str) -> str | None:
+    """The installed version of a distribution (None when it is not installed)."""
+    import importlib.metadata as md
+
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None

