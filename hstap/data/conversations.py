@@ -5,6 +5,10 @@ Inputs: `.jsonl`, `.json` (a list, or JSON Lines), `.parquet`, `.jsonl.gz`/`.jso
 ShareGPT {"conversations": [{"from": "system|human|gpt", "value"}]}, OpenAI {"messages": [{"role", "content"}]}, or
 {"conversations": [{"role", "content"}]} (the reference corpus). A record's `id` is kept, else it is
 `conversation_id(messages)`: sha256 of the normalised conversation as compact key-sorted JSON, 16 hex digits.
+An assistant message may carry `"finish_reason"` (what `hstap generate` writes per answer): "length" (cut at the token
+limit) is kept on the normalised message, so that prepare never trains on a closing token the target did not produce.
+An assistant content of null is a turn left open for `hstap generate` to fill (MT-bench's second turns follow the
+target's own first answer, `hstap data --source mtbench --turn 2`); every other reader refuses it.
 """
 
 from __future__ import annotations
@@ -82,8 +86,11 @@ def _iter_jsonl(path: Path, f: Iterable[bytes]) -> Iterator[tuple[str, Any]]:
 _WS = re.compile(r"[ \t\n\r]*")
 
 
-def _iter_json_list(path: Path, data: bytes) -> Iterator[tuple[str, Any]]:
-    """Elements of a JSON list with the line each starts on (a syntax error cannot be skipped: it ends the file)."""
+def iter_json_list(path: Path, data: bytes, tail: dict | None = None) -> Iterator[tuple[str, Any]]:
+    """Elements of a JSON list with the line each starts on. A syntax error cannot be skipped: it ends the file with an
+    error; but given `tail` (salvage) in a file cut short (no closing `]`, as ShareGPT V3 ships), it ends the list
+    quietly, `tail` then holding where the complete elements end: {"line", "bytes"} (the line the incomplete element
+    starts on, the bytes dropped from there)."""
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -98,7 +105,13 @@ def _iter_json_list(path: Path, data: bytes) -> Iterator[tuple[str, Any]]:
         try:
             rec, end = dec.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise HstapError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+            if tail is not None and not text.rstrip().endswith("]"):  # cut short, not broken inside
+                tail.update(line=line + text.count("\n", last, pos), bytes=len(text[pos:].encode()))
+                return
+            hint = (" (the file ends inside this element: cut short? `hstap data --source sharegpt --file FILE` "
+                    "keeps the complete records of a ShareGPT file)") if _WS.match(text, e.pos).end() >= len(text) \
+                or e.msg.startswith("Unterminated") else ""
+            raise HstapError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno}){hint}") from None
         line, last = line + text.count("\n", last, pos), pos
         yield f"{path}:{line}", rec
         pos = _WS.match(text, end).end() + 1
@@ -129,15 +142,17 @@ def _iter_file(path: Path) -> Iterator[tuple[str, Any]]:
                 return
             data = f.read()  # .json: a list, or JSON Lines (what `datasets` writes as .json)
             if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
-                yield from _iter_json_list(path, data)
+                yield from iter_json_list(path, data)
             else:
                 yield from _iter_jsonl(path, io.BytesIO(data))
     except (OSError, EOFError, pyarrow.ArrowException) as e:
         raise HstapError(f"{path}: cannot read: {one_line(e)}") from None
 
 
-def _messages(rec: Any) -> tuple[str | None, list[dict]]:
-    """(id or None, messages normalised to [{"role": system|user|assistant, "content": str}]); raises BadRecord."""
+def _messages(rec: Any, open_turns: bool = False) -> tuple[str | None, list[dict]]:
+    """(id or None, messages normalised to [{"role": system|user|assistant, "content": str}]); raises BadRecord.
+    An assistant message cut at the token limit keeps `"finish_reason": "length"`; with `open_turns`, an assistant
+    content of null is an open turn (content None) for `hstap generate` to fill."""
     if not isinstance(rec, dict):
         raise BadRecord("bad_record", f"record: expected a JSON object, got {type(rec).__name__}")
     if rec.get("messages") is not None and rec.get("conversations") is not None:
@@ -163,11 +178,23 @@ def _messages(rec: Any) -> tuple[str | None, list[dict]]:
             raise BadRecord("bad_record", f"{where}.{rk}: missing")
         if not isinstance(role, str) or role not in names:
             raise BadRecord("bad_record", f"{where}.{rk}: unknown role {role!r} (expected one of {', '.join(names)})")
+        if content is None and ck in m and names[role] == "assistant":
+            if not open_turns:
+                raise BadRecord("open_turn", f"{where}.{ck}: null: an assistant turn left open for `hstap generate` to "
+                                             "fill (run generate on this file first)")
+            out.append({"role": "assistant", "content": None})
+            continue
         if content is None:
             raise BadRecord("bad_record", f"{where}.{ck}: missing")
         if not isinstance(content, str):
             raise BadRecord("bad_record", f"{where}.{ck}: expected a string, got {type(content).__name__}")
-        out.append({"role": names[role], "content": content})
+        msg = {"role": names[role], "content": content}
+        fin = m.get("finish_reason")
+        if fin is not None and not isinstance(fin, str):
+            raise BadRecord("bad_record", f"{where}.finish_reason: expected a string, got {type(fin).__name__}")
+        if fin == "length" and msg["role"] == "assistant":
+            msg["finish_reason"] = "length"  # cut at the token limit: prepare trains on no closing token after it
+        out.append(msg)
     rid = rec.get("id")
     if rid is not None:
         if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
@@ -186,15 +213,16 @@ def conversation_id(messages: list[dict]) -> str:
     return _digest(messages)[:16]
 
 
-def iter_records(files: list[Path]) -> Iterator[tuple[str, Any]]:
-    """(location, (id, messages, digest)) or (location, BadRecord) for every record of `files`, in order."""
+def iter_records(files: list[Path], open_turns: bool = False) -> Iterator[tuple[str, Any]]:
+    """(location, (id, messages, digest)) or (location, BadRecord) for every record of `files`, in order
+    (`open_turns`: `_messages`)."""
     for path in files:
         for loc, rec in _iter_file(path):
             if isinstance(rec, BadRecord):
                 yield loc, rec
                 continue
             try:
-                rid, messages = _messages(rec)
+                rid, messages = _messages(rec, open_turns)
             except BadRecord as e:
                 yield loc, BadRecord(e.reason, f"{loc}: {e}")
                 continue
@@ -210,8 +238,10 @@ def count_skip(counts: Counter, reason: str, message: str, warn: bool = True) ->
         print(f"hstap: warning: skipped {message}", file=sys.stderr)
 
 
-def read_conversations(paths: str | Iterable[str], on_error: str = "fail") -> Iterator[tuple[str, list[dict]]]:
-    """(id, messages) for every record of `paths`, messages as [{"role": "system|user|assistant", "content": str}].
+def read_conversations(paths: str | Iterable[str], on_error: str = "fail",
+                       open_turns: bool = False) -> Iterator[tuple[str, list[dict]]]:
+    """(id, messages) for every record of `paths`, messages as [{"role": "system|user|assistant", "content": str}]
+    (an answer cut at the token limit with `"finish_reason": "length"`; `open_turns`: generate's null answers allowed).
 
     Bad records raise HstapError("file:line: field: problem") with on_error="fail"; with "skip" they are skipped (the
     first few are printed on stderr). Whole-file problems (missing file, broken JSON list, bad gzip) always raise.
@@ -219,7 +249,7 @@ def read_conversations(paths: str | Iterable[str], on_error: str = "fail") -> It
     if on_error not in ("fail", "skip"):
         raise HstapError(f"on_error: expected 'fail' or 'skip', got {on_error!r}")
     skipped: Counter = Counter()
-    for _, item in iter_records(expand_paths(paths)):
+    for _, item in iter_records(expand_paths(paths), open_turns):
         if not isinstance(item, BadRecord):
             yield item[0], item[1]
         elif on_error == "fail":

@@ -216,7 +216,7 @@ def _todo(cfg: GenerateConfig, done: set[str], stats: dict) -> Iterator[tuple[st
 
     seen: dict[str, str] = {}  # id -> digest of its messages: an exact duplicate is skipped, as prepare does
     n = 0
-    for sid, messages in read_conversations(cfg.data, on_error=cfg.on_error):
+    for sid, messages in read_conversations(cfg.data, on_error=cfg.on_error, open_turns=True):
         if cfg.max_samples is not None and n >= cfg.max_samples:
             return
         digest = conversation_id(messages)
