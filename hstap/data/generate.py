@@ -13,17 +13,23 @@ Engines:
 - embedded (`--target DIR`, hstap/data/decode.py): the HF model in this process, batched across conversations
   (`batch_size` at a time; left-padded prompts, one KV cache, finished rows dropped from the batch), CPU or GPU, greedy
   (`temperature 0`) or sampled (temperature + top_p). A turn stops at an end-of-turn/eos token (not kept in the text)
-  or `max_new_tokens`.
+  or `max_new_tokens`. Each conversation keeps its KV cache from one turn to the next (`--prefix-cache`, default on):
+  turn k+1's prompt is rendered afresh from the text, and only what it adds to the cached tokens (the closing of
+  answer k, user turn k+1, the generation prompt) is prefilled, so a conversation of n turns costs O(n) prefill, not
+  O(n^2) (`prefilled_tokens` in the summary; outputs equal the re-prefill path's, tested token for token).
 - server (`--server URL`, hstap/data/openai_client.py): any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM,
   `hstap serve`); `concurrency` conversations in flight (threads, stdlib urllib), retries with exponential
   backoff on connection errors, HTTP 5xx and 429 (honouring Retry-After), `retries` times at most, then the run stops
-  (finished records are kept).
+  (finished records are kept). Each turn sends the whole history; the reuse across turns is the server's own prefix
+  cache (SGLang's radix cache, vLLM's automatic prefix caching: both on by default), which recognises it.
 
 Sampling is reproducible per turn: the seed of each turn is derived from (`seed`, conversation id, turn index), so a
 conversation's output doesn't depend on which batch or thread it landed in, nor on a resume.
 
 Output: JSONL, one `{"id", "conversations": [{"role", "content"}]}` record per input conversation (the format
-`hstap prepare` reads, same ids as the input). Records are appended one by one with fsync, in completion order (which
+`hstap prepare` reads, same ids as the input); every generated assistant turn also carries its `"finish_reason"`:
+"stop" (the target ended it) or "length" (cut at --max-new-tokens: the text stays cut, and prepare trains on no
+closing token after it, since the target never produced one). Records are appended one by one with fsync, in completion order (which
 may differ from the input order; conversations the run skips are left out). Resume: rerunning the same command skips
 the ids already in the output; a truncated last line left by a crash is dropped first (the file is truncated at its
 last newline). `--new` starts over. The resolved config goes to `<out>.config.json` (`out` is a file, so not
@@ -46,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_json, run_meta
-from hstap.data.decode import EmbeddedEngine
+from hstap.data.decode import EmbeddedEngine, Prefix
 from hstap.data.openai_client import ChatClient, RequestRejected
 
 STAGE = "generate"
@@ -102,6 +108,9 @@ class GenerateConfig:
     """--capture: canonical layer ids to tap (as `hstap capture --layers`; empty = EAGLE-3's [1, N//2-1, N-4])."""
     capture_dtype: str = field(default="bf16", metadata={"choices": ["bf16", "fp8", "fp32"]})
     """--capture: storage dtype (as `hstap capture --dtype`)."""
+    prefix_cache: bool = True
+    """Embedded engine: keep each conversation's KV cache across its turns and prefill only what a turn adds (cost
+    linear in the turns); false prefills the whole history at every turn (quadratic; the reference path)."""
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -258,6 +267,7 @@ def _embedded_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats
     # With a tap (--capture), the last turn also returns the states of its prompt and answer.
     convs = [msgs for _, msgs in batch]
     slots = [[i for i, m in enumerate(msgs) if m["role"] == "assistant"] for msgs in convs]
+    caches = [Prefix() for _ in batch] if cfg.prefix_cache else None  # each conversation's KV across its turns
     failed: set[int] = set()
     tapped: dict[int, tuple] = {}  # conversation -> (prompt ids, answer ids, states) of its last turn
     for k in range(max((len(s) for s in slots), default=0)):
@@ -280,12 +290,15 @@ def _embedded_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats
         t0 = time.perf_counter()
         res = eng.complete(prompts, [cfg.max_new_tokens] * len(rows), [cfg.temperature] * len(rows),
                            [cfg.top_p] * len(rows), [turn_seed(cfg.seed, batch[c][0], k) for c, _ in rows],
-                           tap.layers if tap is not None else None)
+                           tap.layers if tap is not None else None,
+                           [caches[c] for c, _ in rows] if caches is not None else None)
         stats["gen_seconds"] += time.perf_counter() - t0
         for j, ((c, i), (text, toks, fin, *st)) in enumerate(zip(rows, res)):
             if st and k == len(slots[c]) - 1:  # a sample is the last turn: its prompt holds every earlier one
                 tapped[c] = (prompts[j], toks, st[0])
-            convs[c][i] = {"role": "assistant", "content": text}
+            convs[c][i] = {"role": "assistant", "content": text, "finish_reason": fin}
+            stats["prompt_tokens"] += len(prompts[j])
+            stats["prefilled_tokens"] += caches[c].prefilled if caches is not None else len(prompts[j])
             stats["assistant_turns"] += 1
             stats["generated_tokens"] += len(toks)
             stats["truncated_turns"] += fin == "length"
@@ -310,7 +323,7 @@ def _run_server(cfg: GenerateConfig, todo, emit, stats: dict) -> None:
                                            turn_seed(cfg.seed, sid, k))
             except RequestRejected as e:
                 return sid, msgs, slots, toks, fins, e
-            msgs[i] = {"role": "assistant", "content": text}
+            msgs[i] = {"role": "assistant", "content": text, "finish_reason": fin}
             toks += n
             fins.append(fin)
         return sid, msgs, slots, toks, fins, None
@@ -366,6 +379,8 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     atomic_write_json(cfg_path, run_meta(STAGE, cfg))
     stats = {"conversations": 0, "already_done": 0, "duplicates": 0, "skipped": 0, "no_assistant": 0,
              "assistant_turns": 0, "truncated_turns": 0, "generated_tokens": 0, "gen_seconds": 0.0}
+    if cfg.target is not None:  # a server's prefill is its own (its prefix cache)
+        stats.update(prompt_tokens=0, prefilled_tokens=0)
     writer = _Appender(out)
     last_print = [time.perf_counter()]
 
@@ -404,6 +419,8 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     print(f"hstap generate: {stats['conversations']} conversations written ({stats['assistant_turns']} answers, "
           f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens) in {secs:.1f} s"
           f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped; wrote {out}"
+          + (f"; prefilled {stats['prefilled_tokens']:,} of {stats['prompt_tokens']:,} prompt tokens (the rest reused "
+             "from each conversation's cache)" if cfg.target is not None and cfg.prefix_cache else "")
           + (f"; captured {tap.samples} samples ({tap.tokens:,} tokens) into {cfg.capture}" if tap is not None else ""))
     return summary
 

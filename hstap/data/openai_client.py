@@ -78,6 +78,7 @@ class ChatClient:
     def chat(self, model: str, messages: list[dict], max_tokens: int, temperature: float, top_p: float,
              seed: int | None) -> tuple[str, str, int]:
         """-> (assistant text, finish_reason, completion tokens or 0 when the server reports no usage)."""
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # no finish_reason: not a request field
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": top_p, "n": 1, "stream": False}
         if temperature > 0 and seed is not None:

@@ -107,6 +107,7 @@ class PrepareConfig:
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # what a template sees: no finish_reason
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - template code can raise anything (raise_exception, TypeError, ...)
@@ -130,7 +131,8 @@ def _find_once(text: str, s: str, k: int) -> int:
 
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int, int]]]:
     """The rendered conversation and, per assistant message, (content start, content end, end-of-turn end) character
-    offsets in it (see the module docstring for the rule). Raises BadRecord when the template defeats the rule."""
+    offsets in it (see the module docstring for the rule; an answer cut at the token limit has no end-of-turn:
+    end-of-turn end = content end). Raises BadRecord when the template defeats the rule."""
     full = _render(tokenizer, messages)
     sent = _sentinel(full)
     spans = []
@@ -150,13 +152,17 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             closing = cut[_find_once(cut, sent, k) + len(sent):].rstrip()
         else:
             closing = after.rstrip()
-        eot = os.path.commonprefix([after, closing]).rstrip()
+        eot = os.path.commonprefix([after, closing]).rstrip() if m.get("finish_reason") != "length" else ""
         spans.append((start, end, end + len(eot)))
     return full, spans
 
 
 def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """(input_ids (T,) int32, loss_mask (T,) int8) of a normalised conversation, untruncated."""
+    """(input_ids (T,) int32, loss_mask (T,) int8) of a normalised conversation, untruncated. An answer cut at the
+    token limit (`finish_reason` "length") is trained up to its cut and no further: no end-of-turn, and no token that
+    reaches past its content (a BPE merge of its last characters with the template's closing text is not a token the
+    target produced); when it is the conversation's last message the sample ends there, else the template's closing
+    stays in context, untrained, since the next turn follows it."""
     text, spans = assistant_spans(tokenizer, messages)
     # The backend directly: same ids as tokenizer(text, add_special_tokens=False) (what apply_chat_template does),
     # without the Python-side overhead, and never the parallel batch path (workers are the parallelism).
@@ -166,12 +172,19 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[np.ndarray, 
     starts = offsets[:, 0]  # (T,)
     ends = np.maximum(offsets[:, 1], starts + 1)  # (T,) a zero-width token counts as one character wide
     mask = np.zeros(len(ids), dtype=np.int8)  # (T,)
-    for start, end, eot_end in spans:
+    cut = [m.get("finish_reason") == "length" for m in messages if m["role"] == "assistant"]
+    for (start, end, eot_end), was_cut in zip(spans, cut):
+        if was_cut:
+            mask[(starts < end) & (ends > start) & (ends <= end)] = 1  # content up to the cut, nothing past it
+            continue
         mask[(starts < end) & (ends > start)] = 1  # carries a content character
         eot = np.flatnonzero((starts >= end) & (ends <= eot_end))  # entirely inside the end-of-turn text
         while len(eot) and text[starts[eot[-1]]:ends[eot[-1]]].isspace():
             eot = eot[:-1]
         mask[eot] = 1
+    if spans and cut[-1] and messages[-1]["role"] == "assistant":  # the last message was cut: the sample ends there
+        n = int(np.searchsorted(ends, spans[-1][1], side="right"))  # tokens ending at or before the cut
+        ids, mask = ids[:n], mask[:n]
     return ids, mask
 
 
@@ -239,7 +252,7 @@ def _init_worker(tokenizer, max_len: int):
 
 
 def _work(items: list[tuple]) -> list[tuple]:
-    """Tokenize a chunk: ("rec", loc, id, messages) -> ("ok", id, ids, mask, truncated) | ("skip"/"error", reason,
+    """Tokenize a chunk: ("rec", loc, id, messages) -> ("ok", id, ids, mask, truncated, cut answers) | ("skip"/"error", reason,
     message); other items pass through so that every outcome keeps its input position."""
     tok, max_len = _WORKER["tokenizer"], _WORKER["max_len"]
     out = []
@@ -259,7 +272,7 @@ def _work(items: list[tuple]) -> list[tuple]:
             reason = "truncated_away" if had_assistant else "no_assistant"
             out.append(("skip", reason, f"{loc}: no assistant token" + (" within --max-len" if had_assistant else "")))
             continue
-        out.append(("ok", rid, ids, mask, truncated))
+        out.append(("ok", rid, ids, mask, truncated, sum(m.get("finish_reason") == "length" for m in messages)))
     return out
 
 
@@ -361,6 +374,14 @@ def prepare(cfg: PrepareConfig) -> dict:
           f"{summary['tokens_per_s']:.0f} tokens/s")
     note = f" (asked {cfg.draft_vocab}: clamped to the vocabulary, identity map)" if dv < cfg.draft_vocab else ""
     print(f"prepare: draft vocab {dv}{note} covers {summary['coverage_pct']:.2f}% of loss-masked tokens")
+    seen = summary["distinct_masked_tokens"]
+    if seen < dv < summary["vocab_size"]:  # a map mostly of padding (an identity map, the whole vocabulary, is none)
+        print(f"hstap prepare: warning: the draft vocabulary ({dv}) is larger than the {seen:,} distinct tokens the "
+              f"answers hold: {dv - seen:,} of its slots are tokens never seen in training (a draft head that size "
+              f"only costs; --draft-vocab {seen} or less, or more data)", file=sys.stderr)
+    if summary["cut_answers"]:
+        print(f"prepare: {summary['cut_answers']} answers were cut at generate's token limit: trained up to the cut, "
+              "no closing token after it")
     print(f"prepare: wrote {out}")
     return summary
 
@@ -374,7 +395,7 @@ def _prepare_into(cfg: PrepareConfig, files: list[Path], tok, template: str, tmp
     V = len(tok)
     freq = np.zeros(V, dtype=np.int64)  # (V,)
     batches, skipped = [], Counter()
-    counts = Counter(read=0, written=0, truncated=0, total_tokens=0)
+    counts = Counter(read=0, written=0, truncated=0, total_tokens=0, cut_answers=0)
     items = _items(files)
     chunks = iter(lambda: list(islice(items, CHUNK)), [])
     _init_worker(tok, cfg.max_len)
@@ -394,6 +415,7 @@ def _prepare_into(cfg: PrepareConfig, files: list[Path], tok, template: str, tmp
                     ids.append(r[2])
                     masks.append(r[3])
                     counts["truncated"] += r[4]
+                    counts["cut_answers"] += r[5]
                 elif r[0] == "error" and cfg.on_error == "fail":
                     raise HstapError(r[2])
                 else:
@@ -434,6 +456,7 @@ def _prepare_into(cfg: PrepareConfig, files: list[Path], tok, template: str, tmp
     atomic_write_bytes(tmp / "vocab_map.safetensors", st_save({"d2t": d2t, "t2d": t2d}))
     summary = {
         "read": counts["read"], "written": counts["written"], "truncated": counts["truncated"],
+        "cut_answers": counts["cut_answers"], "distinct_masked_tokens": int((freq > 0).sum()), "vocab_size": V,
         "skipped": dict(sorted(skipped.items())), "skipped_total": sum(skipped.values()),
         "masked_tokens": masked, "total_tokens": counts["total_tokens"],
         "draft_vocab": len(d2t), "coverage_pct": round(coverage, 4),
@@ -444,7 +467,7 @@ def _prepare_into(cfg: PrepareConfig, files: list[Path], tok, template: str, tmp
         "chat_template": cfg.chat_template or "tokenizer", "chat_template_sha256": chat_template_sha256(template),
         "vocab_size": V, "max_len": cfg.max_len, "data": [str(f) for f in files],
         "counts": {k: summary[k] for k in ("read", "written", "truncated", "skipped", "skipped_total",
-                                           "masked_tokens", "total_tokens")},
+                                           "masked_tokens", "total_tokens", "cut_answers")},
         "draft_vocab": {"requested": cfg.draft_vocab, "size": len(d2t), "clamped": len(d2t) < cfg.draft_vocab,
                         "distinct_masked_tokens": int((freq > 0).sum()), "coverage_pct": summary["coverage_pct"]},
     }

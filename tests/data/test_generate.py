@@ -100,21 +100,28 @@ def engine(tiny_llama):
     return EmbeddedEngine(str(tiny_llama))
 
 
-def _hf_greedy(model, prompt: list[int], n: int, stops: list[int]) -> list[int]:
-    """Reference: HF generate, stop token stripped (generate_batch does not return it)."""
+def _hf_greedy(model, prompt: list[int], n: int, stops: list[int], finish: list | None = None) -> list[int]:
+    """Reference: HF generate, stop token stripped (generate_batch does not return it); `finish` gets "stop" or
+    "length"."""
     out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=stops,
                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):]
     toks = out.tolist()
-    return toks[:-1] if toks and toks[-1] in stops else toks
+    stopped = bool(toks) and toks[-1] in stops
+    if finish is not None:
+        finish.append("stop" if stopped else "length")
+    return toks[:-1] if stopped else toks
 
 
 def _expected(engine, messages: list[dict], n: int) -> list[dict]:
-    """The spec, one HF generate call per turn: each assistant turn conditions on the already regenerated ones."""
+    """The spec, one HF generate call per turn over the whole history (no cache carried across turns): each assistant
+    turn conditions on the already regenerated ones, and says why it ended."""
     msgs = [dict(m) for m in messages]
     for i, m in enumerate(msgs):
         if m["role"] == "assistant":
-            toks = _hf_greedy(engine.target.model, engine.prompt_ids(msgs[:i]), n, engine.stop_ids)
-            msgs[i] = {"role": "assistant", "content": engine.tokenizer.decode(toks, skip_special_tokens=True)}
+            fin: list = []
+            toks = _hf_greedy(engine.target.model, engine.prompt_ids(msgs[:i]), n, engine.stop_ids, fin)
+            msgs[i] = {"role": "assistant", "content": engine.tokenizer.decode(toks, skip_special_tokens=True),
+                       "finish_reason": fin[0]}
     return msgs
 
 
@@ -193,15 +200,71 @@ def test_embedded_replaces_turns_in_order(embedded_run, engine, corpus, tiny_lla
     assert meta["stage"] == "generate" and meta["config"]["target"] == os.path.abspath(tiny_llama)
 
 
-def test_output_feeds_prepare(embedded_run, tiny_llama, tmp_path):
+def test_output_feeds_prepare_and_cut_answers_stay_cut(embedded_run, engine, tiny_llama, tmp_path):
     from hstap.data.prepare import PrepareConfig, load_prepared, prepare
 
-    out, _ = embedded_run
-    summary = prepare(PrepareConfig(tokenizer=str(tiny_llama), data=[str(out)], out=str(tmp_path / "prep")))
+    out, summary = embedded_run
+    recs = {r["id"]: r["conversations"] for r in _read_jsonl(out)}
+    fins = [m["finish_reason"] for ms in recs.values() for m in ms if m["role"] == "assistant"]
+    assert set(fins) <= {"stop", "length"} and fins.count("length") == summary["truncated_turns"] > 0
+    s = prepare(PrepareConfig(tokenizer=str(tiny_llama), data=[str(out)], out=str(tmp_path / "prep")))
     ds = load_prepared(tmp_path / "prep")
-    assert summary["written"] == len(ds) and set(ds["id"]) <= {r["id"] for r in CORPUS}
-    by_id = dict(zip(ds["id"], ds["loss_mask"]))
-    assert sum(by_id["multi"]) > 0
+    assert s["written"] == len(ds) and set(ds["id"]) <= {r["id"] for r in CORPUS}
+    assert s["cut_answers"] == fins.count("length")  # prepare read every cut, from the answers file
+    end = engine.tokenizer.convert_tokens_to_ids("<|end|>")
+    for sid, ids, mask in zip(ds["id"], ds["input_ids"], ds["loss_mask"]):
+        turns = [m for m in recs[sid] if m["role"] == "assistant"]
+        # a closing <|end|> is trained exactly after the answers the target ended itself
+        assert sum(1 for i, m in zip(ids, mask) if i == end and m) == sum(t["finish_reason"] == "stop" for t in turns)
+        if recs[sid][-1]["role"] == "assistant" and turns[-1]["finish_reason"] == "length":
+            assert ids[-1] != end and mask[-1] == 1  # the sample ends at the cut, on a trained answer token
+    assert sum(ds["loss_mask"][list(ds["id"]).index("multi")]) > 0
+
+
+TURNS = ["What does json.dumps do?", "And json.loads?", "Give an example.", "Shorter, please.", "Why?", "And then?",
+         "One more?", "Bye."]
+
+
+def _chat(engine, turns: list[str], n: int, cache: bool):
+    """A conversation answered turn by turn, greedy: (answers' token ids, tokens prefilled per turn, prompt lengths)."""
+    from hstap.data.decode import Prefix
+
+    pre = Prefix() if cache else None
+    msgs, answers, prefilled, lens = [], [], [], []
+    for u in turns:
+        msgs.append({"role": "user", "content": u})
+        prompt = engine.prompt_ids(msgs)
+        [(text, toks, _)] = engine.complete([prompt], [n], [0.0], [1.0], [0], prefixes=[pre] if cache else None)
+        answers.append(toks)
+        prefilled.append(pre.prefilled if cache else len(prompt))
+        lens.append(len(prompt))
+        msgs.append({"role": "assistant", "content": text})
+    return answers, prefilled, lens
+
+
+def test_prefix_cache_equals_reprefill_and_its_prefill_is_linear(engine):
+    answers, prefilled, lens = _chat(engine, TURNS, 6, cache=True)
+    ref, ref_prefilled, ref_lens = _chat(engine, TURNS, 6, cache=False)
+    assert answers == ref and lens == ref_lens  # greedy, fp32: token for token
+    assert ref_prefilled == lens  # re-prefill: every turn the whole history, sum ~ turns^2
+    # kept cache: a turn prefills at most what it added to the conversation (+1: a token the boundary may re-merge)
+    adds = [lens[0]] + [b - a for a, b in zip(lens, lens[1:])]
+    assert prefilled[0] == lens[0] and all(p <= a + 1 for p, a in zip(prefilled, adds)), (prefilled, adds)
+    assert sum(prefilled) <= lens[-1] + len(TURNS) < sum(ref_prefilled) / 3
+
+
+def test_prefix_cache_batches_conversations_of_different_lengths(tiny_llama, tmp_path):
+    recs = [{"id": f"c{n}", "conversations": [m for u in TURNS[:n] for m in (
+        {"role": "user", "content": u + " " * n}, {"role": "assistant", "content": "old"})]} for n in (1, 5, 3, 2)]
+    src = _write_jsonl(tmp_path / "in.jsonl", recs)
+    runs = {}
+    for cache in (True, False):
+        out = tmp_path / f"out-{cache}.jsonl"
+        runs[cache] = generate(GenerateConfig(data=[str(src)], out=str(out), target=str(tiny_llama), max_new_tokens=5,
+                                              batch_size=3, prefix_cache=cache))
+    assert _read_jsonl(tmp_path / "out-True.jsonl") == _read_jsonl(tmp_path / "out-False.jsonl")
+    on, off = runs[True], runs[False]
+    assert on["prompt_tokens"] == off["prompt_tokens"] == off["prefilled_tokens"] > 2 * on["prefilled_tokens"]
 
 
 def test_reference_target_greedy(ref_target, ref_corpus, tmp_path):

@@ -109,6 +109,24 @@ def test_mask_chatml_template_with_default_system(tiny_tokenizer, tmp_path_facto
     _check(tok, conv, pieces)
 
 
+def test_mask_cut_answers(tiny_tokenizer, tmp_path_factory):
+    """An answer cut at generate's token limit (finish_reason "length") is trained up to the cut and no further: with a
+    turn after it, its closing <|im_end|> stays in context untrained; as the last message, the sample ends at the cut."""
+    tok, _ = variant_tokenizer(tiny_tokenizer, tmp_path_factory, "chatml-cut", CHATML, ["<|im_start|>", "<|im_end|>"])
+    cut = {"finish_reason": "length"}
+    conv = [CONV[1], {**CONV[2], **cut}, CONV[3], {**CONV[4], "finish_reason": "stop"}]
+    pieces = [("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n", 0)]
+    for m in conv:
+        a = int(m["role"] == "assistant")
+        closed = int(a and m.get("finish_reason") != "length")
+        pieces += [(f"<|im_start|>{m['role']}\n", 0), (m["content"], a), ("<|im_end|>", closed), ("\n", 0)]
+    _check(tok, conv, pieces)
+    full_ids, full_mask = tokenize_conversation(tok, CONV[1:])
+    ids, mask = tokenize_conversation(tok, [*CONV[1:4], {**CONV[4], **cut}])
+    assert ids.tolist() == full_ids[:-2].tolist()  # no closing <|im_end|> and newline: the sample ends at the cut
+    assert mask.tolist() == full_mask[:-2].tolist() and tok.decode(ids[-1:]).endswith(".") and mask[-1] == 1
+
+
 def test_mask_end_of_conversation_marker(tiny_tokenizer, tmp_path_factory):
     # The end of turn is what the template prints before the next message starts (or before the end of the whole
     # rendering): the conversation-final <|pad|> belongs to the last turn only.
