@@ -109,12 +109,13 @@ def _past(prefixes: list[Prefix | None], keep: list[int], dev):
 
 def _save_prefix(prefix: Prefix, cache, row: int, valid, tokens: list[int], states: list | None) -> None:
     """Row `row` of the batch cache (its positions where `valid`, (L,) bool) becomes the conversation's prefix, holding
-    `tokens`; a cache of other layer kinds (sliding windows, linear attention) cannot be carried over: the prefix then
-    holds nothing and the next turn prefills the whole history."""
+    `tokens` and their `states`; a cache of other layer kinds (sliding windows, linear attention) cannot be carried
+    over: the prefix then keeps no cache (the next turn prefills the whole history), only this turn's states."""
     from transformers.cache_utils import DynamicLayer
 
     if cache is None or not all(type(layer) is DynamicLayer for layer in cache.layers):
-        prefix.tokens, prefix.kv, prefix.states = [], None, None
+        prefix.tokens, prefix.kv = [], None
+        prefix.states = None if states is None else (states[0], states[1])
         return
     idx = valid.nonzero()[:, 0]  # (L,) the row's real positions, in order
     if len(idx) != len(tokens):

@@ -419,8 +419,9 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     print(f"hstap generate: {stats['conversations']} conversations written ({stats['assistant_turns']} answers, "
           f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens) in {secs:.1f} s"
           f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped; wrote {out}"
-          + (f"; prefilled {stats['prefilled_tokens']:,} of {stats['prompt_tokens']:,} prompt tokens (the rest reused "
-             "from each conversation's cache)" if cfg.target is not None and cfg.prefix_cache else "")
+          + (f"; prefilled {stats['prefilled_tokens']:,} of {stats['prompt_tokens']:,} prompt tokens "
+             f"({stats['prompt_tokens'] - stats['prefilled_tokens']:,} reused from the conversations' own caches)"
+             if cfg.target is not None and cfg.prefix_cache else "")
           + (f"; captured {tap.samples} samples ({tap.tokens:,} tokens) into {cfg.capture}" if tap is not None else ""))
     return summary
 

@@ -376,3 +376,22 @@ def test_recover_output_and_resume_guards(tmp_path, corpus):
         GenerateConfig(data=[str(corpus)], out=str(out), server="http://x", top_p=0.0)
     with pytest.raises(HstapError, match="also an input"):
         GenerateConfig(data=[str(corpus)], out=str(corpus), server="http://x")
+
+
+def test_a_sliding_window_cache_falls_back_to_reprefill(tiny_tokenizer, tmp_path):
+    """A cache that cannot be carried across turns (sliding-window layers) is not: the whole history is prefilled
+    each turn, with the same answers, and generate --capture still stores every last turn."""
+    from hstap.capture.tap import generate as generate_capture
+    from hstap.toy import build_random_target
+
+    build_random_target(tmp_path / "m", tiny_tokenizer[0], model_type="mistral", num_layers=2, sliding_window=8)
+    recs = [{"id": f"c{n}", "conversations": [m for u in TURNS[:n] for m in (
+        {"role": "user", "content": u}, {"role": "assistant", "content": "old"})]} for n in (3, 2)]
+    src = _write_jsonl(tmp_path / "in.jsonl", recs)
+    runs = {cache: generate_capture(GenerateConfig(
+        data=[str(src)], out=str(tmp_path / f"o{cache}.jsonl"), target=str(tmp_path / "m"), max_new_tokens=5,
+        prefix_cache=cache, capture=str(tmp_path / f"s{cache}"), layers="0,1", capture_dtype="fp32"))
+        for cache in (True, False)}
+    assert _read_jsonl(tmp_path / "oTrue.jsonl") == _read_jsonl(tmp_path / "oFalse.jsonl")
+    assert runs[True]["prefilled_tokens"] == runs[True]["prompt_tokens"]  # nothing reused
+    assert runs[True]["captured_samples"] == runs[False]["captured_samples"] == 2

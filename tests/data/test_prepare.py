@@ -244,6 +244,23 @@ def test_prepare_outputs(tiny_tokenizer, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl", "p"]  # no temp dir left behind
 
 
+def test_a_draft_vocab_larger_than_the_answers_warns(tiny_tokenizer, tmp_path, capsys):
+    tok, tok_dir = tiny_tokenizer
+    data = _data_file(tmp_path, DATA)
+    warned = {}
+    for n in (len(tok) - 1, len(tok) + 10, None):  # a map mostly of padding; the identity map; just what was seen
+        if n is None:
+            n = read_meta(tmp_path / f"p{len(tok) - 1}")["draft_vocab"]["distinct_masked_tokens"]
+        prepare(PrepareConfig(tokenizer=str(tok_dir), data=[str(data)], out=str(tmp_path / f"p{n}"), draft_vocab=n,
+                              on_error="skip"))
+        warned[n] = capsys.readouterr().err
+    seen = read_meta(tmp_path / f"p{len(tok) - 1}")["draft_vocab"]["distinct_masked_tokens"]
+    assert 0 < seen < len(tok) - 1
+    assert (f"warning: the draft vocabulary ({len(tok) - 1}) is larger than the {seen:,} distinct tokens the answers "
+            f"hold: {len(tok) - 1 - seen:,} of its slots") in warned[len(tok) - 1]
+    assert "draft vocabulary" not in warned[len(tok) + 10] and "draft vocabulary" not in warned[seen]
+
+
 def test_num_proc_gives_identical_output(tiny_tokenizer, tmp_path):
     recs = [{"messages": [{"role": "user", "content": f"Question {i} about item {i * 7}?"},
                           {"role": "assistant", "content": f"Answer {i}: " + "value " * (i % 9)}]} for i in range(300)]
