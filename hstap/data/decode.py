@@ -30,7 +30,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def _pick(logits, temps: list[float], top_ps: list[float], gens: list):
+def pick_tokens(logits, temps: list[float], top_ps: list[float], gens: list):
     """Next token per row of logits (b, V) float32: argmax where temp == 0, else temperature + top-p sampling with the
     row's own generator (inverse CDF on one uniform draw, so a row's choice never depends on the other rows)."""
     import torch
@@ -102,7 +102,7 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int | list[
                     lo = width - len(prompts[i]) if not states[i] else 0
                     states[i].append((aux[j, lo:], final[j, lo:]))
             logits = target.logits(final[:, -1]).float()  # (rows, V): only the last position needs the vocabulary
-            nxt = _pick(logits, [temps[i] for i in alive], [tops[i] for i in alive], [gens[i] for i in alive]).tolist()
+            nxt = pick_tokens(logits, [temps[i] for i in alive], [tops[i] for i in alive], [gens[i] for i in alive]).tolist()
             keep = []
             for j, i in enumerate(alive):
                 if nxt[j] in stops:
