@@ -24,9 +24,11 @@ row's own generator seeded per turn), so an answer never depends on its batch or
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hstap.data.decode import pick_tokens
@@ -61,6 +63,61 @@ class Dialogue:
         raise NotImplementedError
 
 
+class DecodeSteps:
+    """One decode step of every row: ids, pos (B, 1) -> logits (B, V) fp32. On CUDA each attention span gets a CUDA
+    graph, captured on first use over static ids/pos buffers (a step is ~45 small kernels per layer: launching them
+    one by one from Python costs more than the GPU work at a small target's size); elsewhere, or when a capture fails
+    (one line says why), the step runs eagerly. Warm-up and capture run with every row at the scratch slot, so
+    they write nothing a row holds."""
+
+    def __init__(self, model: SlotTarget, target, graphs: bool):
+        self.model, self.target, self.graphs = model, target, graphs
+        B, dev = model.B, model.device
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.pos = torch.full((B, 1), model.S, dtype=torch.long, device=dev)
+        self.captured: dict[int, tuple] = {}  # span -> (graph, logits buffer)
+        self.pool = None
+
+    def _run(self, span: int) -> torch.Tensor:
+        final = self.model.forward(self.ids, self.pos, None, span)  # (B, 1, H)
+        return self.target.logits(final[:, 0]).float()  # (B, V)
+
+    def _capture(self, span: int):
+        try:
+            self.ids.zero_()
+            self.pos.fill_(self.model.S)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run(span)
+            torch.cuda.current_stream().wait_stream(side)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self._run(span)
+            return g, out
+        except RuntimeError as e:  # e.g. an op that cannot be captured: every later step runs eagerly
+            self.graphs = False
+            print(f"hstap generate: decode steps run eagerly (CUDA graph capture failed: {str(e).splitlines()[0]})",
+                  file=sys.stderr)
+            return None
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
+        if self.graphs and span not in self.captured:
+            got = self._capture(span)
+            if got is not None:
+                self.captured[span] = got
+        self.ids.copy_(ids, non_blocking=True)
+        self.pos.copy_(pos, non_blocking=True)
+        if span in self.captured:
+            g, out = self.captured[span]
+            g.replay()
+            return out
+        return self._run(span)
+
+
 @dataclass
 class _Row:
     dialogue: Dialogue | None = None
@@ -75,13 +132,16 @@ class _Row:
 
 class ContinuousEngine:
     def __init__(self, target, stop_ids, rows: int = 64, max_len: int = 4096, prefill_tokens: int = 16384,
-                 layers: list[int] | None = None, quantum: int = 64):
+                 layers: list[int] | None = None, quantum: int = 64, graphs: bool = True):
         """target: hstap.models.target.Target; rows: conversations decoded together; max_len: tokens per row
         (prompt + answers of one conversation); prefill_tokens: most tokens (padding included) per prefill forward;
         layers: also keep the states of every fed token (`states(dialogue)`); quantum: attention spans are rounded up
-        to a multiple of it (fewer distinct shapes)."""
+        to a multiple of it (fewer distinct shapes; at least 256 with graphs); graphs: on CUDA, replay each decode
+        step from a CUDA graph captured once per attention span (DecodeSteps)."""
         self.model = SlotTarget(target, rows, max_len, layers)
-        self.target, self.S, self.quantum = target, max_len, quantum
+        self.target, self.S = target, max_len
+        self.quantum = max(quantum, 256) if graphs and self.model.device.type == "cuda" else quantum
+        self.steps = DecodeSteps(self.model, target, graphs and self.model.device.type == "cuda")
         self.stops = set(int(s) for s in stop_ids)
         self.prefill_tokens = max(prefill_tokens, max_len)
         self.rows = [_Row() for _ in range(rows)]
@@ -175,14 +235,12 @@ class ContinuousEngine:
 
     def _decode(self, live: list[int]) -> list[Dialogue]:
         dev = self.model.device
-        ids = torch.zeros(len(self.rows), 1, dtype=torch.long)
-        pos = torch.full((len(self.rows), 1), self.S, dtype=torch.long)
-        for r in live:
-            ids[r, 0], pos[r, 0] = self.rows[r].nxt, len(self.rows[r].cached)
-        longest = max(len(self.rows[r].cached) + 1 for r in live)
-        final = self.model.forward(ids.to(dev), pos.to(dev), None, self._span(longest))  # (B, 1, H)
-        sel = torch.tensor(live, device=dev)
-        nxt = self._pick(self.target.logits(final[:, 0].index_select(0, sel)).float(), live)
+        ids = np.zeros((len(self.rows), 1), dtype=np.int64)  # idle rows: token 0 at the scratch slot
+        pos = np.full((len(self.rows), 1), self.S, dtype=np.int64)
+        ids[live, 0] = [self.rows[r].nxt for r in live]
+        pos[live, 0] = [len(self.rows[r].cached) for r in live]
+        logits = self.steps(torch.from_numpy(ids), torch.from_numpy(pos), self._span(int(pos[live, 0].max()) + 1))
+        nxt = self._pick(logits.index_select(0, torch.tensor(live, device=dev)), live)  # (live, V) -> ids
         self.stats["decode_steps"] += 1
         done = []
         for j, r in enumerate(live):

@@ -102,7 +102,8 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int | list[
                     lo = width - len(prompts[i]) if not states[i] else 0
                     states[i].append((aux[j, lo:], final[j, lo:]))
             logits = target.logits(final[:, -1]).float()  # (rows, V): only the last position needs the vocabulary
-            nxt = pick_tokens(logits, [temps[i] for i in alive], [tops[i] for i in alive], [gens[i] for i in alive]).tolist()
+            nxt = pick_tokens(logits, [temps[i] for i in alive], [tops[i] for i in alive],
+                              [gens[i] for i in alive]).tolist()
             keep = []
             for j, i in enumerate(alive):
                 if nxt[j] in stops:

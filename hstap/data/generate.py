@@ -46,12 +46,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_json, run_meta
+from hstap.data.continuous import ContinuousEngine, Dialogue, Turn
 from hstap.data.decode import EmbeddedEngine
 from hstap.data.openai_client import ChatClient, RequestRejected
 
 STAGE = "generate"
 # Settings that change what is generated: a resume with any of them changed would mix two distributions in one file.
-_RESUME_KEYS = ("target", "server", "model", "max_new_tokens", "temperature", "top_p", "seed", "capture")
+_RESUME_KEYS = ("target", "server", "model", "max_new_tokens", "max_len", "temperature", "top_p", "seed", "capture")
 
 
 @dataclass
@@ -75,7 +76,11 @@ class GenerateConfig:
     seed: int = 0
     """Base seed; each turn samples with a seed derived from (seed, conversation id, turn index)."""
     batch_size: int = 8
-    """Embedded engine: conversations generated together in one batch."""
+    """Embedded engine: conversations decoded together (continuous batching: each holds a KV row of --max-len
+    tokens across its turns, and a finished one hands its row to the next)."""
+    max_len: int = 4096
+    """Embedded engine: most tokens of one conversation (prompts and answers); an answer is cut where it would pass
+    it, and the turns whose prompt no longer fits are dropped (counted). KV memory: batch_size x max_len tokens."""
     concurrency: int = 8
     """Server engine: conversations in flight at once."""
     device: str = "cpu"
@@ -113,7 +118,8 @@ class GenerateConfig:
                              "(OpenAI-compatible URL)")
         if self.server is not None and not self.server.startswith(("http://", "https://")):
             raise HstapError(f"generate: server: {self.server!r} is not an http(s) URL")
-        for name, lo in (("max_new_tokens", 1), ("batch_size", 1), ("concurrency", 1), ("retries", 0)):
+        for name, lo in (("max_new_tokens", 1), ("batch_size", 1), ("concurrency", 1), ("retries", 0),
+                     ("max_len", 2)):
             if getattr(self, name) < lo:
                 raise HstapError(f"generate: {name}: must be >= {lo}, got {getattr(self, name)}")
         if self.max_samples is not None and self.max_samples < 0:
@@ -241,59 +247,74 @@ def _todo(cfg: GenerateConfig, done: set[str], stats: dict) -> Iterator[tuple[st
 # -------------------------------------------------------------------------------------------------------------- runs
 
 
+class _Conversation(Dialogue):
+    """A conversation as the continuous engine answers it: its assistant turns in order, each from the conversation
+    as regenerated so far; a turn whose prompt no longer fits the row (--max-len, or the model's context) ends it."""
+
+    def __init__(self, sid: str, msgs: list[dict], cfg: GenerateConfig, eng: EmbeddedEngine, limit: int):
+        self.sid, self.msgs, self.cfg, self.eng, self.limit = sid, msgs, cfg, eng, limit
+        self.slots = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        self.k, self.finishes, self.tokens, self.dropped, self.prompt = 0, [], 0, 0, None
+        self.error: str | None = None
+
+    def _turn(self) -> Turn | None:
+        if self.k >= len(self.slots):
+            return None
+        ids = self.eng.prompt_ids(self.msgs[:self.slots[self.k]])
+        if len(ids) >= self.limit:
+            if self.k == 0:  # not even the first answer fits: the conversation is a bad record
+                self.error = (f"{self.sid}: assistant turn 0: prompt of {len(ids)} tokens fills the context "
+                              f"({self.limit})")
+            else:  # the turns from here on do not fit: the conversation ends with the last answered turn
+                self.dropped = len(self.slots) - self.k
+                self.msgs = self.msgs[:self.slots[self.k]]
+                while self.msgs and self.msgs[-1]["role"] != "assistant":
+                    self.msgs.pop()
+            return None
+        self.prompt = ids
+        c = self.cfg
+        return Turn(ids, c.max_new_tokens, c.temperature, c.top_p, turn_seed(c.seed, self.sid, self.k))
+
+    def first(self) -> Turn | None:
+        return self._turn()
+
+    def answered(self, new_ids: list[int], finish: str) -> Turn | None:
+        self.msgs[self.slots[self.k]] = {"role": "assistant", "content": self.eng.tokenizer.decode(
+            new_ids, skip_special_tokens=True)}
+        self.finishes.append(finish)
+        self.tokens += len(new_ids)
+        self.last = new_ids
+        self.k += 1
+        return self._turn()
+
+
 def _run_embedded(cfg: GenerateConfig, todo, emit, stats: dict, tap=None) -> None:
+    # Continuous batching (hstap/data/continuous.py): `batch_size` conversations in KV rows of --max-len tokens; a
+    # conversation keeps its row across its turns (only each new turn's tokens are prefilled), a finished one
+    # hands its row to the next. With a tap (--capture), the last turn's prompt and answer come with their states.
     eng = EmbeddedEngine(cfg.target, cfg.device, cfg.dtype)
-    batch: list[tuple[str, list[dict]]] = []
-    for item in todo:
-        batch.append(item)
-        if len(batch) == cfg.batch_size:
-            _embedded_batch(cfg, eng, batch, emit, stats, tap)
-            batch = []
-    if batch:
-        _embedded_batch(cfg, eng, batch, emit, stats, tap)
-
-
-def _embedded_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats: dict, tap=None) -> None:
-    # Turn k of every conversation is generated in one batch; turn k+1 needs turn k's text, so turns go in order.
-    # With a tap (--capture), the last turn also returns the states of its prompt and answer.
-    convs = [msgs for _, msgs in batch]
-    slots = [[i for i, m in enumerate(msgs) if m["role"] == "assistant"] for msgs in convs]
-    failed: set[int] = set()
-    tapped: dict[int, tuple] = {}  # conversation -> (prompt ids, answer ids, states) of its last turn
-    for k in range(max((len(s) for s in slots), default=0)):
-        rows, prompts = [], []
-        for c, s in enumerate(slots):
-            if k < len(s) and c not in failed:
-                ids = eng.prompt_ids(convs[c][:s[k]])
-                if eng.max_len and len(ids) >= eng.max_len:
-                    msg = (f"{batch[c][0]}: assistant turn {k}: prompt of {len(ids)} tokens fills the context "
-                           f"({eng.max_len})")
-                    if cfg.on_error == "fail":
-                        raise HstapError(f"generate: {msg}")
-                    print(f"hstap generate: skipping {msg}", file=sys.stderr)
-                    failed.add(c)
-                    continue
-                rows.append((c, s[k]))
-                prompts.append(ids)
-        if not rows:
-            continue
-        t0 = time.perf_counter()
-        res = eng.complete(prompts, [cfg.max_new_tokens] * len(rows), [cfg.temperature] * len(rows),
-                           [cfg.top_p] * len(rows), [turn_seed(cfg.seed, batch[c][0], k) for c, _ in rows],
-                           tap.layers if tap is not None else None)
-        stats["gen_seconds"] += time.perf_counter() - t0
-        for j, ((c, i), (text, toks, fin, *st)) in enumerate(zip(rows, res)):
-            if st and k == len(slots[c]) - 1:  # a sample is the last turn: its prompt holds every earlier one
-                tapped[c] = (prompts[j], toks, st[0])
-            convs[c][i] = {"role": "assistant", "content": text}
-            stats["assistant_turns"] += 1
-            stats["generated_tokens"] += len(toks)
-            stats["truncated_turns"] += fin == "length"
-    for c, (sid, _) in enumerate(batch):
-        if c in failed:
+    limit = min(cfg.max_len, eng.max_len or cfg.max_len)
+    engine = ContinuousEngine(eng.target, eng.stop_ids, rows=cfg.batch_size, max_len=limit,
+                              layers=tap.layers if tap is not None else None)
+    t0 = time.perf_counter()
+    convs = (_Conversation(sid, msgs, cfg, eng, limit) for sid, msgs in todo)
+    for c in engine.run(convs):
+        stats["assistant_turns"] += len(c.finishes)
+        stats["generated_tokens"] += c.tokens
+        stats["truncated_turns"] += sum(f == "length" for f in c.finishes)
+        stats["dropped_turns"] += c.dropped
+        if c.error is not None:
+            if cfg.on_error == "fail":
+                raise HstapError(f"generate: {c.error}")
+            print(f"hstap generate: skipping {c.error}", file=sys.stderr)
             stats["skipped"] += 1
-        else:
-            emit(sid, convs[c], no_assistant=not slots[c], tapped=tapped.get(c))
+            continue
+        tapped = None
+        if tap is not None and c.finishes and c.fed_states is not None:
+            tapped = (c.prompt, c.last, c.fed_states)
+        emit(c.sid, c.msgs, no_assistant=not c.slots, tapped=tapped)
+    stats["gen_seconds"] += time.perf_counter() - t0
+    stats["continuous"] = dict(engine.stats)  # prefilled, reused and restarted tokens, decode steps
 
 
 def _run_server(cfg: GenerateConfig, todo, emit, stats: dict) -> None:
@@ -365,7 +386,8 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     done = recover_output(out)
     atomic_write_json(cfg_path, run_meta(STAGE, cfg))
     stats = {"conversations": 0, "already_done": 0, "duplicates": 0, "skipped": 0, "no_assistant": 0,
-             "assistant_turns": 0, "truncated_turns": 0, "generated_tokens": 0, "gen_seconds": 0.0}
+             "assistant_turns": 0, "truncated_turns": 0, "dropped_turns": 0, "generated_tokens": 0,
+             "gen_seconds": 0.0}
     writer = _Appender(out)
     last_print = [time.perf_counter()]
 
@@ -402,7 +424,9 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
                "tokens_per_s": round(stats["generated_tokens"] / gen_s, 1) if gen_s > 0 else None}
     tps = f", {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
     print(f"hstap generate: {stats['conversations']} conversations written ({stats['assistant_turns']} answers, "
-          f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens) in {secs:.1f} s"
+          f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens"
+          + (f", {stats['dropped_turns']} turns past --max-len dropped" if stats["dropped_turns"] else "")
+          + f") in {secs:.1f} s"
           f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped; wrote {out}"
           + (f"; captured {tap.samples} samples ({tap.tokens:,} tokens) into {cfg.capture}" if tap is not None else ""))
     return summary

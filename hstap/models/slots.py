@@ -70,9 +70,16 @@ class SlotTarget:
         R, T = ids.shape
         nh, nkv, hd = self.nh, self.nkv, self.hd
         g = nh // nkv
+        S1 = self.S + 1
         ridx = (self.all_rows if rows is None else rows)[:, None]  # (R, 1)
-        cos = self.cos[pos].unsqueeze(1)  # (R, 1, T, hd)
-        sin = self.sin[pos].unsqueeze(1)
+        # Writes go through index_copy_ on flat views: an indexed assignment (cache[rows, :, pos] = k) costs a pass
+        # over the whole cache per call (measured), index_copy_ touches only the written rows.
+        heads = torch.arange(nkv, device=ids.device)[None, :, None]  # (1, n_kv, 1)
+        kv_at = ((ridx[:, :, None] * nkv + heads) * S1 + pos[:, None, :]).reshape(-1)  # (R*n_kv*T,): [r, h, t]
+        flat = self.states.view(-1, self.states.shape[-1]) if self.states is not None else None  # (B*S1*(K+1), H)
+        st_at = (ridx * S1 + pos).reshape(-1) * (len(self.layers) + 1)  # (R*T,): slot (r, t), state 0
+        cos = self.cos.index_select(0, pos.reshape(-1)).view(R, 1, T, hd)
+        sin = self.sin.index_select(0, pos.reshape(-1)).view(R, 1, T, hd)
         col = torch.arange(span, device=ids.device)
         allowed = col[None, None, :] <= pos[:, :, None]  # (R, T, span): a row sees its own slots up to the token's
         mask = allowed[:, None, None].expand(R, 1, g, T, span).reshape(R, 1, g * T, span)  # rows j*T+i: head j
@@ -87,8 +94,8 @@ class SlotTarget:
             if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (R, heads, T, hd)
-            self.k[i][ridx, :, pos] = k.transpose(1, 2)  # (R, T, n_kv, hd) at [row, :, slot]
-            self.v[i][ridx, :, pos] = v
+            self.k[i].view(-1, hd).index_copy_(0, kv_at, k.reshape(-1, hd))  # k (R, n_kv, T, hd) at its slots
+            self.v[i].view(-1, hd).index_copy_(0, kv_at, v.transpose(1, 2).reshape(-1, hd))
             keys, values = self.k[i][:, :, :span], self.v[i][:, :, :span]  # (B, n_kv, span, hd): views
             if rows is not None:
                 keys, values = keys.index_select(0, rows), values.index_select(0, rows)  # (R, n_kv, span, hd)
@@ -98,11 +105,11 @@ class SlotTarget:
             h = h + F.linear(o, a.o_proj.weight, a.o_proj.bias)  # (R, T, H)
             gate, up = F.linear(layer.post_attention_layernorm(h), *self.gu[i]).split(self.inter, dim=-1)
             h = h + F.linear(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias)  # (R, T, H)
-            if i in want and self.states is not None:
-                self.states[ridx, pos, want[i]] = h
+            if i in want and flat is not None:
+                flat.index_copy_(0, st_at + want[i], h.reshape(R * T, -1))
         final = t.norm(h)  # (R, T, H)
-        if self.states is not None:
-            self.states[ridx, pos, len(self.layers)] = final
+        if flat is not None:
+            flat.index_copy_(0, st_at + len(self.layers), final.reshape(R * T, -1))
         return final
 
     def row_states(self, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

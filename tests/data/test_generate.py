@@ -174,7 +174,7 @@ def test_embedded_replaces_turns_in_order(embedded_run, engine, corpus, tiny_lla
     out, summary = embedded_run
     got = {r["id"]: r["conversations"] for r in _read_jsonl(out)}
     src = dict(read_conversations([str(corpus)]))
-    assert list(got) == list(src)  # embedded batches are written in input order; same ids
+    assert sorted(got) == sorted(src)  # the same ids (written in completion order: rows refill as they finish)
     for sid, msgs in src.items():
         exp = _expected(engine, msgs, NEW)
         assert got[sid] == exp, sid
