@@ -9,8 +9,8 @@ header's `contents`. A sample is a conversation's last assistant turn: input_ids
 = the rendered prompt + the generated tokens the target was fed (the stop token and, for an answer cut at
 --max-new-tokens, the last token were never fed, so they have no state; vLLM's `include_output_tokens` keeps the same
 tokens), loss_mask = 1 on the answer, 0 on the prompt (earlier assistant turns included). The state of token t is the
-one that predicted token t+1, as capture stores it. A multi-turn conversation keeps its KV cache across its turns
-(`hstap generate --prefix-cache`, hstap/data/decode.py's `Prefix`), and the states with it: the last turn's sample takes
+one that predicted token t+1, as capture stores it. A multi-turn conversation keeps its KV-cache row across its turns
+(`hstap generate`'s continuous engine, hstap/data/continuous.py), and the states with it: the last turn's sample takes
 the earlier turns' states from the passes that computed them (prefill or decode step) and computes only what the turn
 adds, so the tap costs no more prefill than generating does (tested equal to a prefill recompute, fp32, on the real
 SmolLM2 too). An answer cut at --max-new-tokens ends its sample at the cut (no closing token the target did not

@@ -10,13 +10,17 @@ target would have seen in a real multi-turn chat. No turn is added: a conversati
 trailing user turn unanswered, and a conversation without assistant turns is written back unchanged (both are counted).
 
 Engines:
-- embedded (`--target DIR`, hstap/data/decode.py): the HF model in this process, batched across conversations
-  (`batch_size` at a time; left-padded prompts, one KV cache, finished rows dropped from the batch), CPU or GPU, greedy
-  (`temperature 0`) or sampled (temperature + top_p). A turn stops at an end-of-turn/eos token (not kept in the text)
-  or `max_new_tokens`. Each conversation keeps its KV cache from one turn to the next (`--prefix-cache`, default on):
-  turn k+1's prompt is rendered afresh from the text, and only what it adds to the cached tokens (the closing of
-  answer k, user turn k+1, the generation prompt) is prefilled, so a conversation of n turns costs O(n) prefill, not
-  O(n^2) (`prefilled_tokens` in the summary; outputs equal the re-prefill path's, tested token for token).
+- embedded (`--target DIR`): the HF model in this process, CPU or GPU, greedy (`temperature 0`) or sampled
+  (temperature + top_p). Continuous batching (hstap/data/continuous.py, hstap/models/slots.py): `batch_size`
+  conversations are decoded together, each in a KV-cache row of `max_len` tokens that it keeps from one turn to the
+  next; a finished conversation hands its row to the next one. Turn k+1's prompt is rendered afresh from the text and
+  only what it adds to the row's tokens (the closing of answer k, user turn k+1, the generation prompt) is prefilled,
+  so a conversation of n turns costs one prefill of its tokens, not n of its growing history (`prefilled_tokens` in
+  the summary; outputs equal the re-prefill path's, tested token for token; `--prefix-cache false` prefills every
+  turn whole). A turn stops at an end-of-turn/eos token (not kept in the text), at `max_new_tokens`, or where the
+  conversation would pass `max_len`; the turns whose prompt no longer fits are dropped (counted). Targets the slot
+  model does not cover (other layer kinds, a sliding window shorter than a row) run in lockstep batches
+  (hstap/data/decode.py: turn k of `batch_size` conversations together, each prompt prefilled whole).
 - server (`--server URL`, hstap/data/openai_client.py): any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM,
   `hstap serve`); `concurrency` conversations in flight (threads, stdlib urllib), retries with exponential
   backoff on connection errors, HTTP 5xx and 429 (honouring Retry-After), `retries` times at most, then the run stops
@@ -52,12 +56,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_json, run_meta
-from hstap.data.decode import EmbeddedEngine, Prefix
+from hstap.data.continuous import ContinuousEngine, Dialogue, Turn
+from hstap.data.decode import EmbeddedEngine
 from hstap.data.openai_client import ChatClient, RequestRejected
 
 STAGE = "generate"
 # Settings that change what is generated: a resume with any of them changed would mix two distributions in one file.
-_RESUME_KEYS = ("target", "server", "model", "max_new_tokens", "temperature", "top_p", "seed", "capture")
+_RESUME_KEYS = ("target", "server", "model", "max_new_tokens", "max_len", "temperature", "top_p", "seed", "capture")
 
 
 @dataclass
@@ -81,7 +86,11 @@ class GenerateConfig:
     seed: int = 0
     """Base seed; each turn samples with a seed derived from (seed, conversation id, turn index)."""
     batch_size: int = 8
-    """Embedded engine: conversations generated together in one batch."""
+    """Embedded engine: conversations decoded together (continuous batching: each holds a KV row of --max-len
+    tokens across its turns, and a finished one hands its row to the next)."""
+    max_len: int = 4096
+    """Embedded engine: most tokens of one conversation (prompts and answers); an answer is cut where it would pass
+    it, and the turns whose prompt no longer fits are dropped (counted). KV memory: batch_size x max_len tokens."""
     concurrency: int = 8
     """Server engine: conversations in flight at once."""
     device: str = "cpu"
@@ -110,7 +119,8 @@ class GenerateConfig:
     """--capture: storage dtype (as `hstap capture --dtype`)."""
     prefix_cache: bool = True
     """Embedded engine: keep each conversation's KV cache across its turns and prefill only what a turn adds (cost
-    linear in the turns); false prefills the whole history at every turn (quadratic; the reference path)."""
+    linear in the turns); false prefills the whole history at every turn (quadratic; the reference path). Same
+    answers either way."""
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -122,7 +132,8 @@ class GenerateConfig:
                              "(OpenAI-compatible URL)")
         if self.server is not None and not self.server.startswith(("http://", "https://")):
             raise HstapError(f"generate: server: {self.server!r} is not an http(s) URL")
-        for name, lo in (("max_new_tokens", 1), ("batch_size", 1), ("concurrency", 1), ("retries", 0)):
+        for name, lo in (("max_new_tokens", 1), ("batch_size", 1), ("concurrency", 1), ("retries", 0),
+                     ("max_len", 2)):
             if getattr(self, name) < lo:
                 raise HstapError(f"generate: {name}: must be >= {lo}, got {getattr(self, name)}")
         if self.max_samples is not None and self.max_samples < 0:
@@ -250,34 +261,113 @@ def _todo(cfg: GenerateConfig, done: set[str], stats: dict) -> Iterator[tuple[st
 # -------------------------------------------------------------------------------------------------------------- runs
 
 
+class _Conversation(Dialogue):
+    """A conversation as the continuous engine answers it: its assistant turns in order, each from the conversation
+    as regenerated so far; a turn whose prompt no longer fits the row (--max-len, or the model's context) ends it."""
+
+    def __init__(self, sid: str, msgs: list[dict], cfg: GenerateConfig, eng: EmbeddedEngine, limit: int):
+        self.sid, self.msgs, self.cfg, self.eng, self.limit = sid, msgs, cfg, eng, limit
+        self.slots = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        self.k, self.finishes, self.tokens, self.dropped = 0, [], 0, 0
+        self.prompt: list[int] | None = None
+        self.last: list[int] = []
+        self.prompt_tokens = 0
+        self.error: str | None = None
+
+    def _turn(self) -> Turn | None:
+        if self.k >= len(self.slots):
+            return None
+        ids = self.eng.prompt_ids(self.msgs[:self.slots[self.k]])
+        if len(ids) >= self.limit:
+            if self.k == 0:  # not even the first answer fits: the conversation is a bad record
+                self.error = (f"{self.sid}: assistant turn 0: prompt of {len(ids)} tokens fills the context "
+                              f"({self.limit}: --max-len or the model's)")
+            else:  # the turns from here on do not fit: the conversation ends with the last answered turn
+                self.dropped = len(self.slots) - self.k
+                self.msgs = self.msgs[:self.slots[self.k]]
+                while self.msgs and self.msgs[-1]["role"] != "assistant":
+                    self.msgs.pop()
+            return None
+        self.prompt = ids
+        self.prompt_tokens += len(ids)
+        c = self.cfg
+        return Turn(ids, c.max_new_tokens, c.temperature, c.top_p, turn_seed(c.seed, self.sid, self.k))
+
+    def first(self) -> Turn | None:
+        return self._turn()
+
+    def answered(self, new_ids: list[int], finish: str) -> Turn | None:
+        text = self.eng.tokenizer.decode(new_ids, skip_special_tokens=True)
+        self.msgs[self.slots[self.k]] = {"role": "assistant", "content": text, "finish_reason": finish}
+        self.finishes.append(finish)
+        self.tokens += len(new_ids)
+        self.last = new_ids
+        self.k += 1
+        return self._turn()
+
+
 def _run_embedded(cfg: GenerateConfig, todo, emit, stats: dict, tap=None) -> None:
+    # Continuous batching (hstap/data/continuous.py): `batch_size` conversations in KV rows of --max-len tokens; a
+    # conversation keeps its row across its turns (only what each turn adds is prefilled), a finished one hands its
+    # row to the next. With a tap (--capture), the last turn's prompt and answer come with their states. Targets the
+    # slot model does not cover (hstap/models/slots.py: not a Llama-family layer, a sliding window shorter than a
+    # row) run in lockstep batches instead, every turn's prompt prefilled whole (one line says so).
     eng = EmbeddedEngine(cfg.target, cfg.device, cfg.dtype)
+    limit = min(cfg.max_len, eng.max_len or cfg.max_len)
+    try:
+        engine = ContinuousEngine(eng.target, eng.stop_ids, rows=cfg.batch_size, max_len=limit,
+                                  layers=tap.layers if tap is not None else None, reuse=cfg.prefix_cache)
+    except ValueError as e:
+        print(f"hstap generate: {e}: lockstep batches, each turn's prompt prefilled whole", file=sys.stderr)
+        return _run_lockstep(cfg, eng, todo, emit, stats, tap)
+    t0 = time.perf_counter()
+    for c in engine.run(_Conversation(sid, msgs, cfg, eng, limit) for sid, msgs in todo):
+        stats["assistant_turns"] += len(c.finishes)
+        stats["generated_tokens"] += c.tokens
+        stats["truncated_turns"] += sum(f == "length" for f in c.finishes)
+        stats["dropped_turns"] += c.dropped
+        stats["prompt_tokens"] += c.prompt_tokens
+        if c.error is not None:
+            if cfg.on_error == "fail":
+                raise HstapError(f"generate: {c.error}")
+            print(f"hstap generate: skipping {c.error}", file=sys.stderr)
+            stats["skipped"] += 1
+            continue
+        tapped = None
+        if tap is not None and c.finishes and c.fed_states is not None:
+            tapped = (c.prompt, c.last, c.fed_states)
+        emit(c.sid, c.msgs, no_assistant=not c.slots, tapped=tapped)
+    stats["gen_seconds"] += time.perf_counter() - t0
+    stats["prefilled_tokens"] += engine.stats["prefilled_tokens"]
+    stats["continuous"] = dict(engine.stats)  # reused and restarted tokens, decode steps, prefill passes
+
+
+def _run_lockstep(cfg: GenerateConfig, eng: EmbeddedEngine, todo, emit, stats: dict, tap=None) -> None:
     batch: list[tuple[str, list[dict]]] = []
     for item in todo:
         batch.append(item)
         if len(batch) == cfg.batch_size:
-            _embedded_batch(cfg, eng, batch, emit, stats, tap)
+            _lockstep_batch(cfg, eng, batch, emit, stats, tap)
             batch = []
     if batch:
-        _embedded_batch(cfg, eng, batch, emit, stats, tap)
+        _lockstep_batch(cfg, eng, batch, emit, stats, tap)
 
 
-def _embedded_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats: dict, tap=None) -> None:
+def _lockstep_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats: dict, tap=None) -> None:
     # Turn k of every conversation is generated in one batch; turn k+1 needs turn k's text, so turns go in order.
     # With a tap (--capture), the last turn also returns the states of its prompt and answer.
     convs = [msgs for _, msgs in batch]
     slots = [[i for i, m in enumerate(msgs) if m["role"] == "assistant"] for msgs in convs]
-    caches = [Prefix() for _ in batch] if cfg.prefix_cache else None  # each conversation's KV across its turns
     failed: set[int] = set()
     tapped: dict[int, tuple] = {}  # conversation -> (prompt ids, answer ids, states) of its last turn
+    limit = min(cfg.max_len, eng.max_len or cfg.max_len)
     for k in range(max((len(s) for s in slots), default=0)):
         rows, prompts = [], []
         for c, s in enumerate(slots):
             if k < len(s) and c not in failed:
                 ids = eng.prompt_ids(convs[c][:s[k]])
-                if eng.max_len and len(ids) >= eng.max_len:
-                    msg = (f"{batch[c][0]}: assistant turn {k}: prompt of {len(ids)} tokens fills the context "
-                           f"({eng.max_len})")
+                if len(ids) >= limit:
+                    msg = f"{batch[c][0]}: assistant turn {k}: prompt of {len(ids)} tokens fills the context ({limit})"
                     if cfg.on_error == "fail":
                         raise HstapError(f"generate: {msg}")
                     print(f"hstap generate: skipping {msg}", file=sys.stderr)
@@ -288,17 +378,17 @@ def _embedded_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats
         if not rows:
             continue
         t0 = time.perf_counter()
-        res = eng.complete(prompts, [cfg.max_new_tokens] * len(rows), [cfg.temperature] * len(rows),
-                           [cfg.top_p] * len(rows), [turn_seed(cfg.seed, batch[c][0], k) for c, _ in rows],
-                           tap.layers if tap is not None else None,
-                           [caches[c] for c, _ in rows] if caches is not None else None)
+        res = eng.complete(prompts, [min(cfg.max_new_tokens, limit - len(p)) for p in prompts],
+                           [cfg.temperature] * len(rows), [cfg.top_p] * len(rows),
+                           [turn_seed(cfg.seed, batch[c][0], k) for c, _ in rows],
+                           tap.layers if tap is not None else None)
         stats["gen_seconds"] += time.perf_counter() - t0
         for j, ((c, i), (text, toks, fin, *st)) in enumerate(zip(rows, res)):
             if st and k == len(slots[c]) - 1:  # a sample is the last turn: its prompt holds every earlier one
                 tapped[c] = (prompts[j], toks, st[0])
             convs[c][i] = {"role": "assistant", "content": text, "finish_reason": fin}
             stats["prompt_tokens"] += len(prompts[j])
-            stats["prefilled_tokens"] += caches[c].prefilled if caches is not None else len(prompts[j])
+            stats["prefilled_tokens"] += len(prompts[j])
             stats["assistant_turns"] += 1
             stats["generated_tokens"] += len(toks)
             stats["truncated_turns"] += fin == "length"
@@ -378,7 +468,8 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     done = recover_output(out)
     atomic_write_json(cfg_path, run_meta(STAGE, cfg))
     stats = {"conversations": 0, "already_done": 0, "duplicates": 0, "skipped": 0, "no_assistant": 0,
-             "assistant_turns": 0, "truncated_turns": 0, "generated_tokens": 0, "gen_seconds": 0.0}
+             "assistant_turns": 0, "truncated_turns": 0, "dropped_turns": 0, "generated_tokens": 0,
+             "gen_seconds": 0.0}
     if cfg.target is not None:  # a server's prefill is its own (its prefix cache)
         stats.update(prompt_tokens=0, prefilled_tokens=0)
     writer = _Appender(out)
@@ -417,7 +508,9 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
                "tokens_per_s": round(stats["generated_tokens"] / gen_s, 1) if gen_s > 0 else None}
     tps = f", {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
     print(f"hstap generate: {stats['conversations']} conversations written ({stats['assistant_turns']} answers, "
-          f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens) in {secs:.1f} s"
+          f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens"
+          + (f", {stats['dropped_turns']} turns past --max-len dropped" if stats["dropped_turns"] else "")
+          + f") in {secs:.1f} s"
           f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped; wrote {out}"
           + (f"; prefilled {stats['prefilled_tokens']:,} of {stats['prompt_tokens']:,} prompt tokens "
              f"({stats['prompt_tokens'] - stats['prefilled_tokens']:,} reused from the conversations' own caches)"

@@ -33,7 +33,7 @@ from hstap.models.drafter import rotate
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_linears(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several Linear layers of one input: copies (the model is left as it is, so decoders
     built on it before keep valid graphs; the cost is a second copy of these weights, ~70% of a Llama's)."""
     w = torch.cat([m.weight.detach() for m in linears])  # (sum out, in)
@@ -88,7 +88,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     return torch.matmul(p, values)
 
 
-def _supported(target) -> str | None:
+def unsupported(target) -> str | None:
     """Why the lean layers cannot stand in for this target's, or None."""
     cfg = target.config
     if cfg.model_type not in FAMILY:
@@ -122,9 +122,9 @@ class LeanTarget:
         self.scale = float(getattr(a0, "scaling", self.hd ** -0.5))
         self.inter = target.layers[0].mlp.gate_proj.weight.shape[0]
         with torch.no_grad():
-            self.qkv = [_fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+            self.qkv = [fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
                         for layer in target.layers]
-            self.gu = [_fuse([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in target.layers]
+            self.gu = [fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in target.layers]
         self.resize(max_len)
 
     @torch.no_grad()
@@ -191,7 +191,7 @@ class LeanTarget:
 def lean_target(target, max_len: int, attention: str = "sdpa", fuse_rows: int = 0,
                 fuse_bytes: int = FUSE_MAX_BYTES) -> tuple[LeanTarget | None, str | None]:
     """(LeanTarget, None), or (None, why not) for a target whose layers it does not reproduce."""
-    why = _supported(target)
+    why = unsupported(target)
     if why:
         return None, why
     try:
