@@ -122,10 +122,8 @@ def read_gguf(path: Path) -> dict:
             try:
                 dequantize(t.data[:1], t.tensor_type)
             except NotImplementedError:
-                import gguf
                 raise HstapError(f"{path}: tensor {t.name}: quantization {t.tensor_type.name} cannot be dequantized by "
-                                 f"gguf {package_version('gguf') or gguf.__name__} (transformers needs that to load "
-                                 "the file)") from None
+                                 f"gguf {package_version('gguf')} (transformers needs that to load the file)") from None
     specials = {}
     for name, key in SPECIALS.items():
         v = field_value(key)
