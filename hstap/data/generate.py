@@ -183,18 +183,24 @@ def recover_output(path: str | Path) -> set[str]:
 
 
 class _Appender:
-    """Appends one JSON line per record and fsyncs it, so a crash loses at most the record being written."""
+    """Appends one JSON line per record and fsyncs it, so a crash loses at most the record being written. The file is
+    opened (and `on_open` run: the run config written) at the first record: a run that fails before it has one (a
+    server that does not answer, a malformed first input) leaves nothing behind."""
 
-    def __init__(self, path: Path):
-        self.f = open(path, "ab")
+    def __init__(self, path: Path, on_open: Callable[[], object] = lambda: None):
+        self.path, self.on_open, self.f = path, on_open, None
 
     def write(self, sample_id: str, messages: list[dict]) -> None:
+        if self.f is None:
+            self.on_open()
+            self.f = open(self.path, "ab")
         self.f.write((json.dumps({"id": sample_id, "conversations": messages}, ensure_ascii=False) + "\n").encode())
         self.f.flush()
         os.fsync(self.f.fileno())
 
     def close(self) -> None:
-        self.f.close()
+        if self.f is not None:
+            self.f.close()
 
 
 def _check_resume(cfg: GenerateConfig, out: Path, cfg_path: Path) -> None:
@@ -357,16 +363,19 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     out = Path(cfg.out)
     if out.is_dir():
         raise HstapError(f"generate: out: {out} is a directory; give a .jsonl file path")
-    out.parent.mkdir(parents=True, exist_ok=True)
     cfg_path = out.with_name(out.name + ".config.json")
     if cfg.new and out.exists():
         out.unlink()
     _check_resume(cfg, out, cfg_path)
     done = recover_output(out)
-    atomic_write_json(cfg_path, run_meta(STAGE, cfg))
     stats = {"conversations": 0, "already_done": 0, "duplicates": 0, "skipped": 0, "no_assistant": 0,
              "assistant_turns": 0, "truncated_turns": 0, "generated_tokens": 0, "gen_seconds": 0.0}
-    writer = _Appender(out)
+
+    def on_open() -> None:  # at the first record: a run that fails before leaves nothing behind
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cfg_path, run_meta(STAGE, cfg))
+
+    writer = _Appender(out, on_open)
     last_print = [time.perf_counter()]
 
     def emit(sid: str, msgs: list[dict], no_assistant: bool, tapped: tuple | None = None) -> None:

@@ -203,6 +203,23 @@ def header_diff(old: dict, new: dict) -> tuple[str, object, object] | None:
     return None
 
 
+def refuse_other_header(path: Path, manifest: dict, header: dict) -> None:
+    """HstapError naming the first of `CHECKED_FIELDS` in which the store at `path` (its manifest) differs from the
+    header of a run that would extend it."""
+    diff = header_diff(manifest, header)
+    if diff:
+        name, old, now = diff
+        raise HstapError(f"{path / 'manifest.json'}:1: {name}: the store was made with {old!r}, this run has "
+                         f"{now!r}; pass new=True (--new) to replace it, or write to another directory")
+
+
+def check_resumable(path: str | os.PathLike, header: dict) -> None:
+    """Before a run loads anything to extend the existing store at `path`: its header must be this run's (what
+    `StoreWriter` refuses later, said before the run spends any time)."""
+    p = Path(path)
+    refuse_other_header(p, load_manifest(p), check_header(header))
+
+
 def check_header(header: dict) -> dict:
     if not isinstance(header, dict):
         raise HstapError(f"store header: expected a dict, got {type(header).__name__}")

@@ -61,7 +61,7 @@ from hstap.batching import collate, pack_by_tokens
 from hstap.common import HstapError
 from hstap.store.consumer import delete_consumed, is_consumed, own_shard_files, read_consumer, write_consumer
 from hstap.store.format import load_manifest, load_parts, union_entries, writing_state
-from hstap.store.reader import Store
+from hstap.store.reader import Store, check_shard
 from hstap.train import checkpoint
 
 POLL_S = 0.1  # seconds between polls of the store while the stream waits
@@ -220,6 +220,7 @@ class FollowBatches:
         self.final: int | None = None  # shards in the stream once it ended
         self.slot, self.plan, self.done, self.uses = -1, [], 0, 0  # slot, its micro-batches, those done, sample uses
         self.consumed_units, self.available, self.taken_samples, self._it = 0, 0, 0, iter(())
+        self.checked: set[str] = set()  # shard files hashed against their checksums by this process
         rec = read_consumer(self.path, self.manifest)
         if not self.consume and rec is not None and any(rec["consumed"].values()):
             raise HstapError(f"{self.path / 'consumer.json'}:1: consumed: {rec['run']} consumed shards of this store "
@@ -346,6 +347,11 @@ class FollowBatches:
             if self.consume and u < self.consumed_units:
                 raise HstapError(f"{self.path}: shard {self._entry(u)['file']} is consumed but slot {t} needs it "
                                  f"(resumed from a checkpoint older than the store's consumption?)")
+        for u in units:  # a shard's first slot reads it first: hashed once, against its recorded checksum
+            e = self._entry(u)
+            if e["file"] not in self.checked:
+                check_shard(self.path, e)
+                self.checked.add(e["file"])
         base, n = {}, 0
         for u in units:
             base[u], n = n, n + len(self._lengths(u))

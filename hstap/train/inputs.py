@@ -66,11 +66,20 @@ def resolve(cfg, rank: int, world: int, dev: torch.device, bf16: bool) -> RunInp
     if not cfg.online:
         from hstap.store.reader import open_store
         store = open_store(cfg.store)
-    layers, sel = source_layers(cfg, hf_cfg, store)  # the cheap checks first
+        if not cfg.follow:  # a followed store may still be empty, and its shards are checked as the stream takes them
+            store.check(checksums=False)  # the cheap checks first: every shard there, at its recorded size
+            if not len(store):
+                raise HstapError(f"{cfg.store}: the store holds no sample (nothing was captured into it); capture "
+                                 f"into it first")
+    layers, sel = source_layers(cfg, hf_cfg, store)
     vocab = vocab or resolve_vocab(cfg, store, V)
+    if ckpt is not None:
+        checkpoint.check_vocab_map(ckpt, vocab[0], vocab[1], vocab[2])
     if store is not None:
         preflight(cfg, store, rank, dev)
     data = build_data(cfg, store, layers, sel, vocab, rank, world, dev, bf16)
+    if store is not None and not cfg.follow:
+        check_checksums(cfg, [store] + ([data.eval_rows.src] if cfg.eval_store else []), rank, world)
     cfg.draft_vocab = int(data.d2t.numel())
     embed, head = target_head(cfg.target)
     run_config = {"world_size": world, **vars(cfg)}
@@ -137,3 +146,20 @@ def preflight(cfg, store, rank: int, dev: torch.device) -> None:
             torch.cuda.empty_cache()
     if not D.agree(err is None):
         raise err or HstapError(f"{cfg.store}: rank 0's pre-flight check failed (see its output)")
+
+
+def check_checksums(cfg, stores: list, rank: int, world: int) -> None:
+    """Every shard the run reads hashed once against its recorded checksum before the first step (`Store.check`; the
+    ranks split the shards): a shuffled epoch touches every shard within its first steps, so its first read is now. A
+    damaged shard on any rank stops every rank, with its file named by the rank that found it."""
+    err, done = None, []
+    try:
+        done = [s.check(rank, world) for s in stores]
+    except HstapError as e:
+        err = e
+    if not D.agree(err is None):
+        raise err or HstapError(f"{cfg.store}: another rank found a damaged shard (see its output)")
+    if done and done[0]["checksums"]:
+        shards, gb, sec = sum(d["shards"] for d in done), sum(d["gb"] for d in done), max(d["seconds"] for d in done)
+        D.print0(f"hstap train: checked the {shards} shard(s) against their checksums: {gb:.3f} GB in {sec:.1f} s"
+                 + (f" on rank 0 (each of the {world} ranks hashes its share)" if world > 1 else ""))
