@@ -347,7 +347,8 @@ class FollowBatches:
             if self.consume and u < self.consumed_units:
                 raise HstapError(f"{self.path}: shard {self._entry(u)['file']} is consumed but slot {t} needs it "
                                  f"(resumed from a checkpoint older than the store's consumption?)")
-        for u in units:  # a shard's first slot reads it first: hashed once, against its recorded checksum
+        todo = self.plan[self.rank::self.world][done // self.world:]  # this rank's micro-batches still to train
+        for u in sorted({u for mb in todo for u, _, _ in mb}):  # hashed once, at the first slot that reads it
             e = self._entry(u)
             if e["file"] not in self.checked:
                 check_shard(self.path, e)
@@ -356,7 +357,7 @@ class FollowBatches:
         for u in units:
             base[u], n = n, n + len(self._lengths(u))
         view = Store(self.path, self.header | {"shards": []}, [self._entry(u) for u in units], [])
-        mine = [[base[u] + j for u, j, _ in mb] for mb in self.plan[self.rank::self.world]][done // self.world:]
+        mine = [[base[u] + j for u, j, _ in mb] for mb in todo]
         self._it = iter(torch.utils.data.DataLoader(view, batch_sampler=mine, collate_fn=collate,
                                                     num_workers=self.workers, pin_memory=self.pin))
 

@@ -313,3 +313,23 @@ def test_recover_output_and_resume_guards(tmp_path, corpus):
         GenerateConfig(data=[str(corpus)], out=str(out), server="http://x", top_p=0.0)
     with pytest.raises(HstapError, match="also an input"):
         GenerateConfig(data=[str(corpus)], out=str(corpus), server="http://x")
+
+
+@pytest.mark.parametrize("case", ["server that does not answer", "malformed input"])
+def test_a_failed_start_leaves_no_output_and_no_config(case, tmp_path, capsys):
+    """Issue 40: a server that does not answer, or a malformed first input line, left an empty output file and its
+    `.config.json`. The output (and its directory) is created at the first record; before it, nothing is."""
+    from _bad_inputs import refused
+
+    with socket.socket() as sk:  # a port nobody listens on: connection refused
+        sk.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sk.getsockname()[1]}"
+    src = _write_jsonl(tmp_path / "in.jsonl", CORPUS[:1])
+    opts, expect = ["--retries", "0"], [f"{dead}/v1/models: giving up after 1 attempts"]
+    if case == "malformed input":
+        with open(src, "a") as f:
+            f.write('{"id": "cut", "conversations": [\n')
+        opts, expect = ["--model", "m"], [f"{src}:2: invalid JSON"]  # --model: no request before the first record
+    out = tmp_path / "new-dir" / "out.jsonl"
+    refused(["generate", "--server", dead, "--data", src, "--out", out, "--backoff", "0", *opts], capsys, *expect,
+            untouched=[out.parent])
