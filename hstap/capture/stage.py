@@ -9,7 +9,8 @@ What is stored per sample (format: `hstap/store/format.py`): input_ids, loss_mas
 `--layers` (canonical ids, default [1, N//2-1, N-4]) and `final` = the final-norm output, in `--dtype`.
 
 Resumable: a sample is written once its shard commits; killing the run (even with SIGKILL) loses at most the open
-shards, and re-running the same command skips every committed sample. A store made with another target, tokenizer,
+shards, and re-running the same command skips every committed sample, once every committed shard is checked against
+its recorded size and checksum (a damaged one is refused by name: its samples are not "already captured"). A store made with another target, tokenizer,
 layer set or dtype is refused unless `--new` (which wipes it). Data prepared with another tokenizer than the target's
 is refused, and so is data rendered with another chat template than the target's (unless --allow-template-mismatch).
 The prepared set's draft vocabulary map is copied into the store (STORE/vocab_map.safetensors, its sha256 in the
@@ -21,8 +22,11 @@ and the final counts; torchrun's environment is read by hstap/dist.py). Engines,
 `hf` (embedded, capture/hf.py), `sglang` (a server with the hstap plugin and hook, capture/sglang/hook.py, driven by
 capture/sglang/driver.py), `vllm` (vLLM's own engine with hstap's connector, capture/vllm/connector.py, driven by
 capture/vllm/driver.py) and `vllm-import` (convert stock vLLM extract_hidden_states output,
-capture/vllm/importer.py). This module holds what they share: the config, the tokenizer check, the store header and
-the summary pieces.
+capture/vllm/importer.py). This module holds what they share: the config, the input checks (`open_inputs`: the data's
+tokenizer and template against the target's, `hstap.data.fits`; `check_out`: a store to resume made with this run's
+target, layers and dtype, its committed shards at their recorded sizes and checksums), the store header and the
+summary pieces. Everything is checked before the store is created or extended: a run refused on its inputs leaves
+--out as it was.
 """
 
 from __future__ import annotations

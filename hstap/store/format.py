@@ -101,7 +101,9 @@ shards of a killed run are visible before any merge. Sample order is shard order
 entries claim one sample id (the protocol never does that), the later entry is ignored and reported by
 `merge_manifest` and `Store.verify()`. Shards are read memory-mapped through the safetensors library. ENOSPC or any
 other OSError while writing a shard removes the temp file and leaves every committed shard intact. Consumed shards
-are gone for a reader: `open_store` drops their entries (so `verify()` checks what remains).
+are gone for a reader: `open_store` drops their entries (so `verify()` checks what remains). A reader opens a shard
+only at the size its entry records (`bytes`); `Store.check`, which train and capture's resume run before they read or
+extend a store, also hashes every shard against its entry's `sha256`.
 
 Writers and the end of writing (`writing_state`; what `hstap train --follow` waits on):
  - The store's ranks are 0..max(W, 1 + the highest rank with a part file) - 1, W = manifest `writers`.

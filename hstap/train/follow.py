@@ -31,6 +31,8 @@ and resumed run reproduces an uninterrupted one (bitwise on CPU fp32):
   checkpoint. A normal end releases the window (`active: false`); after a crash or kill -9 the writers wait for the
   --resume.
   Without --consume nothing is deleted and writers never wait.
+- Checksums: every rank hashes each shard it reads once, at the first slot that reads it, against the checksum its
+  entry records (`hstap.store.reader.check_shard`): a damaged shard stops the run with its name before a step uses it.
 - Exactly once: a checkpoint records the stream position (the shards taken, the slot, the micro-batches done in it);
   --resume continues from it and completes an interrupted consumption. RUN/follow.jsonl has one line per step with the
   ids of the samples it trained on (all ranks; "replay": the replay draws); a resume truncates it like metrics.jsonl.

@@ -2,12 +2,16 @@
 
 `resolve` goes through the inputs of `hstap train` in one order, each read once: the run directory (a trained run is
 never overwritten; with --resume, its newest complete checkpoint and that checkpoint's trainer state, checked against
-this run's settings), the target (its HF config, embedding and lm_head), the draft vocabulary (`resolve_vocab`: an
-explicit map, the prepared set's, the store's copy of it, or the store's token counts), the source of the states
-(the store opened once, checked against the target by `preflight`; or the live target with --online; with --follow,
-the store claimed and waited for once the vocabulary is fixed), the aux layers and the samples' split; the cheap
-checks come before the pre-flight recompute, which loads the target. What it returns
-(`RunInputs`) is all that `hstap.train.stage` builds the drafter, the trainer and the batches from.
+this run's settings), the target (its HF config, embedding and lm_head), the source of the states (the store opened
+once: every shard present at its recorded size, and at least one sample; or the live target with --online; with
+--follow, the store claimed and waited for once the vocabulary is fixed), the aux layers, the draft vocabulary
+(`resolve_vocab`: an explicit map, the prepared set's, the store's copy of it, or the store's token counts; a
+--resume's must be the one its checkpoint was trained with, `checkpoint.check_vocab_map`), the pre-flight recompute
+against the target (`preflight`), the samples' split (a training split that is not empty), and last, the costliest, every
+shard hashed against its recorded checksum (`check_checksums`; --follow: each shard at the first slot that reads it,
+`hstap.train.follow`). The cheap checks come first. What it returns (`RunInputs`) is all that `hstap.train.stage`
+builds the drafter, the trainer and the batches from; RUN is written only after all of it, and after a --resume's
+checkpoint is loaded into them.
 
 `cfg` below is the stage's `hstap.train.stage.TrainConfig`; `resolve` fills its `ce_chunk` and `draft_vocab` (0 =
 auto) with the values used, so that RUN/config.json records them.

@@ -60,8 +60,8 @@ RUN/follow.jsonl are specified in `hstap.train.follow`'s docstring; the store si
 consumer.json, the writers' back-pressure) in hstap/store/format.py. Without --steps the learning rate is constant.
 
 Layout: this module holds the stage's config, its entry and the loop; `hstap.train.inputs` resolves what a run needs
-(run directory and resume point, target head, vocab map, store and its pre-flight check, layers) once, before
-anything is written; `hstap.train.data` the sources, layers, split and batches; `hstap.train.trainer` the drafter's init, wrapping, optimizer, schedule, step and evaluation;
+(run directory and resume point, target head, vocab map, store and its checks: sizes, pre-flight, checksums; layers)
+once, before anything is written (a refused run, or a --resume whose checkpoint does not fit, leaves RUN as it was); `hstap.train.data` the sources, layers, split and batches; `hstap.train.trainer` the drafter's init, wrapping, optimizer, schedule, step and evaluation;
 `hstap.train.checkpoint` the checkpoint files.
 """
 
