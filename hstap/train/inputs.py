@@ -2,7 +2,8 @@
 
 `resolve` goes through the inputs of `hstap train` in one order, each read once: the run directory (a trained run is
 never overwritten; with --resume, its newest complete checkpoint and that checkpoint's trainer state, checked against
-this run's settings), the target (its HF config, embedding and lm_head), the source of the states (the store opened
+this run's settings), the target (its HF config, embedding and lm_head; a --data prepared set must be tokenized by its
+tokenizer, `hstap.data.fits`), the source of the states (the store opened
 once: every shard present at its recorded size, and at least one sample; or the live target with --online; with
 --follow, the store claimed and waited for once the vocabulary is fixed), the aux layers, the draft vocabulary
 (`resolve_vocab`: an explicit map, the prepared set's, the store's copy of it, or the store's token counts; a
@@ -59,6 +60,11 @@ def resolve(cfg, rank: int, world: int, dev: torch.device, bf16: bool) -> RunInp
         raise HstapError(f"{run}: has checkpoints already; pass --resume to continue or choose another --out")
     ckpt = done[-1] if cfg.resume and done else None
     hf_cfg = load_config(cfg.target)
+    if cfg.data:  # --online's samples, or the vocab map's source: tokenized as the target tokenizes
+        from hstap.data.fits import check_tokenizer
+        from hstap.data.prepare import read_meta
+        from hstap.model_dir import target_fingerprint
+        check_tokenizer(cfg.data, read_meta(cfg.data), target_fingerprint(cfg.target))
     V = int(hf_cfg.vocab_size)
     cfg.ce_chunk = cfg.ce_chunk or auto_ce_chunk(V)
     vocab = None

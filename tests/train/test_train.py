@@ -389,7 +389,7 @@ def _other_vocab_store(assets, dst):
 
 
 @pytest.mark.parametrize("case", ["truncated shard", "flipped byte", "empty store", "missing target",
-                                  "resume with another store", "empty training split"])
+                                  "resume with another store", "empty training split", "data of another tokenizer"])
 def test_bad_inputs_are_one_line_and_write_nothing(case, assets, tmp_path, capsys):
     """Issue 40's train cases: a truncated shard (a raw SafetensorError mid-run) or one flipped byte (trained on and
     exit 0): the store's checksums are checked before training; an empty store ("does not match" the target); a
@@ -419,8 +419,18 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, assets, tmp_path, capsy
         opts = {"resume": True, "steps": 2}
         expect = ["step_00000001/drafter.safetensors: d2t/t2d: the run was trained on a draft vocabulary map of 96 ids",
                   f"from {assets['store']}", "this resume resolves another one of 96 ids", f"from {store}"]
-    else:
+    elif case == "empty training split":
         store, opts["eval_frac"] = assets["store"], 0.9999999
         expect = ["train: the training split is empty: 28 sample(s)", "--eval-frac 0.9999999"]
+    else:  # --online's samples (or a vocab map's source) prepared with another tokenizer
+        from hstap.data.prepare import PrepareConfig, prepare
+        from hstap.toy import build_tokenizer, sample_texts
+
+        build_tokenizer(sample_texts()[::-1], vocab_size=300, out_dir=tmp_path / "tok")
+        with contextlib.redirect_stdout(io.StringIO()):
+            prepare(PrepareConfig(tokenizer=str(tmp_path / "tok"), data=[str(assets["target"].parent / "chats.jsonl")],
+                                  out=str(tmp_path / "prepared"), draft_vocab=96))
+        store, opts = assets["store"], {"online": True, "data": tmp_path / "prepared", "aux_layers": "1,3,4"}
+        expect = [f"{tmp_path / 'prepared'}/meta.json:1: tokenizer_sha256", str(assets["target"])]
     refused(["train", *_argv(assets, run, **{"steps": 1, "store": store} | opts)], capsys, *expect,
             untouched=[run, store])
