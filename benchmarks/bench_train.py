@@ -39,7 +39,8 @@ first step, `hstap.store.reader.Store.check`), on against off, through train's o
 writes a store of --store-gb GB of random states in capture's --shard-mb 1024 shards (`StoreWriter`, corpus-like
 lengths as above; --store-dir, else a temp dir next to $OUT, removed at the end), then runs whole epochs over it as
 `hstap train` does (`Store` -> `Rows` -> `TrainBatches` with train's DataLoader workers -> `Feed` -> `Trainer.step`,
-compiled on CUDA, after --warmup untimed steps), alternately with the check off and on (--store-passes each). Per
+compiled on CUDA, after an untimed epoch that compiles every padded length: --warmup N steps instead), alternately with
+the check off and on (--store-passes each). Per
 pass: the check's seconds, the epoch's seconds and tokens, tok/s over both (what a run of one epoch sees) and over the
 epoch alone; with the hashing rate (GB/s) and the on/off ratio of tok/s. The store was just written: its pages are
 likely in the page cache (the JSON says how much memory the machine has), so the hashing is CPU-bound as training's
@@ -378,7 +379,8 @@ def run_store_checks(a, dev) -> dict:
         feed = Feed(data, head, dev, cd, chunk, a.ttt, pad_to=16 if cuda else 1)
         workers = 4 if cuda else 0  # train's --workers -1
         t0 = time.perf_counter()
-        store_pass(a, dev, tr, feed, root / "store", False, workers, steps=a.warmup)  # compile, first reads
+        # compilation, for every padded length the epoch holds (--warmup 0: a whole epoch), and first reads
+        store_pass(a, dev, tr, feed, root / "store", False, workers, steps=a.warmup or None)
         warm_s = time.perf_counter() - t0
         passes = [store_pass(a, dev, tr, feed, root / "store", checks, workers, steps=a.steps)
                   for _ in range(a.store_passes) for checks in (False, True)]
@@ -406,7 +408,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU (smoke test)")
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps (default 10; 2 with --tiny); --store-checks: at most this many a pass (an epoch)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 4 for ref, 3 for 8b; 1 tiny)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 4 for ref, 3 for 8b; 1 tiny; --store-checks: 0 = an epoch)")
     p.add_argument("--seq", type=int, default=None, help="8b: sequence length (2048); ref: typical length (296)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (8b 16384, ref 32768)")
     p.add_argument("--ttt", type=int, default=None,
@@ -450,7 +452,7 @@ def _main(a, dev) -> dict:
     given = {k: getattr(a, k) for k in ("steps", "warmup", "seq", "batch_tokens", "ttt")}
     if a.store_checks:
         shape = "ref" if a.shape == "both" else a.shape
-        full = {"warmup": 4, "seq": 296 if shape == "ref" else 2048, "batch_tokens": 32768 if shape == "ref" else 16384,
+        full = {"warmup": 0, "seq": 296 if shape == "ref" else 2048, "batch_tokens": 32768 if shape == "ref" else 16384,
                 "ttt": TRAIN_DEFAULTS.ttt, "store_gb": 8.0, "shard_mb": 1024}
         tiny = {"warmup": 1, "seq": 48, "batch_tokens": 256, "ttt": 3, "store_gb": 0.002, "shard_mb": 1}
         for k, v in (full if not a.tiny else tiny).items():

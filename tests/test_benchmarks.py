@@ -1,4 +1,4 @@
-"""The GPU benchmarks' CPU smoke modes run end to end: bench_train.py --tiny (both shapes, profile) and
+"""The GPU benchmarks' CPU smoke modes run end to end: bench_train.py --tiny (both shapes, profile; --store-checks) and
 quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter);
 bench_ngram.py on a few streams (its index and its scan propose the same drafts)."""
 
