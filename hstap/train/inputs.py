@@ -162,7 +162,13 @@ def check_checksums(cfg, stores: list, rank: int, world: int) -> None:
     """Every shard the run reads hashed once against its recorded checksum before the first step (`Store.check`; the
     ranks split the shards): a shuffled epoch touches every shard within its first steps, so its first read is now. A
     damaged shard on any rank stops every rank, with its file named by the rank that found it."""
+    from hstap.store import reader
+
     err, done = None, []
+    if reader.CHECK_CHECKSUMS:  # a full read of the store: say so before it starts
+        gb = sum(int(e["bytes"]) for s in stores for e in s.manifest["shards"]) / 1e9
+        D.print0(f"hstap train: checking the store's shards against their checksums ({gb:.3f} GB"
+                 + (f", split over {world} ranks)" if world > 1 else ")"))
     try:
         done = [s.check(rank, world) for s in stores]
     except HstapError as e:
@@ -170,6 +176,6 @@ def check_checksums(cfg, stores: list, rank: int, world: int) -> None:
     if not D.agree(err is None):
         raise err or HstapError(f"{cfg.store}: another rank found a damaged shard (see its output)")
     if done and done[0]["checksums"]:
-        shards, gb, sec = sum(d["shards"] for d in done), sum(d["gb"] for d in done), max(d["seconds"] for d in done)
-        D.print0(f"hstap train: checked the {shards} shard(s) against their checksums: {gb:.3f} GB in {sec:.1f} s"
-                 + (f" on rank 0 (each of the {world} ranks hashes its share)" if world > 1 else ""))
+        shards, gb, sec = sum(d["shards"] for d in done), sum(d["gb"] for d in done), sum(d["seconds"] for d in done)
+        D.print0(f"hstap train: {shards} shard(s) intact: rank 0 hashed {gb:.3f} GB in {sec:.1f} s"
+                 + (f" ({gb / sec:.2f} GB/s)" if sec > 0 else ""))
