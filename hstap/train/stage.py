@@ -61,8 +61,9 @@ consumer.json, the writers' back-pressure) in hstap/store/format.py. Without --s
 
 Layout: this module holds the stage's config, its entry and the loop; `hstap.train.inputs` resolves what a run needs
 (run directory and resume point, target head, vocab map, store and its checks: sizes, pre-flight, checksums; layers)
-once, before anything is written (a refused run, or a --resume whose checkpoint does not fit, leaves RUN as it was); `hstap.train.data` the sources, layers, split and batches; `hstap.train.trainer` the drafter's init, wrapping, optimizer, schedule, step and evaluation;
-`hstap.train.checkpoint` the checkpoint files.
+once, before anything is written (a refused run, or a --resume whose checkpoint does not fit, leaves RUN as it was);
+`hstap.train.data` the sources, layers, split and batches; `hstap.train.trainer` the drafter's init, wrapping,
+optimizer, schedule, step and evaluation; `hstap.train.checkpoint` the checkpoint files.
 """
 
 from __future__ import annotations
