@@ -37,7 +37,7 @@ first step, `hstap.store.reader.Store.check`), on against off, through train's o
     python benchmarks/bench_train.py --tiny --store-checks          # CPU smoke test (seconds)
 
 writes a store of --store-gb GB of random states in capture's --shard-mb 1024 shards (`StoreWriter`, corpus-like
-lengths as above; --store-dir, else a temp dir next to $OUT, removed at the end), then runs whole epochs over it as
+lengths as above; --store-dir, else a temp dir removed at the end), then runs whole epochs over it as
 `hstap train` does (`Store` -> `Rows` -> `TrainBatches` with train's DataLoader workers -> `Feed` -> `Trainer.step`,
 compiled on CUDA, after an untimed epoch that compiles every padded length: --warmup N steps instead), alternately with
 the check off and on (--store-passes each). Per
@@ -368,7 +368,7 @@ def run_store_checks(a, dev) -> dict:
 
     cuda = dev.type == "cuda"
     cfg = drafter_config(a.shape, a.tiny)
-    root = Path(a.store_dir) if a.store_dir else Path(tempfile.mkdtemp(prefix="bench-store-", dir=os.environ.get("OUT")))
+    root = Path(a.store_dir) if a.store_dir else Path(tempfile.mkdtemp(prefix="bench-store-"))  # not $OUT: GBs
     try:
         made = write_store(a, cfg, root / "store")
         d, head, cd = build_drafter(cfg, dev)
