@@ -29,6 +29,23 @@ top-15 ops by self CUDA time and by self CPU time over 3 more steps (to stderr, 
 $OUT/profile_<shape>_<config>.txt when $OUT is set; the JSON keeps the top 5 of each). The last line of stdout is
 one JSON object.
 
+The store's checksum check (issue 40: `hstap train` hashes every shard once against its recorded checksum before the
+first step, `hstap.store.reader.Store.check`), on against off, through train's own data path:
+
+    python benchmarks/bench_train.py --store-checks                 # H200: the ref shape, an 8 GB bf16 store
+    python benchmarks/bench_train.py --store-checks --shape 8b      # the 8B shape's states (32 KB a token)
+    python benchmarks/bench_train.py --tiny --store-checks          # CPU smoke test (seconds)
+
+writes a store of --store-gb GB of random states in capture's --shard-mb 1024 shards (`StoreWriter`, corpus-like
+lengths as above; --store-dir, else a temp dir removed at the end), then runs whole epochs over it as
+`hstap train` does (`Store` -> `Rows` -> `TrainBatches` with train's DataLoader workers -> `Feed` -> `Trainer.step`,
+compiled on CUDA, after an untimed epoch that compiles every padded length: --warmup N steps instead), alternately with
+the check off and on (--store-passes each). Per
+pass: the check's seconds, the epoch's seconds and tokens, tok/s over both (what a run of one epoch sees) and over the
+epoch alone; with the hashing rate (GB/s) and the on/off ratio of tok/s. The store was just written: its pages are
+likely in the page cache (the JSON says how much memory the machine has), so the hashing is CPU-bound as training's
+reads are; a store larger than memory makes both disk-bound.
+
 Several GPUs (weak scaling: --batch-tokens per rank; 8b shape), wrapped by Trainer exactly as `hstap train` wraps:
 
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --shape 8b --no-baseline --dist ddp
@@ -276,12 +293,122 @@ def run_shape(a, dev, shape: str) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# --store-checks: train's data path over a real store, its checksum check on against off
+
+
+def write_store(a, cfg: DrafterConfig, path: Path) -> dict:
+    """A bf16 store of about --store-gb GB: corpus-like sample lengths (as `batches_ref`), random states drawn from a
+    pool (the values do not matter to hashing or training speed), --shard-mb shards. Returns its size figures."""
+    from hstap.store.format import store_bytes_per_token
+    from hstap.store.writer import StoreWriter
+
+    K, H = len(cfg.aux_layers), cfg.target_hidden_size
+    header = {"target": {"path": "bench_train", "model_type": "llama", "num_layers": 8, "hidden_size": H},
+              "engine": {"name": "bench_train"}, "dtype": "bf16", "layers": list(cfg.aux_layers), "hidden_size": H}
+    per_token = store_bytes_per_token(K, H, "bf16")
+    want = int(a.store_gb * 1e9 / per_token)
+    g = torch.Generator().manual_seed(2)
+    pool = 4 * a.seq + 64
+    aux = torch.randn(pool, K, H, generator=g).to(torch.bfloat16)  # (P, K, H)
+    final = torch.randn(pool, H, generator=g).to(torch.bfloat16)  # (P, H)
+    t0, tokens, i = time.perf_counter(), 0, 0
+    with StoreWriter(path, header, shard_tokens=1 << 40, shard_bytes=a.shard_mb << 20, new=True) as w:
+        while tokens < want:
+            full = bool(torch.rand(1, generator=g) < 0.85)  # most answers hit the cap
+            T = int(a.seq * (0.9 + 0.2 * float(torch.rand(1, generator=g)))) if full else \
+                int(torch.randint(max(8, a.seq // 5), a.seq, (1,), generator=g))
+            at = int(torch.randint(0, pool - T, (1,), generator=g))
+            prompt = max(1, T // 8)
+            w.add(f"s{i:08d}", torch.randint(0, cfg.vocab_size, (T,), generator=g),
+                  (torch.arange(T) >= prompt).long(), aux[at:at + T], final[at:at + T])
+            tokens, i = tokens + T, i + 1
+    return {"store_gb": tokens * per_token / 1e9, "samples": i, "tokens": tokens, "bytes_per_token": per_token,
+            "write_s": time.perf_counter() - t0}
+
+
+def store_pass(a, dev, trainer, feed, path: Path, checks: bool, workers: int, steps: int | None = None) -> dict:
+    """One pass as `hstap train` runs it: the store opened, `Store.check` (hashing on or off), then an epoch (or
+    `steps` steps) of train's batches through the trainer."""
+    from hstap.batching import Rows, TrainBatches
+    from hstap.store import reader
+
+    cuda = dev.type == "cuda"
+    reader.CHECK_CHECKSUMS = checks
+    try:
+        st = reader.open_store(path)
+        t0 = time.perf_counter()
+        info = st.check()
+        check_s = time.perf_counter() - t0
+    finally:
+        reader.CHECK_CHECKSUMS = True
+    batches = TrainBatches(Rows(st, list(range(len(st))), prepared=False), list(st.lengths), a.batch_tokens, 0, 0, 1,
+                           0, 0, cuda, workers)
+    n = min(steps or len(batches.sampler), len(batches.sampler))
+    it = iter(batches)
+    tokens, t1 = 0, time.perf_counter()
+    for j in range(n):
+        b = next(it)
+        stats, _ = trainer.step([feed(b)], 1e-4)
+        tokens += int(b["lengths"].sum())
+        if (j + 1) % 10 == 0 or j + 1 == n:
+            stats.tolist()  # train's metrics line: a host read once per --log-every 10 steps
+    if cuda:
+        torch.cuda.synchronize(dev)
+    train_s = time.perf_counter() - t1
+    it.close()  # the DataLoader's workers end with it
+    return {"checks": "on" if checks else "off", "check_s": check_s, "hashed_gb": info["gb"], "steps": n,
+            "tokens": tokens, "train_s": train_s, "tok_s": tokens / (check_s + train_s), "tok_s_epoch": tokens / train_s}
+
+
+def run_store_checks(a, dev) -> dict:
+    """--store-checks (module docstring): the passes, off and on alternately, and their summary."""
+    import shutil
+    import tempfile
+
+    cuda = dev.type == "cuda"
+    cfg = drafter_config(a.shape, a.tiny)
+    root = Path(a.store_dir) if a.store_dir else Path(tempfile.mkdtemp(prefix="bench-store-"))  # not $OUT: GBs
+    try:
+        made = write_store(a, cfg, root / "store")
+        d, head, cd = build_drafter(cfg, dev)
+        chunk = 16384 if 16384 * cfg.vocab_size <= 1 << 28 else 4096  # train's --ce-chunk 0 (auto)
+        tr = make_trainer(d, dev, "flex" if cuda else "sdpa", cuda and not a.no_compile, chunk, a.ttt, False, a.loss)
+        data = SimpleNamespace(target=None, layers=list(cfg.aux_layers), sel=list(range(len(cfg.aux_layers))),
+                               d2t=d.d2t.cpu(), t2d=d.t2d.cpu())
+        feed = Feed(data, head, dev, cd, chunk, a.ttt, pad_to=16 if cuda else 1)
+        workers = 4 if cuda else 0  # train's --workers -1
+        t0 = time.perf_counter()
+        # compilation, for every padded length the epoch holds (--warmup 0: a whole epoch), and first reads
+        store_pass(a, dev, tr, feed, root / "store", False, workers, steps=a.warmup or None)
+        warm_s = time.perf_counter() - t0
+        passes = [store_pass(a, dev, tr, feed, root / "store", checks, workers, steps=a.steps)
+                  for _ in range(a.store_passes) for checks in (False, True)]
+        for r in passes:
+            print(f"checks {r['checks']:3s}  check {r['check_s']:6.2f} s  epoch {r['train_s']:7.2f} s "
+                  f"({r['steps']} steps)  {r['tok_s']:>10,.0f} tok/s  (epoch alone {r['tok_s_epoch']:>10,.0f})",
+                  file=sys.stderr)
+    finally:
+        if not a.store_dir:
+            shutil.rmtree(root, ignore_errors=True)
+    mean = lambda key, c: sum(r[key] for r in passes if r["checks"] == c) / a.store_passes  # noqa: E731
+    on = [r for r in passes if r["checks"] == "on"]
+    return {**made, "shard_mb": a.shard_mb, "batch_tokens": a.batch_tokens, "seq": a.seq, "workers": workers,
+            "warmup_s": warm_s, "mem_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
+            "cpus": os.cpu_count(), "passes": passes,
+            "hash_gb_s": sum(r["hashed_gb"] for r in on) / max(1e-9, sum(r["check_s"] for r in on)),
+            "check_s": mean("check_s", "on"), "tok_s_off": mean("tok_s", "off"), "tok_s_on": mean("tok_s", "on"),
+            "on_vs_off": mean("tok_s", "on") / mean("tok_s", "off"),
+            "epoch_tok_s_on_vs_off": mean("tok_s_epoch", "on") / mean("tok_s_epoch", "off")}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=["ref", "8b", "both"], default="both", help="drafter shape(s) (default both)")
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU (smoke test)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --tiny)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 4 for ref, 3 for 8b; 1 tiny)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps (default 10; 2 with --tiny); --store-checks: at most this many a pass (an epoch)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 4 for ref, 3 for 8b; 1 tiny; --store-checks: 0 = an epoch)")
     p.add_argument("--seq", type=int, default=None, help="8b: sequence length (2048); ref: typical length (296)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (8b 16384, ref 32768)")
     p.add_argument("--ttt", type=int, default=None,
@@ -296,6 +423,12 @@ def main(argv=None) -> dict:
     p.add_argument("--peak-tflops", type=float, default=790.0, help="peak bf16 TFLOP/s for MFU (H200: 790)")
     p.add_argument("--dist", choices=["ddp", "fsdp"], default=None,
                    help="under torchrun: wrap with DDP or FSDP2 as hstap train does (--batch-tokens per rank)")
+    p.add_argument("--store-checks", action="store_true",
+                   help="train's data path over a real store, its checksum check on against off (--shape ref default)")
+    p.add_argument("--store-gb", type=float, default=None, help="--store-checks: store size (8 GB; 0.002 with --tiny)")
+    p.add_argument("--shard-mb", type=int, default=None, help="--store-checks: shard size (capture's 1024; 1 --tiny)")
+    p.add_argument("--store-passes", type=int, default=2, help="--store-checks: passes with the check off, and on")
+    p.add_argument("--store-dir", default=None, help="--store-checks: where the store goes (kept; default: a temp dir)")
     a = p.parse_args(argv)
     bad = [c for c in a.ref_configs.split(",") if c not in REF_CONFIGS]
     if bad:
@@ -317,6 +450,24 @@ def _main(a, dev) -> dict:
            "torch": torch.__version__, "tiny": a.tiny, "peak_tflops": a.peak_tflops, "world": D.get_world(),
            "dist": a.dist if D.get_world() > 1 else None, "shapes": {}}
     given = {k: getattr(a, k) for k in ("steps", "warmup", "seq", "batch_tokens", "ttt")}
+    if a.store_checks:
+        shape = "ref" if a.shape == "both" else a.shape
+        full = {"warmup": 0, "seq": 296 if shape == "ref" else 2048, "batch_tokens": 32768 if shape == "ref" else 16384,
+                "ttt": TRAIN_DEFAULTS.ttt, "store_gb": 8.0, "shard_mb": 1024}
+        tiny = {"warmup": 1, "seq": 48, "batch_tokens": 256, "ttt": 3, "store_gb": 0.002, "shard_mb": 1}
+        for k, v in (full if not a.tiny else tiny).items():
+            if getattr(a, k, None) is None:
+                setattr(a, k, v)
+        a.shape = shape
+        out["store_checks"] = {"shape": shape, **run_store_checks(a, dev)}
+        if D.get_rank() == 0:
+            r = out["store_checks"]
+            print(f"store checks ({shape}, {r['store_gb']:.2f} GB in {r['shard_mb']} MiB shards): hashing "
+                  f"{r['hash_gb_s']:.2f} GB/s, {r['check_s']:.2f} s a run; tok/s over check + one epoch: off "
+                  f"{r['tok_s_off']:,.0f}, on {r['tok_s_on']:,.0f} ({r['on_vs_off']:.3f}x); epoch alone "
+                  f"{r['epoch_tok_s_on_vs_off']:.3f}x")
+            print(json.dumps(out))
+        return out
     for shape in (["8b", "ref"] if a.shape == "both" else [a.shape]):
         full = {"steps": 10, "warmup": 4 if shape == "ref" else 3, "seq": 296 if shape == "ref" else 2048,
                 "batch_tokens": 32768 if shape == "ref" else 16384, "ttt": TRAIN_DEFAULTS.ttt}

@@ -7,7 +7,7 @@ Target: Llama-3.1-8B-shaped by default (32 layers, H 4096, 32/8 heads of 128, in
 head, rope 500000), `--tiny` = 8 layers, H 128, vocab 1000. Weights are HF's own init (normal, std 0.02) in --dtype
 (bf16), built directly on the GPU when one is available (`_from_config` under `torch.device`: no CPU init), saved with
 `save_pretrained` (safetensors + config.json). No tokenizer is written: `hstap capture` then checks the prepared data by
-vocab_size and the largest token id only (hstap.capture.stage.check_tokenizer).
+vocab_size and the largest token id only (hstap.data.fits.check_tokenizer).
 
 Prepared set: the layout `hstap prepare` writes (hstap.data.prepare): an Arrow dataset (`save_to_disk`) with id (str),
 input_ids (list[int32], uniform in [0, vocab)), loss_mask (list[int8], all 1), plus token_freq.safetensors,

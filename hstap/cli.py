@@ -27,7 +27,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from hstap.common import HstapError
+from hstap.common import HstapError, user_message
 
 # subcommand -> (module, config class, entry function, one-line help). Only stages that work are listed. An entry
 # "module:function" lives in another module than its config: `generate` is the capture stage's composition (--capture).
@@ -158,9 +158,28 @@ def load_config_file(path: str, stage: str) -> dict:
     return data
 
 
+def join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--layers -1,3,4` as `--layers=-1,3,4`: argparse takes a value that starts with "-" (and is not a plain negative
+    number) for an option and fails with "expected one argument"; given to an option of one value and not itself an
+    option, it is that option's value, and the option's own check names what is wrong with it."""
+    acts = parser._option_string_actions
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = acts.get(argv[i])
+        if a is not None and a.nargs is None and a.type is not None and i + 1 < len(argv) \
+                and argv[i + 1].startswith("-") and argv[i + 1] not in acts and argv[i + 1].split("=")[0] not in acts:
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def make_config(stage: str, cls: type, argv: list[str], helptext: str = "") -> Any:
     parser = build_parser(stage, cls, helptext)
-    ns = vars(parser.parse_args(argv))
+    ns = vars(parser.parse_args(join_dash_values(parser, argv)))
     values: dict[str, Any] = {}
     cfg_file = ns.pop("config", None)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
@@ -225,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = make_config(stage, getattr(mod, cls_name), argv[1:], helptext)
         stage_entry(stage)(cfg)
     except HstapError as e:
-        print(f"hstap: error: {e}", file=sys.stderr)
+        print(f"hstap: error: {user_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hstap: interrupted", file=sys.stderr)

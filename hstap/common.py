@@ -30,6 +30,16 @@ def one_line(e: BaseException | str) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def user_message(e: HstapError) -> str:
+    """The one line of a user-facing error, also of one raised in a DataLoader worker: the loader re-raises it in the
+    main process with the worker's traceback around the original message, which ends the text."""
+    text = str(e)
+    marker = f"{HstapError.__module__}.{HstapError.__qualname__}: "
+    if "\n" in text and marker in text:
+        text = text.rsplit(marker, 1)[1]
+    return one_line(text)
+
+
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 

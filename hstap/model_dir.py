@@ -71,7 +71,7 @@ def load_config(path: str | os.PathLike):
     """The model's HF config; for multimodal wrappers the language model's (`text_config`), which has its shape."""
     from transformers import AutoConfig
 
-    p = Path(path)
+    p = check_model_dir(path)  # a missing directory: our line, not the hub's "Repo id must be in the form ..."
     try:
         cfg = AutoConfig.from_pretrained(str(p))
     except (OSError, ValueError, KeyError) as e:
@@ -169,6 +169,7 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
     p = check_model_dir(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import is_accelerate_available
     from transformers.utils import logging as hf_logging
@@ -184,7 +185,7 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
             if "attention" not in str(e).lower() and "sdpa" not in str(e).lower():
                 raise
             model = AutoModelForCausalLM.from_pretrained(str(p), attn_implementation="eager", **kw)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a damaged or incomplete directory
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise HstapError(f"{p}: cannot load the target model: {type(e).__name__}: {first}") from None
     if "device_map" not in kw:
@@ -237,6 +238,9 @@ def weights_fingerprint(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     files = sorted(f for f in p.iterdir()
                    if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES) and not f.name.startswith("."))
+    if not files:  # the hash of nothing would go into a store header and refuse the complete directory later
+        raise HstapError(f"{p}: no weight files ({', '.join('*' + x for x in WEIGHT_SUFFIXES)}): not a complete model "
+                         "directory")
     for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}\0{size}\0".encode())

@@ -1,4 +1,4 @@
-"""The GPU benchmarks' CPU smoke modes run end to end: bench_train.py --tiny (both shapes, profile) and
+"""The GPU benchmarks' CPU smoke modes run end to end: bench_train.py --tiny (both shapes, profile; --store-checks) and
 quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter);
 bench_ngram.py on a few streams (its index and its scan propose the same drafts)."""
 
@@ -51,3 +51,23 @@ def test_quality_variants_tiny(tmp_path):
     assert n2["lossless"] is True and n2["measured_prompts"] == 1 and n2["measured_tau"] >= 1.0
     assert summary["variants"]["base"]["eval_ratio"] == 1.0
     assert (tmp_path / "out" / "variants.json").is_file()
+
+
+def test_bench_train_store_checks_tiny(tmp_path, monkeypatch):
+    """bench_train.py --store-checks --tiny: a real store written, then train's data path over it with the checksum
+    check off and on; the on pass hashes the whole store once (and the check is back on afterwards)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_train
+    finally:
+        sys.path.pop(0)
+    from hstap.store import reader
+
+    out = bench_train.main(["--tiny", "--store-checks", "--store-passes", "1", "--steps", "2", "--store-dir",
+                            str(tmp_path)])
+    r = out["store_checks"]
+    off, on = r["passes"]
+    assert (off["checks"], on["checks"], off["hashed_gb"]) == ("off", "on", 0.0) and reader.CHECK_CHECKSUMS
+    shards = sum(f.stat().st_size for f in (tmp_path / "store" / "shards").iterdir()) / 1e9
+    assert on["hashed_gb"] == shards and r["store_gb"] <= shards < 1.01 * r["store_gb"]
+    assert on["steps"] == off["steps"] == 2 and on["tokens"] == off["tokens"] > 0 and r["hash_gb_s"] > 0

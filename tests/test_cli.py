@@ -126,3 +126,29 @@ def test_cpus_busy_sees_other_processes_and_the_cli_then_waits_passively():
         for q in loops:
             q.kill()
             q.wait()
+
+
+def test_dash_values_and_errors_raised_in_dataloader_workers():
+    """`--layers -1,3,4` reaches the option as its value, for the stage's own check to name (argparse alone: "expected
+    one argument"); an option followed by another option is still argparse's error. An HstapError raised in a real
+    DataLoader worker process is re-raised by the loader wrapped in the worker's traceback: the CLI prints its line."""
+    import torch
+
+    from hstap.common import user_message
+
+    a = make_config("toy", ToyConfig, ["--data", "x", "--out", "o", "--layers", "-1,3,4", "--max-len", "-5"])
+    assert a.layers == "-1,3,4" and a.max_len == -5
+    with pytest.raises(SystemExit):
+        make_config("toy", ToyConfig, ["--data", "x", "--out", "o", "--layers", "--resume"])
+
+    class Bad(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            raise HstapError("/s/shards/r000-000001.safetensors: sha256 differs")
+
+    with pytest.raises(HstapError) as e:
+        next(iter(torch.utils.data.DataLoader(Bad(), num_workers=1)))
+    assert "\n" in str(e.value) and user_message(e.value) == "/s/shards/r000-000001.safetensors: sha256 differs"
+    assert user_message(HstapError("a  plain\nline")) == "a plain line"

@@ -45,15 +45,15 @@ import torch
 
 from hstap import dist as D
 from hstap.batching import pack_by_tokens
-from hstap.capture.stage import (check_template, check_tokenizer, copy_vocab_map, progress_bar, store_header,
-                                 store_totals)
+from hstap.capture.stage import check_out, copy_vocab_map, open_inputs, progress_bar, store_header, store_totals
 from hstap.capture.staging import (PinnedPool, staging_layout, staging_nbytes, staging_pack, staging_views,
                                    to_store_dtype)
 from hstap.common import HstapError, write_run_config
-from hstap.data.prepare import load_prepared, max_token_id, prepared_columns, read_meta
+from hstap.data.prepare import prepared_columns
 from hstap.layers import parse_layers
-from hstap.model_dir import load_target, resolve_dtype, target_fingerprint
+from hstap.model_dir import load_target, resolve_dtype
 from hstap.models.target import Target
+from hstap.store.format import committed_ids_of
 from hstap.store.writer import StoreWriter
 
 ZERO_COPY_MAX_SHARD = 4 << 30  # larger shards: copy batches out of pinned memory rather than pin a whole shard
@@ -322,20 +322,24 @@ def run_capture(target: Target, layers: list[int], writer, batches: Iterable[lis
 
 def capture_hf(cfg) -> dict:
     """The embedded engine's capture (cfg: a CaptureConfig): this rank's share of the prepared set through the HF model
-    in this process into cfg.out. Prints and returns the summary (rank 0's has the totals of all ranks)."""
+    in this process into cfg.out. Prints and returns the summary (rank 0's has the totals of all ranks).
+
+    Everything is checked before the store is created or touched: the data against the target, the store to resume
+    (its header, its shards' checksums), and the target itself, loaded first when there is anything to capture (a
+    target that does not load leaves no store behind to refuse the next, correct run)."""
     t_start = time.perf_counter()
     rank, world, local_rank = D.torchrun_env()
-    meta = read_meta(cfg.data)
-    ds = load_prepared(cfg.data)
-    n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
-
-    target_block = target_fingerprint(cfg.target)
-    check_tokenizer(cfg.data, meta, target_block, max_token_id=lambda: max_token_id(ds, n))
-    check_template(cfg.data, meta, target_block, cfg.allow_template_mismatch)
+    meta, ds, n, target_block = open_inputs(cfg, rank, world, scan=True, check_store=False)
     layers = parse_layers(cfg.layers, target_block["num_layers"])
     dev = D.local_device(cfg.device, world, local_rank)
     engine = _engine_block(dev, resolve_dtype(cfg.compute_dtype, dev))
     header = store_header(target_block, engine, cfg.dtype, layers, cfg, meta)
+    committed = committed_ids_of(cfg.out) if check_out(cfg, rank, world, header) else set()
+    plan = _plan_share(cfg, ds, n, rank, world, committed)
+    t_load = time.perf_counter()
+    # nothing left (a finished resume, or a rank with no share): no need to load the weights
+    target = load_target(cfg.target, dev, engine["compute_dtype"])[0] if plan["batches"] else None
+    plan["load_s"] = time.perf_counter() - t_load
 
     dist = D.init_barrier(world)
     try:
@@ -344,7 +348,7 @@ def capture_hf(cfg) -> dict:
                          barrier=dist.barrier if dist else None) as writer:
             if rank == 0:
                 copy_vocab_map(cfg.data, cfg.out)
-            share = _capture_share(cfg, ds, n, rank, world, writer, layers, dev, engine["compute_dtype"])
+            share = _capture_share(cfg, ds, plan, rank, writer, target, layers)
         # leaving the block closed the writer: last shard committed, barrier, rank 0 merged the manifest
         counts = _total_counts(dist, share)
     finally:
@@ -373,23 +377,20 @@ def _engine_block(dev: torch.device, compute_dtype: torch.dtype) -> dict:
             "compute_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}[compute_dtype]}
 
 
-def _capture_share(cfg, ds, n: int, rank: int, world: int, writer, layers: list[int], dev: torch.device,
-                   compute_dtype: str) -> dict:
-    """Capture rows rank::world of the first n that the store lacks (and that have tokens) into `writer`; returns this
-    rank's counts and timings."""
-    committed = writer.committed_ids()
+def _plan_share(cfg, ds, n: int, rank: int, world: int, committed: set[str]) -> dict:
+    """This rank's share: rows rank::world of the first n that the store lacks (and that have tokens), in batches."""
     ids, lens = prepared_columns(ds, n)
     mine = [i for i in range(rank, n, world) if ids[i] not in committed and lens[i] > 0]
-    empty = sum(1 for i in range(rank, n, world) if lens[i] == 0)
-    skipped = sum(1 for i in range(rank, n, world) if ids[i] in committed)
-    todo_tokens = sum(lens[i] for i in mine)
-    writer.expect(todo_tokens)  # shards shrink toward the end: little is left to write after the last forward
+    return {"mine": mine, "lens": lens, "tokens": sum(lens[i] for i in mine),
+            "empty": sum(1 for i in range(rank, n, world) if lens[i] == 0),
+            "skipped": sum(1 for i in range(rank, n, world) if ids[i] in committed),
+            "batches": [[mine[j] for j in b] for b in pack_by_tokens([lens[i] for i in mine], cfg.batch_tokens)]}
 
-    batches = [[mine[j] for j in b] for b in pack_by_tokens([lens[i] for i in mine], cfg.batch_tokens)]
-    t_load = time.perf_counter()
-    # nothing left (a finished resume, or a rank with no share): no need to load the weights
-    target = load_target(cfg.target, dev, compute_dtype)[0] if batches else None
-    load_s = time.perf_counter() - t_load
+
+def _capture_share(cfg, ds, plan: dict, rank: int, writer, target: Target | None, layers: list[int]) -> dict:
+    """Capture this rank's share (`_plan_share`) into `writer`; returns this rank's counts and timings."""
+    writer.expect(plan["tokens"])  # shards shrink toward the end: little is left to write after the last forward
+    batches, mine = plan["batches"], plan["mine"]
 
     def fetch():
         for b in batches:
@@ -397,7 +398,7 @@ def _capture_share(cfg, ds, n: int, rank: int, world: int, writer, layers: list[
             yield [{"id": str(i), "input_ids": x, "loss_mask": m}
                    for i, x, m in zip(rows["id"], rows["input_ids"], rows["loss_mask"])]
 
-    bar = progress_bar(rank, todo_tokens)
+    bar = progress_bar(rank, plan["tokens"])
 
     def progress(run, batch):
         if bar is not None:
@@ -410,7 +411,7 @@ def _capture_share(cfg, ds, n: int, rank: int, world: int, writer, layers: list[
                             progress=progress)
     if bar is not None:
         bar.close()
-    return {**stats, "skipped": skipped, "empty": empty, "load_s": load_s}
+    return {**stats, "skipped": plan["skipped"], "empty": plan["empty"], "load_s": plan["load_s"]}
 
 
 def _total_counts(dist, share: dict) -> dict:

@@ -9,7 +9,8 @@ What is stored per sample (format: `hstap/store/format.py`): input_ids, loss_mas
 `--layers` (canonical ids, default [1, N//2-1, N-4]) and `final` = the final-norm output, in `--dtype`.
 
 Resumable: a sample is written once its shard commits; killing the run (even with SIGKILL) loses at most the open
-shards, and re-running the same command skips every committed sample. A store made with another target, tokenizer,
+shards, and re-running the same command skips every committed sample, once every committed shard is checked against
+its recorded size and checksum (a damaged one is refused by name: its samples are not "already captured"). A store made with another target, tokenizer,
 layer set or dtype is refused unless `--new` (which wipes it). Data prepared with another tokenizer than the target's
 is refused, and so is data rendered with another chat template than the target's (unless --allow-template-mismatch).
 The prepared set's draft vocabulary map is copied into the store (STORE/vocab_map.safetensors, its sha256 in the
@@ -21,8 +22,11 @@ and the final counts; torchrun's environment is read by hstap/dist.py). Engines,
 `hf` (embedded, capture/hf.py), `sglang` (a server with the hstap plugin and hook, capture/sglang/hook.py, driven by
 capture/sglang/driver.py), `vllm` (vLLM's own engine with hstap's connector, capture/vllm/connector.py, driven by
 capture/vllm/driver.py) and `vllm-import` (convert stock vLLM extract_hidden_states output,
-capture/vllm/importer.py). This module holds what they share: the config, the tokenizer check, the store header and
-the summary pieces.
+capture/vllm/importer.py). This module holds what they share: the config, the input checks (`open_inputs`: the data's
+tokenizer and template against the target's, `hstap.data.fits`; `check_out`: a store to resume made with this run's
+target, layers and dtype, its committed shards at their recorded sizes and checksums), the store header and the
+summary pieces. Everything is checked before the store is created or extended: a run refused on its inputs leaves
+--out as it was.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ class CaptureConfig:
     compute_dtype: str = "auto"
     """Dtype the target runs in: auto (fp32 on CPU, bf16 on CUDA), fp32 or bf16."""
     max_samples: int | None = None
-    """Capture only the first N samples of the prepared set (all by default)."""
+    """Capture only the first N >= 1 samples of the prepared set (all by default)."""
     new: bool = False
     """Wipe an existing store at --out instead of resuming it (needed when target, layers or dtype changed)."""
     shard_tokens: int = 1 << 20
@@ -102,8 +106,8 @@ class CaptureConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise HstapError(f"--{name.replace('_', '-')}: expected a positive integer, got {v!r}")
         if self.max_samples is not None and (isinstance(self.max_samples, bool) or not isinstance(self.max_samples, int)
-                                             or self.max_samples < 0):
-            raise HstapError(f"--max-samples: expected a non-negative integer, got {self.max_samples!r}")
+                                             or self.max_samples < 1):  # 0 would write an empty store and succeed
+            raise HstapError(f"--max-samples: expected a positive integer, got {self.max_samples!r}")
         if self.layers is None:
             self.layers = ""
         # Absolute paths, so that config.json replays the run from any working directory.
@@ -127,54 +131,48 @@ def capture(cfg: CaptureConfig) -> dict:
 # Pieces every engine uses (capture/hf.py, capture/sglang/driver.py, capture/vllm/importer.py)
 
 
-def open_inputs(cfg) -> tuple[dict, object, int, dict]:
+def open_inputs(cfg, rank: int = 0, world: int = 1, scan: bool = False,
+                check_store: bool = True) -> tuple[dict, object, int, dict]:
     """(prepared meta, prepared dataset, samples to capture (--max-samples), the target's header block) of a capture
-    run, after refusing data made with another tokenizer or chat template than the target's."""
-    from hstap.data.prepare import load_prepared, read_meta
+    run, after refusing data made with another tokenizer or chat template than the target's (scan: also the largest
+    token id, where the target has no tokenizer to compare) and (check_store) a damaged store to resume (`check_out`;
+    an engine that builds its header first calls it itself, with the header)."""
+    from hstap.data.fits import check_template, check_tokenizer
+    from hstap.data.prepare import load_prepared, max_token_id, read_meta
     from hstap.model_dir import target_fingerprint
 
     meta = read_meta(cfg.data)
     ds = load_prepared(cfg.data)
     n = len(ds) if cfg.max_samples is None else min(len(ds), cfg.max_samples)
     tb = target_fingerprint(cfg.target)
-    check_tokenizer(cfg.data, meta, tb)
+    check_tokenizer(cfg.data, meta, tb, max_token_id=(lambda: max_token_id(ds, n)) if scan else None)
     check_template(cfg.data, meta, tb, cfg.allow_template_mismatch)
+    if check_store:
+        check_out(cfg, rank, world)
     return meta, ds, n, tb
 
 
-def check_tokenizer(data: str, meta: dict, target_block: dict, max_token_id=None) -> None:
-    """Refuse prepared data tokenized by another tokenizer than the target's.
+def check_out(cfg, rank: int = 0, world: int = 1, header: dict | None = None) -> bool:
+    """The store a capture resumes (--out without --new), before any sample is counted as already captured: made with
+    this run's target, layers and dtype (`header`, when given: refused before anything is loaded), and every committed
+    shard present at its recorded size and hashed against its checksum (ranks split the shards). Returns whether there
+    is a store to resume."""
+    from hstap.store.format import check_resumable
+    from hstap.store.reader import open_store
 
-    With a tokenizer in the target directory the two tokenizer_sha256 must match; without one, the prepared vocabulary
-    must fit the target's embedding (vocab_size, and `max_token_id()` when given, a callable: it scans the data)."""
-    want, got = target_block.get("tokenizer_sha256"), meta.get("tokenizer_sha256")
-    meta_path = Path(data) / "meta.json"
-    if want is not None:
-        if got != want:
-            raise HstapError(f"{meta_path}:1: tokenizer_sha256: the data was prepared with the tokenizer of "
-                             f"{meta.get('tokenizer')!r} ({str(got)[:12]}), not the target's ({want[:12]}, "
-                             f"{target_block['path']}); re-run hstap prepare --tokenizer {target_block['path']}")
-        return
-    V = int(target_block["vocab_size"])
-    if int(meta.get("vocab_size", 0)) > V:
-        raise HstapError(f"{meta_path}:1: vocab_size: the data's tokenizer has {meta.get('vocab_size')} tokens, "
-                         f"more than the target's {V} embedding rows (prepared with another tokenizer?)")
-    if max_token_id is not None:
-        mx = max_token_id()
-        if mx is not None and mx >= V:
-            raise HstapError(f"{data}: token id {mx} is out of the target's vocabulary (0..{V - 1}); "
-                             "prepared with another tokenizer?")
-
-
-def check_template(data: str, meta: dict, target_block: dict, allow: bool = False) -> None:
-    """Refuse prepared data rendered with another chat template than the target's (both hashes known and different),
-    unless `allow` (--allow-template-mismatch). Data or a target without a template hash passes."""
-    want, got = target_block.get("chat_template_sha256"), meta.get("chat_template_sha256")
-    if want is None or got is None or want == got or allow:
-        return
-    raise HstapError(f"{Path(data) / 'meta.json'}:1: chat_template_sha256: the data was rendered with chat template "
-                     f"{got[:12]} ({meta.get('chat_template')}), the target's is {want[:12]} ({target_block['path']}); "
-                     f"re-run hstap prepare without --chat-template, or pass --allow-template-mismatch")
+    if cfg.new or not (Path(cfg.out) / "manifest.json").is_file():
+        return False
+    if header is not None:
+        check_resumable(cfg.out, header)
+    try:
+        st = open_store(cfg.out).check(rank, world)
+    except HstapError as e:
+        raise HstapError(f"{e}; --new captures the store again from scratch") from None
+    if rank == 0 and st["checksums"] and st["shards"]:
+        print(f"capture: checked the {st['shards']} committed shard(s) of {cfg.out} against their checksums: "
+              f"{st['gb']:.3f} GB in {st['seconds']:.1f} s" + (f" (rank 0's share of {world})" if world > 1 else ""),
+              file=sys.stderr)
+    return True
 
 
 def store_header(target_block: dict, engine: dict, dtype: str, layers: list[int], cfg,

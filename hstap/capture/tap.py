@@ -28,6 +28,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -92,7 +93,8 @@ class GeneratedStore:
                  shard_tokens: int = 1 << 20):
         import transformers
 
-        from hstap.capture.stage import store_header
+        from hstap.capture.stage import check_out, store_header
+        from hstap.store.format import committed_ids_of
         from hstap.layers import parse_layers
         from hstap.model_dir import target_fingerprint
         from hstap.store.writer import StoreWriter
@@ -108,8 +110,12 @@ class GeneratedStore:
                 "max_len": None}
         header = store_header(tb, engine, dtype, self.layers, cfg)  # no prepared set: its data block is the target's
         header.update(data=data, contents=contents_block("generated"))
-        self.writer = StoreWriter(store, header, new=new, shard_tokens=shard_tokens)
-        self.committed = self.writer.committed_ids()
+        # A store to resume is checked now (its header, its shards), and the writer made at the first answer: a run
+        # that fails before it has one (a target that does not load) leaves no store behind to refuse the next run.
+        resume = check_out(SimpleNamespace(out=store, new=new), header=header)
+        self.committed = committed_ids_of(store) if resume else set()
+        self.writer: StoreWriter | None = None
+        self._open = lambda: StoreWriter(store, header, new=new, shard_tokens=shard_tokens)
         self.samples = self.tokens = 0
 
     def add(self, sample_id: str, prompt: list[int], answer: list[int], states, then: Callable[[], object]) -> bool:
@@ -126,6 +132,8 @@ class GeneratedStore:
         ids = torch.tensor(prompt + answer[:T - P], dtype=torch.long)  # (T,)
         mask = torch.zeros(T, dtype=torch.uint8)
         mask[P:] = 1
+        if self.writer is None:
+            self.writer = self._open()
         self.writer.add(sample_id, ids, mask, aux, final)  # (T, K, H), (T, H)
         self.writer.when_written(then)
         self.committed.add(sample_id)
@@ -133,7 +141,8 @@ class GeneratedStore:
         return True
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def generate(cfg) -> dict:

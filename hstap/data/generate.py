@@ -46,7 +46,6 @@ re-tokenizing (as `prepare` does) gives the target's tokens except where the tok
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -56,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_json, run_meta
+from hstap.data.answers import Appender, check_resume, recover_output
 from hstap.data.continuous import ContinuousEngine, Dialogue, Turn
 from hstap.data.decode import EmbeddedEngine
 from hstap.data.openai_client import ChatClient, RequestRejected
@@ -161,74 +161,6 @@ class GenerateConfig:
 def turn_seed(seed: int, sample_id: str, turn: int) -> int:
     """Seed of one assistant turn: independent of batching, threads and resumes (31 bits: every server accepts it)."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{sample_id}:{turn}".encode()).digest()[:4], "little") >> 1
-
-
-# ------------------------------------------------------------------------------------------------------------ output
-
-
-def recover_output(path: str | Path) -> set[str]:
-    """Ids already in an output file, read line by line. A last line cut short by a crash (no newline at the end) is
-    dropped by truncating the file at the last newline, which is atomic and costs nothing however large the file is
-    (rewriting a copy would double the disk use); a bad line anywhere else is an error (the file was edited, or is not
-    ours)."""
-    path = Path(path)
-    if not path.exists():
-        return set()
-    ids: set[str] = set()
-    good = 0  # bytes up to the end of the last complete line
-    tail = b""
-    with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            if not line.endswith(b"\n"):
-                tail = line
-                break
-            good += len(line)
-            if not line.strip():
-                continue
-            try:
-                sid = json.loads(line)["id"]
-            except (ValueError, KeyError, TypeError):
-                raise HstapError(f"{path}:{n}: not a generate output record; fix it or pass --new") from None
-            if sid in ids:
-                raise HstapError(f"{path}:{n}: id {sid!r} appears twice; fix it or pass --new")
-            ids.add(sid)
-    if tail:
-        print(f"hstap generate: {path}: dropping a truncated last line ({len(tail)} bytes) left by an interrupted run",
-              file=sys.stderr)
-        with open(path, "r+b") as f:
-            f.truncate(good)
-            f.flush()
-            os.fsync(f.fileno())
-    return ids
-
-
-class _Appender:
-    """Appends one JSON line per record and fsyncs it, so a crash loses at most the record being written."""
-
-    def __init__(self, path: Path):
-        self.f = open(path, "ab")
-
-    def write(self, sample_id: str, messages: list[dict]) -> None:
-        self.f.write((json.dumps({"id": sample_id, "conversations": messages}, ensure_ascii=False) + "\n").encode())
-        self.f.flush()
-        os.fsync(self.f.fileno())
-
-    def close(self) -> None:
-        self.f.close()
-
-
-def _check_resume(cfg: GenerateConfig, out: Path, cfg_path: Path) -> None:
-    if not cfg_path.exists() or not out.exists() or out.stat().st_size == 0:
-        return
-    try:
-        old = json.loads(cfg_path.read_text()).get("config", {})
-    except ValueError:
-        return  # unreadable old config: nothing to compare against; it is rewritten below
-    diff = [k for k in _RESUME_KEYS if k in old and old[k] != getattr(cfg, k)]
-    if diff:
-        was = ", ".join(f"{k}={old[k]!r}" for k in diff)
-        raise HstapError(f"{out}: existing output was generated with {was}; use the same settings to resume, "
-                         f"or pass --new to start over")
 
 
 def _todo(cfg: GenerateConfig, done: set[str], stats: dict) -> Iterator[tuple[str, list[dict]]]:
@@ -460,19 +392,22 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     out = Path(cfg.out)
     if out.is_dir():
         raise HstapError(f"generate: out: {out} is a directory; give a .jsonl file path")
-    out.parent.mkdir(parents=True, exist_ok=True)
     cfg_path = out.with_name(out.name + ".config.json")
     if cfg.new and out.exists():
         out.unlink()
-    _check_resume(cfg, out, cfg_path)
+    check_resume(cfg, _RESUME_KEYS, out, cfg_path)
     done = recover_output(out)
-    atomic_write_json(cfg_path, run_meta(STAGE, cfg))
     stats = {"conversations": 0, "already_done": 0, "duplicates": 0, "skipped": 0, "no_assistant": 0,
              "assistant_turns": 0, "truncated_turns": 0, "dropped_turns": 0, "generated_tokens": 0,
              "gen_seconds": 0.0}
     if cfg.target is not None:  # a server's prefill is its own (its prefix cache)
         stats.update(prompt_tokens=0, prefilled_tokens=0)
-    writer = _Appender(out)
+
+    def on_open() -> None:  # at the first record: a run that fails before leaves nothing behind
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cfg_path, run_meta(STAGE, cfg))
+
+    writer = Appender(out, on_open)
     last_print = [time.perf_counter()]
 
     def emit(sid: str, msgs: list[dict], no_assistant: bool, tapped: tuple | None = None) -> None:

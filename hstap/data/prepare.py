@@ -203,6 +203,8 @@ def read_meta(path: str | os.PathLike) -> dict:
     p = Path(path)
     if p.is_dir():
         p = p / "meta.json"
+    elif p.is_file() and p.name != "meta.json":  # e.g. the conversations file itself
+        raise HstapError(f"{p}: a file, not a prepared dataset directory; run hstap prepare --data {p} first")
     try:
         meta = json.loads(p.read_text())
     except FileNotFoundError:

@@ -171,6 +171,32 @@ def export_readme(to: str, aux: list[int], conf: dict) -> str:
 # reading an export back (round trips; evaluating SGLang/vLLM-format drafters with hstap eval)
 
 
+def read_export(path: str | Path) -> tuple[dict, dict, list[int], str, dict]:
+    """(config.json, its Llama layer fields, the canonical aux layers, the target's model type, hstap_export.json or
+    {}) of an SGLang or speculators export directory: what the engine reads, without its weights. The aux layers come
+    from hstap_export.json when present, else from the config's ids (SGLang: `from_sglang`; vLLM: `from_vllm`)."""
+    p = Path(path)
+    cpath = p / "config.json"
+    try:
+        conf = json.loads(cpath.read_text())
+        info = json.loads((p / "hstap_export.json").read_text()) if (p / "hstap_export.json").is_file() else {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise HstapError(f"{cpath}: cannot read: {e}") from None
+    mtype = info.get("target_model_type", "llama")
+    if conf.get("speculators_model_type") == "eagle3":
+        layer = dict(conf["transformer_layer_config"])
+        layer.update(draft_vocab_size=conf["draft_vocab_size"], target_hidden_size=conf.get("target_hidden_size"))
+        ids = conf.get("eagle_aux_hidden_state_layer_ids") or []
+        aux = info["aux_layers"] if "aux_layers" in info else from_vllm(ids)
+    elif "LlamaForCausalLMEagle3" in (conf.get("architectures") or []):
+        layer = conf
+        ids = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
+        aux = info.get("aux_layers", from_sglang(ids, mtype) if ids else [])
+    else:
+        raise HstapError(f"{cpath}: neither an SGLang (LlamaForCausalLMEagle3) nor a speculators eagle3 config")
+    return conf, layer, [int(i) for i in aux], mtype, info
+
+
 def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, device="cpu",
                   dtype=torch.float32) -> tuple[Eagle3Drafter, dict]:
     """Load an exported directory (sglang, vllm or hf) as an Eagle3Drafter; returns (drafter in eval mode, config.json).
@@ -181,25 +207,8 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
     p = Path(path)
     if (p / "drafter.safetensors").is_file():
         return load_drafter(p, device=device, dtype=dtype)
-    cpath, wpath = p / "config.json", p / "model.safetensors"
-    try:
-        conf = json.loads(cpath.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HstapError(f"{cpath}: cannot read: {e}") from None
-    info = json.loads((p / "hstap_export.json").read_text()) if (p / "hstap_export.json").is_file() else {}
-    if conf.get("speculators_model_type") == "eagle3":
-        layer = dict(conf["transformer_layer_config"])
-        layer.update(draft_vocab_size=conf["draft_vocab_size"], target_hidden_size=conf.get("target_hidden_size"))
-        ids = conf.get("eagle_aux_hidden_state_layer_ids") or []
-        mtype = info.get("target_model_type", "llama")
-        aux = info["aux_layers"] if "aux_layers" in info else from_vllm(ids)
-    elif "LlamaForCausalLMEagle3" in (conf.get("architectures") or []):
-        layer = conf
-        mtype = info.get("target_model_type", "llama")
-        ids = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
-        aux = info.get("aux_layers", from_sglang(ids, mtype) if ids else [])
-    else:
-        raise HstapError(f"{cpath}: neither an SGLang (LlamaForCausalLMEagle3) nor a speculators eagle3 config")
+    wpath = p / "model.safetensors"
+    conf, layer, aux, mtype, _ = read_export(p)
     try:
         with safe_open(str(wpath), framework="pt") as f:
             state = {k: f.get_tensor(k) for k in f.keys()}

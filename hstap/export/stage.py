@@ -28,6 +28,7 @@ from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsyn
 from hstap.export.drafter_dir import DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, validate_checkpoint
 from hstap.export.engines import (ENGINES, HF_DTYPE, VLLM_NUM_AUX, engine_state, export_readme, llama_fields,
                                   sglang_config, vllm_config)
+from hstap.export.fit import check_drafter_target
 from hstap.models.drafter import DrafterConfig
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -77,10 +78,9 @@ def _target_info(cfg: ExportConfig, dcfg: DrafterConfig, meta: dict) -> tuple[st
         raise HstapError(f"{cpath}: cannot read: {e}") from None
     if cfg.target is not None:
         tc_text = tc.get("text_config", tc) if isinstance(tc.get("text_config"), dict) else tc
-        for key, mine in (("vocab_size", dcfg.vocab_size), ("hidden_size", dcfg.target_hidden_size)):
-            if key in tc_text and int(tc_text[key]) != mine:
-                raise HstapError(f"{cpath}: {key} {tc_text[key]} != the drafter's {mine}: not the target it was "
-                                 "trained for")
+        check_drafter_target(resolve_drafter_dir(cfg.run), {"path": str(path), "vocab_size": tc_text.get("vocab_size"),
+                                                            "hidden_size": tc_text.get("hidden_size"),
+                                                            "num_layers": tc_text.get("num_hidden_layers")})
     return str(path), list(tc.get("architectures") or [])
 
 

@@ -29,7 +29,8 @@ within --tie-tol of the top at the diverging position: a near-tie that low-preci
 Output (REPORT/): report.json (top-level tau, per_position_acceptance, timings, speedup, lossless, simulated_tau,
 methods, speedup_notes, prompts [{id, prompt_ids, output_ids}]), report.md (what tau and speedup mean, and why a
 speedup is not representative: a CPU, a target under TINY_TARGET parameters), acceptance.png (per-position acceptance),
-config.json. The console gets a table of the methods.
+config.json. The console gets a table of the methods. Before anything loads, `hstap.speculative.inputs` checks that the
+inputs belong together (the drafter and the prompts against the target; an --out holding a report needs --overwrite).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from hstap.console import Progress
 from hstap.plots import acceptance_plot
 from hstap.speculative.drivers import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
 from hstap.speculative.fast import FUSED, FastDecoder
+from hstap.speculative.inputs import check_inputs
 from hstap.speculative.latency import latency_model, round_model
 from hstap.speculative.report import PLOT, markdown, print_summary, speedup_notes
 from hstap.speculative.vllm import agreement, run_vllm, vllm_drafter_dir
@@ -95,6 +97,8 @@ class EvalConfig:
     speculative decoding on the same prompts, with vLLM's counters (hstap.speculative.vllm; chain mode)."""
     kernels: str = field(default="standard", metadata={"choices": ["standard", "fused"]})
     """Fast engine: standard (the model's layers, SDPA) or fused (fastdecode.FUSED: faster steps, long compiles)."""
+    overwrite: bool = False
+    """Replace the report in an --out that holds one (refused otherwise)."""
 
     def __post_init__(self):
         for name, lo in (("k", 1), ("topk", 1), ("depth", 1), ("tokens", 2), ("max_new_tokens", 1)):
@@ -321,6 +325,7 @@ def check_lossless(target, prompts, ref: list[list[int]], outs: list[list[int]],
 def evaluate(cfg: EvalConfig) -> dict:
     from hstap.model_dir import load_target
 
+    check_inputs(cfg)  # the inputs belong together, before anything loads or decodes
     target, tok = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
     dev = target.device
     drafter, meta = load_any_drafter(cfg.drafter, target) if cfg.drafter is not None else (None, None)

@@ -101,7 +101,9 @@ shards of a killed run are visible before any merge. Sample order is shard order
 entries claim one sample id (the protocol never does that), the later entry is ignored and reported by
 `merge_manifest` and `Store.verify()`. Shards are read memory-mapped through the safetensors library. ENOSPC or any
 other OSError while writing a shard removes the temp file and leaves every committed shard intact. Consumed shards
-are gone for a reader: `open_store` drops their entries (so `verify()` checks what remains).
+are gone for a reader: `open_store` drops their entries (so `verify()` checks what remains). A reader opens a shard
+only at the size its entry records (`bytes`); `Store.check`, which train and capture's resume run before they read or
+extend a store, also hashes every shard against its entry's `sha256`.
 
 Writers and the end of writing (`writing_state`; what `hstap train --follow` waits on):
  - The store's ranks are 0..max(W, 1 + the highest rank with a part file) - 1, W = manifest `writers`.
@@ -201,6 +203,23 @@ def header_diff(old: dict, new: dict) -> tuple[str, object, object] | None:
         if a != b:
             return name, a, b
     return None
+
+
+def refuse_other_header(path: Path, manifest: dict, header: dict) -> None:
+    """HstapError naming the first of `CHECKED_FIELDS` in which the store at `path` (its manifest) differs from the
+    header of a run that would extend it."""
+    diff = header_diff(manifest, header)
+    if diff:
+        name, old, now = diff
+        raise HstapError(f"{path / 'manifest.json'}:1: {name}: the store was made with {old!r}, this run has "
+                         f"{now!r}; pass new=True (--new) to replace it, or write to another directory")
+
+
+def check_resumable(path: str | os.PathLike, header: dict) -> None:
+    """Before a run loads anything to extend the existing store at `path`: its header must be this run's (what
+    `StoreWriter` refuses later, said before the run spends any time)."""
+    p = Path(path)
+    refuse_other_header(p, load_manifest(p), check_header(header))
 
 
 def check_header(header: dict) -> dict:

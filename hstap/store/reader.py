@@ -1,11 +1,19 @@
-"""The store's reader: `Store`, the samples of a store as a map-style Dataset read memory-mapped (plus `verify` and
-`token_counts`), and `open_store`. The format, and the manifest union the reader sees, are `hstap.store.format`'s."""
+"""The store's reader: `Store`, the samples of a store as a map-style Dataset read memory-mapped (plus `check`,
+`verify` and `token_counts`), and `open_store`. The format, and the manifest union the reader sees, are
+`hstap.store.format`'s.
+
+`Store.check` is what a stage runs before it reads or extends a store (train, capture's resume): every committed shard
+present at the size its entry records, and each hashed once against its recorded checksum, so that a truncated or
+corrupt shard stops the run with one line naming the file before anything is trained or reported as captured.
+Hashing is a full read of the store: `file_checksum` runs its 16 MiB chunks on parallel threads, and ranks split the
+shards between them (benchmarks/RESULTS.md has its cost next to training's)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -19,6 +27,32 @@ from hstap.store.format import (DTYPES, FORMAT, ST_NAMES, TORCH_DTYPES, dequanti
                                 load_parts, union_entries)
 
 _MAX_OPEN_SHARDS = 256  # shards a Store keeps open (LRU, `Store._tensors`)
+
+CHECK_CHECKSUMS = True
+"""Whether `Store.check` hashes the shards (off: presence and sizes only). Only for measuring what the hashing costs:
+benchmarks/bench_train.py --store-checks turns it off for its comparison pass."""
+
+
+def check_shard(store: Path, entry: dict, checksum: bool | None = None) -> None:
+    """One committed shard against its entry: the file present, at its recorded size, and (checksum; default
+    `CHECK_CHECKSUMS`) with its recorded sha256; else HstapError naming the file."""
+    checksum = CHECK_CHECKSUMS if checksum is None else checksum
+    f = store / entry["file"]
+    hint = f"the store is damaged (`hstap verify --store {store}` lists every problem)"
+    try:
+        size = f.stat().st_size
+    except FileNotFoundError:
+        raise HstapError(f"{f}: shard file is missing; {hint}") from None
+    if size != entry.get("bytes"):
+        raise HstapError(f"{f}: {size} bytes, its manifest entry records {entry.get('bytes')} (truncated or "
+                         f"replaced); {hint}")
+    try:
+        same = not checksum or file_checksum(f) == entry["sha256"]
+    except FileNotFoundError:
+        raise HstapError(f"{f}: shard file is missing; {hint}") from None
+    if not same:
+        raise HstapError(f"{f}: sha256 differs from the one recorded when it was committed (the file changed or is "
+                         f"corrupt); {hint}")
 
 
 class Store(torch.utils.data.Dataset):
@@ -60,10 +94,9 @@ class Store(torch.utils.data.Dataset):
             self._handles, self._pid = OrderedDict(), os.getpid()
         sl = self._handles.get(si)
         if sl is None:
-            f = self.path / self.manifest["shards"][si]["file"]
-            if not f.is_file():
-                raise HstapError(f"{f}: shard file is missing (run Store.verify())")
-            h = safe_open(str(f), framework="pt")
+            e = self.manifest["shards"][si]
+            check_shard(self.path, e, checksum=False)  # missing or truncated: one line, not safetensors' error
+            h = safe_open(str(self.path / e["file"]), framework="pt")
             sl = self._handles[si] = {name: h.get_tensor(name) for name in h.keys()}
             if len(self._handles) > _MAX_OPEN_SHARDS:
                 self._handles.popitem(last=False)
@@ -96,12 +129,36 @@ class Store(torch.utils.data.Dataset):
         V = vocab_size
         freq = np.zeros(V, dtype=np.int64)  # (V,)
         for e in self.manifest["shards"]:
+            check_shard(self.path, e, checksum=False)  # a truncated file: one line, not safetensors' error
             with safe_open(str(self.path / e["file"]), framework="pt") as h:
                 ids, lm = h.get_tensor("input_ids").long(), h.get_tensor("loss_mask").bool()  # (T,), (T,)
             if ids.numel() and int(ids.max()) >= V:
                 raise HstapError(f"{self.path / e['file']}: token id {int(ids.max())} >= the target's vocab size {V}")
             freq += np.bincount(ids[lm].numpy(), minlength=V)
         return freq
+
+    def check(self, rank: int = 0, world: int = 1, checksums: bool | None = None) -> dict:
+        """Every committed shard present at its recorded size (all of them, on every rank: a stat each) and, with
+        checksums (default `CHECK_CHECKSUMS`), shards rank::world hashed against their recorded sha256; HstapError
+        naming the first bad file. Returns {"shards", "gb" (this rank hashed), "seconds", "checksums"}."""
+        checksums = CHECK_CHECKSUMS if checksums is None else checksums
+        entries = self.manifest["shards"]
+
+        def one(e: dict, checksum: bool) -> int:
+            try:
+                check_shard(self.path, e, checksum)
+            except HstapError:
+                if is_consumed(e, read_consumer(self.path, self.manifest)):
+                    return 0  # a following trainer consumed it (and deleted its file) since the store was opened
+                raise
+            return int(e["bytes"]) if checksum else 0
+
+        for e in entries:
+            one(e, False)
+        t0 = time.perf_counter()
+        nbytes = sum(one(e, True) for e in entries[rank::world]) if checksums else 0
+        return {"shards": len(entries), "gb": nbytes / 1e9, "seconds": time.perf_counter() - t0,
+                "checksums": checksums}
 
     def verify(self, chunk_bytes: int = 1 << 28) -> list[str]:
         """Check everything; returns the problems found (empty = OK). Reads every shard once (sha256) plus a scan."""

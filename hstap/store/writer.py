@@ -26,7 +26,8 @@ from hstap.common import HstapError, fsync_dir
 from hstap.store.consumer import RECORD, wait_for_room
 from hstap.store.format import (CHECKSUM, CHUNK_BYTES, FORMAT, PART_FORMAT, SHARD_RE, ST_NAMES, TEMP_RE, TORCH_DTYPES,
                                 VERSION, check_header, combine_digests, header_diff, io_pool, load_manifest, load_parts,
-                                merge_manifest, quantize_fp8, store_bytes_per_token, union_entries, write_json)
+                                merge_manifest, quantize_fp8, refuse_other_header, store_bytes_per_token, union_entries,
+                                write_json)
 
 _NEW_SLACK_S = 60.0  # see StoreWriter._wait_for_rank0
 log = logging.getLogger("hstap.store")
@@ -208,11 +209,7 @@ class StoreWriter:
         elif rank > 0:
             self._wait_for_rank0(started, wait_s)
         manifest = load_manifest(self.path)
-        diff = header_diff(manifest, self.header)
-        if diff:
-            name, old, now = diff
-            raise HstapError(f"{self.path / 'manifest.json'}:1: {name}: the store was made with {old!r}, this run has "
-                             f"{now!r}; pass new=True (--new) to replace it, or write to another directory")
+        refuse_other_header(self.path, manifest, self.header)
         self.shards_dir, self.parts_dir = self.path / "shards", self.path / "parts"
         self.part_path = self.parts_dir / f"rank{rank:03d}.json"
         parts = load_parts(self.path)

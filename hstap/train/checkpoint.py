@@ -110,13 +110,35 @@ def read_state(ckpt: Path, config: dict) -> dict:
     return state
 
 
+def check_vocab_map(ckpt: Path, d2t: torch.Tensor, t2d: torch.Tensor, src: str) -> None:
+    """The draft vocabulary map a resume resolved (d2t (Vd,), t2d (V,), from `src`) must be the one ckpt was trained
+    with: its lm_head rows are those ids. Compared by `vocab_map_sha256`, before anything of the run is written."""
+    from safetensors import safe_open
+
+    from hstap.export.drafter_dir import vocab_map_sha256
+
+    f = ckpt / "drafter.safetensors"
+    with safe_open(str(f), framework="pt") as h:
+        old_d2t, old_t2d = h.get_tensor("d2t"), h.get_tensor("t2d")
+    old, new = vocab_map_sha256(old_d2t, old_t2d), vocab_map_sha256(d2t, t2d)
+    if old == new:
+        return
+    try:
+        meta = json.loads((ckpt / "drafter.json").read_text())
+        was = meta.get("vocab_map_source") or (meta.get("store") or {}).get("path")
+    except (OSError, ValueError, AttributeError):
+        was = None
+    raise HstapError(f"{f}: d2t/t2d: the run was trained on a draft vocabulary map of {old_d2t.numel()} ids (sha256 "
+                     f"{old[:12]}{f', from {was}' if was else ''}), this resume resolves another one of {d2t.numel()} "
+                     f"ids (sha256 {new[:12]}, from {src}); resume with the run's own --store, --vocab-map and "
+                     f"--draft-vocab")
+
+
 def load_weights(ckpt: Path, drafter: Eagle3Drafter) -> None:
     """ckpt's weights into the unwrapped drafter, which already holds this run's vocab map (it must be the one the
     checkpoint was trained with)."""
+    check_vocab_map(ckpt, drafter.d2t, drafter.t2d, "this run")
     weights = load_file(str(ckpt / "drafter.safetensors"))
-    if any(n in weights and not torch.equal(weights[n].cpu(), getattr(drafter, n).cpu()) for n in ("d2t", "t2d")):
-        raise HstapError(f"{ckpt}/drafter.safetensors: its draft vocabulary ({weights['d2t'].numel()} ids) is not this "
-                         f"run's ({drafter.d2t.numel()} ids); resume with the run's --draft-vocab / --vocab-map")
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     if [k for k in missing if not k.startswith("rotary.")] or unexpected:
         raise HstapError(f"{ckpt}/drafter.safetensors: does not fit this drafter ({missing} / {unexpected})")

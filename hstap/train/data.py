@@ -115,6 +115,10 @@ def build_data(cfg, store, layers: list[int], sel: list[int] | None, vocab: tupl
         tr = [i for i, s in enumerate(ids_all) if not is_eval(s, cfg.eval_frac)]
         ev = [i for i, s in enumerate(ids_all) if is_eval(s, cfg.eval_frac)]
         e_len = [lengths_all[i] for i in ev]
+    if not tr and not cfg.follow:  # before RUN is written (a followed store fills as it trains)
+        src_path = cfg.data if cfg.online else cfg.store
+        raise HstapError(f"train: the training split is empty: {len(ids_all)} sample(s) in {src_path}"
+                         + (f", all held out by --eval-frac {cfg.eval_frac}" if ids_all else ""))
     return TrainData(layers=layers, sel=sel, d2t=d2t, t2d=t2d, meta=meta, target=target,
                      train_rows=Rows(src, tr, prepared=cfg.online), train_lengths=[lengths_all[i] for i in tr],
                      eval_rows=Rows(esrc, ev, prepared=cfg.online),

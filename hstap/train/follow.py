@@ -31,6 +31,8 @@ and resumed run reproduces an uninterrupted one (bitwise on CPU fp32):
   checkpoint. A normal end releases the window (`active: false`); after a crash or kill -9 the writers wait for the
   --resume.
   Without --consume nothing is deleted and writers never wait.
+- Checksums: every rank hashes each shard it reads once, at the first slot that reads it, against the checksum its
+  entry records (`hstap.store.reader.check_shard`): a damaged shard stops the run with its name before a step uses it.
 - Exactly once: a checkpoint records the stream position (the shards taken, the slot, the micro-batches done in it);
   --resume continues from it and completes an interrupted consumption. RUN/follow.jsonl has one line per step with the
   ids of the samples it trained on (all ranks; "replay": the replay draws); a resume truncates it like metrics.jsonl.
@@ -61,7 +63,7 @@ from hstap.batching import collate, pack_by_tokens
 from hstap.common import HstapError
 from hstap.store.consumer import delete_consumed, is_consumed, own_shard_files, read_consumer, write_consumer
 from hstap.store.format import load_manifest, load_parts, union_entries, writing_state
-from hstap.store.reader import Store
+from hstap.store.reader import Store, check_shard
 from hstap.train import checkpoint
 
 POLL_S = 0.1  # seconds between polls of the store while the stream waits
@@ -220,6 +222,7 @@ class FollowBatches:
         self.final: int | None = None  # shards in the stream once it ended
         self.slot, self.plan, self.done, self.uses = -1, [], 0, 0  # slot, its micro-batches, those done, sample uses
         self.consumed_units, self.available, self.taken_samples, self._it = 0, 0, 0, iter(())
+        self.checked: set[str] = set()  # shard files hashed against their checksums by this process
         rec = read_consumer(self.path, self.manifest)
         if not self.consume and rec is not None and any(rec["consumed"].values()):
             raise HstapError(f"{self.path / 'consumer.json'}:1: consumed: {rec['run']} consumed shards of this store "
@@ -346,11 +349,17 @@ class FollowBatches:
             if self.consume and u < self.consumed_units:
                 raise HstapError(f"{self.path}: shard {self._entry(u)['file']} is consumed but slot {t} needs it "
                                  f"(resumed from a checkpoint older than the store's consumption?)")
+        todo = self.plan[self.rank::self.world][done // self.world:]  # this rank's micro-batches still to train
+        for u in sorted({u for mb in todo for u, _, _ in mb}):  # hashed once, at the first slot that reads it
+            e = self._entry(u)
+            if e["file"] not in self.checked:
+                check_shard(self.path, e)
+                self.checked.add(e["file"])
         base, n = {}, 0
         for u in units:
             base[u], n = n, n + len(self._lengths(u))
         view = Store(self.path, self.header | {"shards": []}, [self._entry(u) for u in units], [])
-        mine = [[base[u] + j for u, j, _ in mb] for mb in self.plan[self.rank::self.world]][done // self.world:]
+        mine = [[base[u] + j for u, j, _ in mb] for mb in todo]
         self._it = iter(torch.utils.data.DataLoader(view, batch_sampler=mine, collate_fn=collate,
                                                     num_workers=self.workers, pin_memory=self.pin))
 

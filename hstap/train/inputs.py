@@ -2,12 +2,17 @@
 
 `resolve` goes through the inputs of `hstap train` in one order, each read once: the run directory (a trained run is
 never overwritten; with --resume, its newest complete checkpoint and that checkpoint's trainer state, checked against
-this run's settings), the target (its HF config, embedding and lm_head), the draft vocabulary (`resolve_vocab`: an
-explicit map, the prepared set's, the store's copy of it, or the store's token counts), the source of the states
-(the store opened once, checked against the target by `preflight`; or the live target with --online; with --follow,
-the store claimed and waited for once the vocabulary is fixed), the aux layers and the samples' split; the cheap
-checks come before the pre-flight recompute, which loads the target. What it returns
-(`RunInputs`) is all that `hstap.train.stage` builds the drafter, the trainer and the batches from.
+this run's settings), the target (its HF config, embedding and lm_head; a --data prepared set must be tokenized by its
+tokenizer, `hstap.data.fits`), the source of the states (the store opened
+once: every shard present at its recorded size, and at least one sample; or the live target with --online; with
+--follow, the store claimed and waited for once the vocabulary is fixed), the aux layers, the draft vocabulary
+(`resolve_vocab`: an explicit map, the prepared set's, the store's copy of it, or the store's token counts; a
+--resume's must be the one its checkpoint was trained with, `checkpoint.check_vocab_map`), the pre-flight recompute
+against the target (`preflight`), the samples' split (a training split that is not empty), and last, the costliest, every
+shard hashed against its recorded checksum (`check_checksums`; --follow: each shard at the first slot that reads it,
+`hstap.train.follow`). The cheap checks come first. What it returns (`RunInputs`) is all that `hstap.train.stage`
+builds the drafter, the trainer and the batches from; RUN is written only after all of it, and after a --resume's
+checkpoint is loaded into them.
 
 `cfg` below is the stage's `hstap.train.stage.TrainConfig`; `resolve` fills its `ce_chunk` and `draft_vocab` (0 =
 auto) with the values used, so that RUN/config.json records them.
@@ -55,6 +60,11 @@ def resolve(cfg, rank: int, world: int, dev: torch.device, bf16: bool) -> RunInp
         raise HstapError(f"{run}: has checkpoints already; pass --resume to continue or choose another --out")
     ckpt = done[-1] if cfg.resume and done else None
     hf_cfg = load_config(cfg.target)
+    if cfg.data:  # --online's samples, or the vocab map's source: tokenized as the target tokenizes
+        from hstap.data.fits import check_tokenizer
+        from hstap.data.prepare import read_meta
+        from hstap.model_dir import target_fingerprint
+        check_tokenizer(cfg.data, read_meta(cfg.data), target_fingerprint(cfg.target))
     V = int(hf_cfg.vocab_size)
     cfg.ce_chunk = cfg.ce_chunk or auto_ce_chunk(V)
     vocab = None
@@ -66,11 +76,20 @@ def resolve(cfg, rank: int, world: int, dev: torch.device, bf16: bool) -> RunInp
     if not cfg.online:
         from hstap.store.reader import open_store
         store = open_store(cfg.store)
-    layers, sel = source_layers(cfg, hf_cfg, store)  # the cheap checks first
+        if not cfg.follow:  # a followed store may still be empty, and its shards are checked as the stream takes them
+            store.check(checksums=False)  # the cheap checks first: every shard there, at its recorded size
+            if not len(store):
+                raise HstapError(f"{cfg.store}: the store holds no sample (nothing was captured into it); capture "
+                                 f"into it first")
+    layers, sel = source_layers(cfg, hf_cfg, store)
     vocab = vocab or resolve_vocab(cfg, store, V)
+    if ckpt is not None:
+        checkpoint.check_vocab_map(ckpt, vocab[0], vocab[1], vocab[2])
     if store is not None:
         preflight(cfg, store, rank, dev)
     data = build_data(cfg, store, layers, sel, vocab, rank, world, dev, bf16)
+    if store is not None and not cfg.follow:
+        check_checksums(cfg, [store] + ([data.eval_rows.src] if cfg.eval_store else []), rank, world)
     cfg.draft_vocab = int(data.d2t.numel())
     embed, head = target_head(cfg.target)
     run_config = {"world_size": world, **vars(cfg)}
@@ -137,3 +156,26 @@ def preflight(cfg, store, rank: int, dev: torch.device) -> None:
             torch.cuda.empty_cache()
     if not D.agree(err is None):
         raise err or HstapError(f"{cfg.store}: rank 0's pre-flight check failed (see its output)")
+
+
+def check_checksums(cfg, stores: list, rank: int, world: int) -> None:
+    """Every shard the run reads hashed once against its recorded checksum before the first step (`Store.check`; the
+    ranks split the shards): a shuffled epoch touches every shard within its first steps, so its first read is now. A
+    damaged shard on any rank stops every rank, with its file named by the rank that found it."""
+    from hstap.store import reader
+
+    err, done = None, []
+    if reader.CHECK_CHECKSUMS:  # a full read of the store: say so before it starts
+        gb = sum(int(e["bytes"]) for s in stores for e in s.manifest["shards"]) / 1e9
+        D.print0(f"hstap train: checking the store's shards against their checksums ({gb:.3f} GB"
+                 + (f", split over {world} ranks)" if world > 1 else ")"))
+    try:
+        done = [s.check(rank, world) for s in stores]
+    except HstapError as e:
+        err = e
+    if not D.agree(err is None):
+        raise err or HstapError(f"{cfg.store}: another rank found a damaged shard (see its output)")
+    if done and done[0]["checksums"]:
+        shards, gb, sec = sum(d["shards"] for d in done), sum(d["gb"] for d in done), sum(d["seconds"] for d in done)
+        D.print0(f"hstap train: {shards} shard(s) intact: rank 0 hashed {gb:.3f} GB in {sec:.1f} s"
+                 + (f" ({gb / sec:.2f} GB/s)" if sec > 0 else ""))

@@ -60,9 +60,10 @@ RUN/follow.jsonl are specified in `hstap.train.follow`'s docstring; the store si
 consumer.json, the writers' back-pressure) in hstap/store/format.py. Without --steps the learning rate is constant.
 
 Layout: this module holds the stage's config, its entry and the loop; `hstap.train.inputs` resolves what a run needs
-(run directory and resume point, target head, vocab map, store and its pre-flight check, layers) once, before
-anything is written; `hstap.train.data` the sources, layers, split and batches; `hstap.train.trainer` the drafter's init, wrapping, optimizer, schedule, step and evaluation;
-`hstap.train.checkpoint` the checkpoint files.
+(run directory and resume point, target head, vocab map, store and its checks: sizes, pre-flight, checksums; layers)
+once, before anything is written (a refused run, or a --resume whose checkpoint does not fit, leaves RUN as it was);
+`hstap.train.data` the sources, layers, split and batches; `hstap.train.trainer` the drafter's init, wrapping,
+optimizer, schedule, step and evaluation; `hstap.train.checkpoint` the checkpoint files.
 """
 
 from __future__ import annotations
@@ -349,9 +350,11 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     feed = Feed(data, inp.head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt,
                 pad_to=16 if cuda else 1)  # CUDA: T in steps of 16 bounds the TTT masks and compiled shapes
     del inp  # the target's embedding and head: the drafter and the feed hold what they need
-    _open_run(cfg, run, rank)
+    if ckpt and "follow" in state and not cfg.follow:
+        raise HstapError(f"{ckpt}/trainer_state.json: a --follow run; resume it with --follow")
 
-    # A resume loads the weights before wrapping and the optimizer and RNG after.
+    # A resume loads the weights before wrapping and the optimizer and RNG after; both before RUN is written, so a
+    # checkpoint that does not fit leaves the run as it was.
     if ckpt:
         checkpoint.load_weights(ckpt, drafter)
     drafter.to(dev)
@@ -359,10 +362,9 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     # best_sim_tau of a run saved before tau included the bonus token (no "tau_definition") is not comparable
     best = state.get("best_sim_tau", -1.0) if state.get("tau_definition") == TAU_DEFINITION else -1.0
     st = TrainState(step=state.get("step", 0), best=best, tokens_seen=state.get("tokens_seen", 0))
-    if ckpt and "follow" in state and not cfg.follow:
-        raise HstapError(f"{ckpt}/trainer_state.json: a --follow run; resume it with --follow")
     if ckpt:
         trainer.load_rest(ckpt, state, rank)
+    _open_run(cfg, run, rank)
     if rank == 0 and (ckpt or cfg.follow):  # follow: also a restart before the first checkpoint starts clean
         checkpoint.truncate_metrics(run / "metrics.jsonl", st.step)
         if cfg.follow:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -14,8 +17,9 @@ from _capture_fixtures import assert_same_store, make_prepared, store_samples
 
 from hstap.batching import pack_by_tokens
 from hstap.capture.hf import CaptureRunner, capture_batch, forward_packed
-from hstap.capture.stage import CaptureConfig, capture, check_tokenizer
+from hstap.capture.stage import CaptureConfig, capture
 from hstap.common import HstapError
+from hstap.data.fits import check_tokenizer
 from hstap.model_dir import load_target, target_fingerprint
 from hstap.store.format import store_bytes_per_token
 from hstap.store.reader import open_store
@@ -222,7 +226,104 @@ def test_config_validation():
     ok = dict(target="t", data="d", out="o")
     for bad, match in ((dict(dtype="fp16"), "--dtype"), (dict(engine="trt"), "--engine"),
                        (dict(device="tpu"), "--device"), (dict(batch_tokens=0), "--batch-tokens"),
-                       (dict(compute_dtype="fp8"), "--compute-dtype"), (dict(max_samples=-1), "--max-samples")):
+                       (dict(compute_dtype="fp8"), "--compute-dtype"), (dict(max_samples=0), "--max-samples")):
         with pytest.raises(HstapError, match=match):
             CaptureConfig(**ok, **bad)
     assert CaptureConfig(**ok, device="cuda:1").device == "cuda:1"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bad inputs (issue 40): one error line naming the file / field / flag, exit 2, nothing written or rewritten
+
+
+@pytest.fixture(scope="module")
+def resumable(tiny_llama, prepared, tmp_path_factory):
+    """A store of the first 8 samples in several shards: a capture to resume."""
+    out = tmp_path_factory.mktemp("cap-bad") / "store"
+    _capture(tiny_llama, prepared, out, layers=LAYERS, dtype="fp32", max_samples=8, shard_tokens=60)
+    assert len(open_store(out).manifest["shards"]) >= 3
+    return out
+
+
+def _copy_target(src, dst, drop=()):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*drop))
+    return dst
+
+
+def _truncated(store):
+    f = store / open_store(store).manifest["shards"][1]["file"]
+    os.truncate(f, f.stat().st_size // 2)
+    return f.name, "bytes, its manifest entry records"
+
+
+def _flipped(store):
+    f = store / open_store(store).manifest["shards"][1]["file"]
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0x40  # one bit in the states: the size and the safetensors header still look right
+    f.write_bytes(bytes(b))
+    return f.name, "sha256 differs from the one recorded"
+
+
+def _no_template(t):
+    (t / "chat_template.jinja").unlink(missing_ok=True)
+    conf = json.loads((t / "tokenizer_config.json").read_text())
+    conf.pop("chat_template", None)
+    (t / "tokenizer_config.json").write_text(json.dumps(conf))
+
+
+def _unloadable(t):
+    f = t / "model.safetensors"
+    b = f.read_bytes()
+    f.write_bytes(b[:8] + b"{garbage" + b[16:])  # the header no longer parses; file names and sizes unchanged
+
+
+@pytest.mark.parametrize("case", ["truncated shard", "flipped byte", "no weights", "weights that do not load",
+                                  "a conversations file", "template of a target without one", "negative layer",
+                                  "zero samples"])
+def test_bad_inputs_are_one_line_and_write_nothing(case, tiny_llama, prepared, resumable, tmp_path, capsys):
+    """Issue 40's capture cases: a resumed store with a damaged shard (it was counted as already captured), a target
+    without weights or whose weights do not load (it left a store that refused the next, correct run), a raw data file
+    for --data, data rendered with a template for a target that has none, --layers -1,3,4 (argparse's "expected one
+    argument"), --max-samples 0 (an empty store reported as a success)."""
+    from _bad_inputs import refused
+
+    out, target, data, opts, expect = tmp_path / "store", tiny_llama, prepared, [], []
+    if case in ("truncated shard", "flipped byte"):
+        shutil.copytree(resumable, out)
+        expect = [*(_truncated if case == "truncated shard" else _flipped)(out), "--new"]
+    elif case == "no weights":
+        target = _copy_target(tiny_llama, tmp_path / "t", drop=("*.safetensors",))
+        expect = [str(target), "no weight files"]
+    elif case == "weights that do not load":
+        target = _copy_target(tiny_llama, tmp_path / "t")
+        _unloadable(target)
+        expect = [str(target), "cannot load the target model"]
+    elif case == "a conversations file":
+        data = prepared.parent / f"{prepared.name}.jsonl"
+        expect = [str(data), "not a prepared dataset directory", "hstap prepare"]
+    elif case == "template of a target without one":
+        target = _copy_target(tiny_llama, tmp_path / "t")
+        _no_template(target)
+        expect = ["meta.json:1: chat_template_sha256", "the target's tokenizer has none", "--allow-template-mismatch"]
+    elif case == "negative layer":
+        opts, expect = ["--layers", "-1,3,4"], ["--layers: layer id -1 is out of range"]
+    else:
+        opts, expect = ["--max-samples", "0"], ["--max-samples"]
+    argv = ["capture", "--target", target, "--data", data, "--out", out, "--dtype", "fp32", "--device", "cpu",
+            *(opts or ["--layers", LAYERS])]
+    refused(argv, capsys, *expect, untouched=[out])
+
+
+def test_a_failed_start_leaves_nothing_that_blocks_the_next_run(tiny_llama, prepared, tmp_path):
+    """A target whose weights are missing, then one whose weights do not load: no store is created, so the same
+    command with the complete target then captures into that --out (before: refused by the store the failed start
+    had made, with the fingerprint of no weights)."""
+    out = tmp_path / "store"
+    for drop, damage in (("*.safetensors", None), ((), _unloadable)):
+        t = _copy_target(tiny_llama, tmp_path / f"t{len(list(tmp_path.iterdir()))}", drop=drop)
+        if damage:
+            damage(t)
+        with pytest.raises(HstapError):
+            _capture(t, prepared, out, layers=LAYERS, dtype="fp32", max_samples=2)
+        assert not out.exists()
+    assert _capture(tiny_llama, prepared, out, layers=LAYERS, dtype="fp32", max_samples=2)["samples"] == 2

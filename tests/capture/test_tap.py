@@ -97,3 +97,23 @@ def test_a_servers_tap_keeps_a_stable_fraction_and_bounds_the_store(tmp_path):
     b = TapBudget(str(tmp_path), max_gb=2000 / 1e9, rescan_s=3600.0)
     assert b.take(1500) and not b.take(600)
     assert TapBudget(str(tmp_path / "absent"), max_gb=None).take(10 ** 15)
+
+
+def test_a_target_that_does_not_load_leaves_no_store_and_no_output(tiny_llama, tmp_path, capsys):
+    """Issue 40 (a failed start leaves nothing that blocks the next run): weights that do not load fail the run before
+    its first answer; the store is made at the first answer, so neither it, the output nor its config exists."""
+    import shutil
+
+    from _bad_inputs import refused
+
+    t = tmp_path / "t"
+    shutil.copytree(tiny_llama, t)
+    f = t / "model.safetensors"
+    b = f.read_bytes()
+    f.write_bytes(b[:8] + b"{garbage" + b[16:])
+    data = tmp_path / "c.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CORPUS[:2]))
+    out = tmp_path / "out"
+    refused(["generate", "--target", t, "--data", data, "--out", out / "g.jsonl", "--capture", out / "store",
+             "--layers", "1,2,3", "--capture-dtype", "fp32"], capsys, f"{t}: cannot load the target model",
+            untouched=[out])

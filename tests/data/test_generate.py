@@ -19,7 +19,8 @@ import torch
 
 from hstap.common import HstapError
 from hstap.data.decode import EmbeddedEngine, generate_batch, stop_token_ids
-from hstap.data.generate import GenerateConfig, generate, recover_output
+from hstap.data.answers import recover_output
+from hstap.data.generate import GenerateConfig, generate
 from hstap.data.openai_client import ChatClient
 
 REPO = Path(__file__).resolve().parents[2]
@@ -385,3 +386,23 @@ def test_a_sliding_window_cache_falls_back_to_reprefill(tiny_tokenizer, tmp_path
     assert _read_jsonl(tmp_path / "oTrue.jsonl") == _read_jsonl(tmp_path / "oFalse.jsonl")
     assert runs[True]["prefilled_tokens"] == runs[True]["prompt_tokens"]  # nothing reused
     assert runs[True]["captured_samples"] == runs[False]["captured_samples"] == 2
+
+
+@pytest.mark.parametrize("case", ["server that does not answer", "malformed input"])
+def test_a_failed_start_leaves_no_output_and_no_config(case, tmp_path, capsys):
+    """Issue 40: a server that does not answer, or a malformed first input line, left an empty output file and its
+    `.config.json`. The output (and its directory) is created at the first record; before it, nothing is."""
+    from _bad_inputs import refused
+
+    with socket.socket() as sk:  # a port nobody listens on: connection refused
+        sk.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sk.getsockname()[1]}"
+    src = _write_jsonl(tmp_path / "in.jsonl", CORPUS[:1])
+    opts, expect = ["--retries", "0"], [f"{dead}/v1/models: giving up after 1 attempts"]
+    if case == "malformed input":
+        with open(src, "a") as f:
+            f.write('{"id": "cut", "conversations": [\n')
+        opts, expect = ["--model", "m"], [f"{src}:2: invalid JSON"]  # --model: no request before the first record
+    out = tmp_path / "new-dir" / "out.jsonl"
+    refused(["generate", "--server", dead, "--data", src, "--out", out, "--backoff", "0", *opts], capsys, *expect,
+            untouched=[out.parent])

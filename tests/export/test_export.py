@@ -454,7 +454,7 @@ REFUSALS = {
     "vllm needs 3 aux": (dict(state_fn=_two_aux, meta_fn=lambda m: (m["config"].update(aux_layers=[1, 3], num_aux=2),
                                                                      m["store"].update(layers=[1, 3]))),
                          {"to": "vllm"}, "exactly 3 aux layers"),
-    "wrong --target": ({}, {"target": "other"}, "vocab_size 100 != the drafter's"),
+    "wrong --target": ({}, {"target": "other"}, "vocab_size: the drafter was made for a target of 400 token ids"),
 }
 
 

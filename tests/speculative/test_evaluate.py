@@ -231,3 +231,73 @@ def test_training_sim_tau_is_the_tau_eval_measures(tiny_tokenizer, tmp_path):
     assert rep["tau"] > 1.3, rep["tau"]  # the drafter accepts runs: the comparison says something
     # equal up to a rare argmax flip between the stored (batched prefill) and the decoded (KV cache) float paths
     assert rep["tau"] == pytest.approx(sim, rel=0.02), (rep["tau"], sim)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bad inputs (issue 40): one error line naming the file / field / flag, exit 2, nothing written or rewritten
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory):
+    """Another target (its own 300-id tokenizer, hidden 48), a drafter of it as a training run and as SGLang and vLLM
+    exports, and a set prepared with its tokenizer: a user's inputs that belong to another target than tiny_llama."""
+    import contextlib
+    import io
+
+    from _capture_fixtures import make_prepared
+
+    from hstap.export.stage import ExportConfig, export
+    from hstap.toy import build_random_target, build_tokenizer, sample_texts
+
+    root = tmp_path_factory.mktemp("other")
+    tok = build_tokenizer(sample_texts()[::-1], vocab_size=300)
+    build_random_target(root / "target", tok, num_layers=6, hidden_size=48, seed=5)
+    target, _ = load_tiny_target(root / "target")
+    save_drafter(root / "run" / "best", random_drafter(target, (1, 2, 3), draft_vocab=100))
+    with contextlib.redirect_stdout(io.StringIO()):
+        for to in ("sglang", "vllm"):
+            export(ExportConfig(run=str(root / "run"), to=to, out=str(root / to), target=str(root / "target")))
+    return {"run": root / "run", "sglang": root / "sglang", "vllm": root / "vllm",
+            "prepared": make_prepared(root / "target", root / "prepared", n=4)}
+
+
+@pytest.mark.parametrize("case", ["prompts of another tokenizer", "SGLang export of another target",
+                                  "vLLM export of another target", "vLLM export, --engine vllm",
+                                  "run of another target", "drafter of another tokenizer", "a finished report"])
+def test_bad_inputs_are_one_line_and_write_nothing(case, setup, other, tiny_llama, tmp_path, capsys):
+    """Issue 40's eval cases: prompts prepared with another tokenizer (a full report of another vocabulary's ids,
+    exit 0); a drafter of another target as an export (a raw state-dict size mismatch; vLLM's half too) or a run (an
+    error naming spec/drivers.py after the whole target-only decoding, and an empty report directory); a report
+    directory that holds a report (overwritten without a word). Each is refused before any model loads."""
+    import shutil
+
+    from _bad_inputs import refused
+
+    _, _, jsonl, run, _ = setup
+    out, data, drafter, opts = tmp_path / "report", jsonl, run, []
+    if case == "prompts of another tokenizer":
+        data, expect = other["prepared"], [f"{other['prepared']}/meta.json:1: tokenizer_sha256", str(tiny_llama)]
+    elif case.startswith(("SGLang", "vLLM")):
+        drafter = other["sglang" if case.startswith("SGLang") else "vllm"]
+        opts = ["--engine", "vllm"] if "--engine" in case else []
+        expect = [f"{drafter}/config.json: vocab_size: the drafter was made for a target of 300 token ids",
+                  f"{tiny_llama} has 400"]
+    elif case == "run of another target":
+        drafter, expect = other["run"], [f"{other['run']}/best/drafter.json: vocab_size", "a drafter of another target"]
+    elif case == "drafter of another tokenizer":
+        drafter = tmp_path / "run"
+        shutil.copytree(run, drafter)
+        meta = json.loads((drafter / "best" / "drafter.json").read_text())
+        meta["store"] = {"target": {"tokenizer_sha256": "0" * 64}}  # trained on states of a target with another one
+        (drafter / "best" / "drafter.json").write_text(json.dumps(meta))
+        expect = [f"{drafter}/best/drafter.json: target.tokenizer_sha256", "another vocabulary's"]
+    else:
+        evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
+                            max_new_tokens=4, num_prompts=1, device="cpu"))
+        expect = [f"{out}: --out: holds a report already", "--overwrite"]
+    argv = ["eval", "--target", tiny_llama, "--drafter", drafter, "--data", data, "--out", out, "--k", "2",
+            "--max-new-tokens", "4", "--num-prompts", "1", "--device", "cpu", *opts]
+    refused(argv, capsys, *expect, untouched=[out])
+    if case == "a finished report":  # --overwrite replaces it
+        evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
+                            max_new_tokens=4, num_prompts=1, device="cpu", overwrite=True))

@@ -191,3 +191,48 @@ def test_token_counts_count_loss_masked_tokens_and_refuse_ids_past_the_vocab(tmp
     msg = f"{first}: token id {top} >= the target's vocab size {top}"
     with pytest.raises(HstapError, match="^" + re.escape(msg) + "$"):
         s.token_counts(top)
+
+
+def test_check_names_the_first_damaged_shard_and_ranks_split_the_hashing(tmp_path, monkeypatch):
+    """Store.check (what train and capture's resume run first): every shard at its recorded size on every rank, each
+    hashed by exactly one rank of W; a truncated, missing or bit-flipped shard is one line naming the file, a shard a
+    trainer consumed meanwhile is not; CHECK_CHECKSUMS off (the benchmark's comparison pass) skips the hashing only."""
+    from hstap.store import reader
+    from hstap.store.consumer import write_consumer
+
+    p = tmp_path / "s"
+    write(p, 40, "fp32", shard_tokens=120)
+    s = open_store(p)
+    entries = s.manifest["shards"]
+    assert len(entries) >= 4
+    hashed = []
+    real = reader.file_checksum
+    monkeypatch.setattr(reader, "file_checksum", lambda f: hashed.append(f.name) or real(f))
+    for r in range(3):
+        st = s.check(r, 3)
+        assert st["checksums"] and st["shards"] == len(entries)
+        assert st["gb"] == sum(e["bytes"] for e in entries[r::3]) / 1e9
+    assert sorted(hashed) == sorted(e["file"].split("/")[-1] for e in entries)  # each shard hashed once in all
+    f = p / entries[2]["file"]
+    blob = bytearray(f.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    f.write_bytes(bytes(blob))
+    with pytest.raises(HstapError, match=f"^{re.escape(str(f))}: sha256 differs from the one recorded"):
+        s.check()
+    assert s.check(1, 2)["checksums"]  # rank 1 of 2 does not hash shard 2: sizes alone are fine
+    monkeypatch.setattr(reader, "CHECK_CHECKSUMS", False)
+    hashed.clear()
+    st = s.check()
+    assert (st["shards"], st["gb"], st["checksums"], hashed) == (len(entries), 0.0, False, [])
+    monkeypatch.setattr(reader, "CHECK_CHECKSUMS", True)
+    f.write_bytes(bytes(blob[:-100]))
+    with pytest.raises(HstapError, match=f"^{re.escape(str(f))}: {len(blob) - 100} bytes, its manifest entry "
+                                         f"records {len(blob)} \\(truncated or replaced\\)"):
+        s.check(1, 2)  # sizes are every rank's
+    with pytest.raises(HstapError, match="bytes, its manifest entry records"):
+        s[s.ids.index(entries[2]["ids"][0])]  # the reader's first open of it: one line, not safetensors' error
+    (p / entries[0]["file"]).unlink()  # a following trainer consumed shard 0 after this Store was opened
+    write_consumer(p, {"run": "r", "active": True, "keep_shards": 2, "store_created_unix": s.manifest["created_unix"],
+                       "consumed": {"0": 1}})
+    with pytest.raises(HstapError, match=re.escape(str(f))):  # shard 0 is passed over; shard 2 is still damaged
+        s.check()

@@ -110,7 +110,8 @@ def test_resume_into_another_draft_vocabulary_is_one_error(tmp_path):
     t2d[int(d.d2t[0])], t2d[cold] = False, True
     hot = torch.nonzero(t2d)[:, 0]  # (Vd,)
     d2.set_vocab_map(hot - torch.arange(hot.numel()), t2d)
-    with pytest.raises(HstapError, match=r"drafter.safetensors: its draft vocabulary .* is not this run's"):
+    with pytest.raises(HstapError, match=r"drafter.safetensors: d2t/t2d: the run was trained on a draft vocabulary "
+                                         r"map of \d+ ids \(sha256 \w+\), this resume resolves another one of \d+ ids"):
         checkpoint.load_weights(ckpt, d2)
 
 

@@ -225,3 +225,33 @@ def test_two_writer_ranks_give_the_canonical_order_whatever_the_arrival(assets, 
     follow(tmp_path / "after")
     assert _ids_log(tmp_path / "after") == _ids_log(tmp_path / "live")
     assert _train_lines(tmp_path / "after") == _train_lines(tmp_path / "live")
+
+
+def test_a_damaged_shard_stops_the_stream_at_its_first_slot(assets, tmp_path):
+    """--follow hashes each shard once, at the first slot that reads it (issue 40: nothing on the training path checked
+    the checksums): a flipped bit in the second shard stops the run with one line naming it, after the steps of the
+    first shard and before any step on the damaged one."""
+    import torch
+
+    from hstap.cli import make_config
+    from hstap.common import HstapError
+    from hstap.model_dir import target_fingerprint
+    from hstap.store.writer import StoreWriter
+    from hstap.train.stage import TrainConfig, train
+
+    store = tmp_path / "store"
+    hdr = {"target": target_fingerprint(assets["target"]), "engine": {"name": "test"}, "dtype": "fp32",
+           "layers": [1, 3, 4], "hidden_size": 64}
+    gen = torch.Generator().manual_seed(1)
+    with StoreWriter(store, hdr, shard_tokens=1) as w:  # one sample per shard
+        for name in ("a", "b", "c"):
+            T = int(torch.randint(20, 60, (1,), generator=gen))
+            w.add(name, torch.randint(0, 90, (T,), generator=gen), torch.ones(T, dtype=torch.long),
+                  torch.randn(T, 3, 64, generator=gen), torch.randn(T, 64, generator=gen))
+    f = store / load_manifest(store)["shards"][1]["file"]
+    blob = bytearray(f.read_bytes())
+    blob[-8] ^= 0x01
+    f.write_bytes(bytes(blob))
+    with pytest.raises(HstapError, match=f"^{f}: sha256 differs from the one recorded"):
+        train(make_config("train", TrainConfig, _argv(_train_opts(assets, store, tmp_path / "run", skip_verify=True))))
+    assert [row["ids"] for row in _ids_log(tmp_path / "run")] == [["a"]]

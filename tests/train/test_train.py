@@ -4,6 +4,8 @@ more steps extending the LR schedule."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import time
 
@@ -343,6 +345,92 @@ def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
     with pytest.raises(HstapError, match="--draft-vocab 60: the vocab map of .* has 96 draft ids"):  # no store to count
         run("online", draft_vocab=60, store=None, online=True, data=str(assets["prepared"]), aux_layers="1,3,4")
     assert not (tmp_path / "online").exists()
-    with pytest.raises(HstapError, match=r"drafter.safetensors: its draft vocabulary \(50 ids\) is not this run's "
-                                         r"\(96 ids\); resume with the run's --draft-vocab"):
+    conf = (tmp_path / "fifty" / "config.json").read_bytes()
+    with pytest.raises(HstapError, match=r"drafter.safetensors: d2t/t2d: the run was trained on a draft vocabulary map "
+                                         r"of 50 ids .*, this resume resolves another one of 96 ids .*; resume with "
+                                         r"the run's own --store, --vocab-map and --draft-vocab"):
         train(_cfg(assets, tmp_path / "fifty", steps=2, eval_frac=0.0, resume=True))  # resumed without its flag
+    assert (tmp_path / "fifty" / "config.json").read_bytes() == conf  # the refused resume rewrote nothing
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bad inputs (issue 40): one error line naming the file / field / flag, exit 2, nothing written or rewritten
+
+
+def _damage(store, how: str):
+    f = store / json.loads((store / "manifest.json").read_text())["shards"][0]["file"]
+    b = bytearray(f.read_bytes())
+    if how == "truncate":
+        f.write_bytes(bytes(b[: len(b) // 2]))
+    else:
+        b[len(b) * 2 // 3] ^= 0x01  # one bit of one state: training on it would go unnoticed
+        f.write_bytes(bytes(b))
+    return f
+
+
+def _other_vocab_store(assets, dst):
+    """The store's samples under another draft vocabulary map of the same size (96 ids), as a store captured from
+    another prepared set would carry: its manifest records the map's sha256."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from hstap.common import sha256_bytes
+    from hstap.data.vocab import build_vocab_map
+
+    shutil.copytree(assets["store"], dst)
+    d2t, t2d = build_vocab_map(np.arange(400)[::-1].astype(np.int64), 96)
+    save_file({"d2t": d2t, "t2d": t2d}, str(dst / "vocab_map.safetensors"))
+    m = json.loads((dst / "manifest.json").read_text())
+    m["vocab_map"]["sha256"] = sha256_bytes((dst / "vocab_map.safetensors").read_bytes())
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+@pytest.mark.parametrize("case", ["truncated shard", "flipped byte", "empty store", "missing target",
+                                  "resume with another store", "empty training split", "data of another tokenizer"])
+def test_bad_inputs_are_one_line_and_write_nothing(case, assets, tmp_path, capsys):
+    """Issue 40's train cases: a truncated shard (a raw SafetensorError mid-run) or one flipped byte (trained on and
+    exit 0): the store's checksums are checked before training; an empty store ("does not match" the target); a
+    --target that does not exist (the hub's "Repo id must be in the form ..."); a refused --resume rewrote config.json
+    first and said "512 ids is not 512 ids"; an empty training split left config.json behind."""
+    import shutil
+
+    from _bad_inputs import refused
+
+    store, run, opts = tmp_path / "store", tmp_path / "run", {}
+    if case in ("truncated shard", "flipped byte"):
+        shutil.copytree(assets["store"], store)
+        f = _damage(store, "truncate" if case == "truncated shard" else "flip")
+        expect = [str(f), "truncated or replaced" if case == "truncated shard" else "sha256 differs"]
+    elif case == "empty store":
+        store.mkdir()
+        m = json.loads((assets["store"] / "manifest.json").read_text())
+        (store / "manifest.json").write_text(json.dumps({**m, "shards": []}))
+        expect = [f"{store}: the store holds no sample"]
+    elif case == "missing target":
+        store, opts["target"] = assets["store"], tmp_path / "nope"
+        expect = [f"{tmp_path / 'nope'}: target model directory does not exist"]
+    elif case == "resume with another store":
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            train(_cfg(assets, run, steps=1, eval_frac=0.0, tensorboard=False))
+        _other_vocab_store(assets, store)
+        opts = {"resume": True, "steps": 2}
+        expect = ["step_00000001/drafter.safetensors: d2t/t2d: the run was trained on a draft vocabulary map of 96 ids",
+                  f"from {assets['store']}", "this resume resolves another one of 96 ids", f"from {store}"]
+    elif case == "empty training split":
+        store, opts["eval_frac"] = assets["store"], 0.9999999
+        expect = ["train: the training split is empty: 28 sample(s)", "--eval-frac 0.9999999"]
+    else:  # --online's samples (or a vocab map's source) prepared with another tokenizer
+        from hstap.data.prepare import PrepareConfig, prepare
+        from hstap.toy import build_tokenizer, sample_texts
+
+        build_tokenizer(sample_texts()[::-1], vocab_size=300, out_dir=tmp_path / "tok")
+        with contextlib.redirect_stdout(io.StringIO()):
+            prepare(PrepareConfig(tokenizer=str(tmp_path / "tok"), data=[str(assets["target"].parent / "chats.jsonl")],
+                                  out=str(tmp_path / "prepared"), draft_vocab=96))
+        store, opts = assets["store"], {"online": True, "data": tmp_path / "prepared", "aux_layers": "1,3,4"}
+        expect = [f"{tmp_path / 'prepared'}/meta.json:1: tokenizer_sha256", str(assets["target"])]
+    refused(["train", *_argv(assets, run, **{"steps": 1, "store": store} | opts)], capsys, *expect,
+            untouched=[run, store])
