@@ -447,7 +447,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--store", help="the hstap store (with its vocab map) that `hstap train` trains on")
     ap.add_argument("--target", help="the target model directory the store was captured from")
     ap.add_argument("--out", help="output directory: OUT/<config>/{checkpoints,drafter}, OUT/summary.json")
-    ap.add_argument("--epochs", type=int, default=1, help="epochs over the training split (the hstap run's --epochs)")
+    ap.add_argument("--epochs", type=int, default=None,
+                    help="epochs over the training split: the hstap run's --epochs (default 1; --tiny: 2)")
     ap.add_argument("--configs", default="default,hstap", help=f"comma list of {', '.join(configs(None))}")
     ap.add_argument("--batch-tokens", type=int, default=None,
                     help="tokens per step of the hstap recipe (default: train's --batch-tokens default)")
@@ -465,10 +466,11 @@ def main(argv=None) -> dict:
 
         a.out = a.out or tempfile.mkdtemp(prefix="peer-speculators-")
         a.target, a.store = tiny_assets(Path(a.out) / "assets")
-        a.workers, a.epochs, a.val_frac, a.val_k = 0, max(a.epochs, 2), 0.25, 3
+        a.workers, a.epochs, a.val_frac, a.val_k = 0, a.epochs or 2, 0.25, 3
         a.batch_tokens = a.batch_tokens or 1024
     elif not (a.store and a.target and a.out):
         ap.error("--store, --target and --out are required (or --tiny)")
+    a.epochs = a.epochs or 1
     table = configs(a.batch_tokens)
     if a.tiny:  # speculators' own 8192 tokens per step would take the tiny store in one step
         table = {k: {"total_seq_len": 1024, **v} for k, v in table.items()}

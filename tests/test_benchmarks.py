@@ -1,6 +1,8 @@
 """The GPU benchmarks' CPU smoke modes run end to end: bench_train.py --tiny (both shapes, profile) and
 quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter);
-bench_ngram.py on a few streams (its index and its scan propose the same drafts)."""
+bench_ngram.py on a few streams (its index and its scan propose the same drafts); peer_speculators.py --tiny
+(speculators' trainer on a tiny store, hstap's reading of its checkpoints equal to speculators' model); bench_wide.py
+--tiny (a SmolLM2-like tiny target widened, every method lossless)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,3 +55,27 @@ def test_quality_variants_tiny(tmp_path):
     assert n2["lossless"] is True and n2["measured_prompts"] == 1 and n2["measured_tau"] >= 1.0
     assert summary["variants"]["base"]["eval_ratio"] == 1.0
     assert (tmp_path / "out" / "variants.json").is_file()
+
+
+def test_peer_speculators_tiny(tmp_path):
+    """speculators' trainer on a tiny store built in-process, both configurations, one epoch: validated with hstap's
+    replay, each best checkpoint converted to an hstap drafter whose logits are speculators' (every TTT step)."""
+    pytest.importorskip("speculators.train.trainer")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peer_speculators.py"), "--tiny", "--out",
+                        str(tmp_path), "--epochs", "1", "--parity-samples", "2"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "peer_speculators" and set(out["configs"]) == {"default", "hstap"}
+    for name, c in out["configs"].items():
+        par = c["parity"]
+        assert par["positions"] > 100 and par["argmax_equal"] == 1.0 and par["max_abs_logit_diff"] < 1e-3, (name, par)
+        assert c["steps"] > 0 and c["tokens"] > 0 and c["tokens_per_s"] > 0 and len(c["val_chain_tau"]) == 3
+        assert c["val_chain_tau"][0] >= 1.0 and c["epochs"][0]["val_rounds"] > 0
+        meta = json.loads((Path(c["drafter"]) / "drafter.json").read_text())
+        assert meta["peer"]["config"] == name and meta["config"]["aux_layers"] == [1, 3, 4]
+    assert out["configs"]["default"]["ttt_steps"] == 3 and out["configs"]["hstap"]["ttt_steps"] == 5
+    flags = json.loads((Path(out["configs"]["default"]["drafter"]) / "drafter.json").read_text())["config"]
+    assert flags["norm_before_fc"] and flags["norm_before_residual"] and flags["norm_output"]  # speculators' layout
+    assert out["chosen"] in out["configs"] and out["chosen_drafter"] == out["configs"][out["chosen"]]["drafter"]
