@@ -4,8 +4,9 @@ with tied or untied embeddings) and its drafter widened, function-preserving, to
 
     python benchmarks/bench_wide.py --target .carry/reference/target-tiny --drafter RUN \
         --data .carry/reference/corpus/eval.jsonl.gz --prompts 48 --new-tokens 128
-    python benchmarks/bench_wide.py --target SMOLLM2_DIR --drafter RUN --data mtbench.jsonl --prompts 80 --new-tokens 256
-    python benchmarks/bench_wide.py --tiny        # CPU smoke run: a random SmolLM2-like target widened (numbers mean nothing)
+    python benchmarks/bench_wide.py --target SMOLLM2_DIR --drafter RUN --data mtbench.jsonl --prompts 80 \
+        --new-tokens 128
+    python benchmarks/bench_wide.py --tiny   # CPU smoke run: a random SmolLM2-like target widened (numbers mean nothing)
 
 For each target (wide, then reference) on the same prompts, in bf16 on the fast engine (hstap eval's defaults:
 FastDecoder, CUDA graphs, torch.compile'd steps), each method over all prompts after a warm-up prompt:

@@ -4,13 +4,26 @@ selected on a validation split, converted for `hstap eval` and checked against s
     python benchmarks/peer_speculators.py --store STORE --target TARGET --out OUT --epochs 2     # CUDA, bf16
     python benchmarks/peer_speculators.py --tiny      # CPU: a tiny random target and store built here (~1-2 min)
 
+On the H200 (speculators is not in its image): once, here, in the repository root (`.whl/` is git-ignored), fetch what
+speculators' train path imports and the image lacks (19 wheels, 6.9 MB; found by importing this script's code paths):
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+        speculators==0.9.0 hs-connectors==0.9.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 openai==3.57.0 \
+        httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1 pydantic==2.14.4 \
+        pydantic-core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4 annotated-types==0.8.0 \
+        typing-inspection==0.4.5 typing-extensions==4.16.0 loguru==0.7.3
+
+and begin the device command (carry `.whl`) with: python3 -m pip install -q --no-index --no-deps --no-compile
+--no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
+
 Data: speculators' trainer reads `BaseDataset` samples ({hidden_states (T, K*H), input_ids, verifier_last_hidden_states
 (T, H), loss_mask}), which `StoreSamples` hands it straight from the store (memory-mapped shards, no copy: the store's
 aux states flattened, its `final` state as the verifier's last state). The store's `final` is the output of the target's
 final norm, while speculators stores the state before it and applies the verifier's norm itself: that norm is replaced
 by the identity (`build_model`), so both trainers learn the same target distribution, lm_head(final). Same vocabulary
-map (the store's d2t/t2d: speculators' d2t[i] = target id - i and boolean t2d, as hstap's), same aux layers (the store's,
-in vLLM's convention for speculators), same samples: speculators' packing sampler and collate over hstap's training
+map (the store's d2t/t2d: speculators' d2t[i] = target id - i and boolean t2d, as hstap's), same aux layers (the
+store's, in vLLM's convention for speculators), same samples: speculators' packing sampler and collate over hstap's training
 split, the split `hstap train` makes (`hstap.train.data.is_eval`: a hash of the sample id, --val-frac = train's
 --eval-frac 0.05). Budget: --epochs over that split, as the `hstap train --epochs` run beside it (each config's steps,
 tokens and tokens/step are reported; speculators packs without padding, so its steps differ at equal tokens).
@@ -282,7 +295,8 @@ def convert(ckpt: Path, out: Path, store, embed: torch.Tensor, extra: dict):
 
     drafter, _ = load_exported(ckpt, embed_weight=embed)
     if list(drafter.config.aux_layers) != list(store.layers):
-        raise SystemExit(f"peer_speculators: {ckpt}: aux layers {drafter.config.aux_layers} != the store's {store.layers}")
+        raise SystemExit(f"peer_speculators: {ckpt}: aux layers {drafter.config.aux_layers} != the store's "
+                         f"{store.layers}")
     save_drafter(out, drafter, extra={"store": {**store.header, "layers": list(store.layers),
                                                 "captured_layers": list(store.layers), "path": str(store.path)},
                                       "peer": extra})
@@ -359,14 +373,15 @@ def run_config(name: str, overrides: dict, a, ctx: dict) -> dict:
 
     def after_val(trainer, epoch, spec_metrics):
         t0 = time.perf_counter()
-        rec = replay_validation(trainer.model, trainer.val_loader, ctx["head"], ctx["hot"], ctx["t2d_dev"], a.val_k, ctx["device"],
-                                dtype)
+        rec = replay_validation(trainer.model, trainer.val_loader, ctx["head"], ctx["hot"], ctx["t2d_dev"], a.val_k,
+                                ctx["device"], dtype)
         keep = {k: round(v, 4) for k, v in (spec_metrics or {}).items() if k.startswith(("loss_epoch", "cond_acc"))}
         epochs.append({"epoch": epoch, **rec, "speculators_val": keep, "val_s": round(time.perf_counter() - t0, 1)})
         print(f"peer_speculators: {name} epoch {epoch}: val chain tau {[round(x, 3) for x in rec['val_chain_tau']]} "
               f"({rec['val_rounds']} rounds)", file=sys.stderr, flush=True)
 
-    trainer = make_trainer(model, trainer_config(args, train_call, val_call), train_dl, val_dl, ctx["device"], after_val)
+    tc = trainer_config(args, train_call, val_call)
+    trainer = make_trainer(model, tc, train_dl, val_dl, ctx["device"], after_val)
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         if not cuda:  # a GPU trainer on the CPU: its autocast warnings, and its step timer's device synchronize
             warnings.simplefilter("ignore")
@@ -392,7 +407,8 @@ def run_config(name: str, overrides: dict, a, ctx: dict) -> dict:
 
 
 def context(a) -> dict:
-    """What every configuration shares: the store, its split, vocab map and aux layers, the target's head, the device."""
+    """What every configuration shares: the store, its split, vocab map and aux layers, the target's head, the
+    device."""
     from hstap.data.vocab import load_store_vocab_map
     from hstap.layers import to_vllm
     from hstap.model_dir import target_head
@@ -417,7 +433,8 @@ def context(a) -> dict:
 
 def tiny_assets(root: Path) -> tuple[str, str]:
     """--tiny: a random SmolLM2-like target (tied embeddings, 3 query heads per kv head), stdlib-documentation chats,
-    prepared (a 96-token draft vocabulary) and captured (fp32, layers 1,3,4) by hstap's own stages -> (target, store)."""
+    prepared (a 96-token draft vocabulary) and captured (fp32, layers 1,3,4) by hstap's own stages -> (target,
+    store)."""
     import io
 
     from hstap.capture.stage import CaptureConfig, capture

@@ -196,7 +196,8 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
     flags = {}
     if conf.get("speculators_model_type") == "eagle3":
         if conf.get("fc_norm"):
-            raise HstapError(f"{cpath}: fc_norm (speculators' per-slot norms before fc) is not a layout hstap's drafter has")
+            raise HstapError(f"{cpath}: fc_norm (speculators' per-slot norms before fc) is not a layout hstap's "
+                             "drafter has")
         # as vLLM reads a speculators config (vllm/transformers_utils/configs/speculators/algos.py: update_eagle3)
         flags = {"norm_before_fc": bool(conf.get("norm_before_fc", False)),
                  "norm_before_residual": bool(conf.get("norm_before_residual", True)),

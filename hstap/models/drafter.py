@@ -294,8 +294,8 @@ def _flex(cuda: bool):
     grad mode splits them all again, so `TTTModel(evaluate=True)` under no_grad (train's evaluation, which runs last)
     hit the limit. Hence a region of our own (a wrapper, so its cache is not shared), a budget of RECOMPILE_LIMIT
     (the specialisations are bounded, ~2^4; `compile_region`), and fullgraph=True. FLEX_KERNEL_OPTIONS picks the kernel.
-    A compile failure raises `hstap.models.compiled.FlexCompileError`; the backward is compiled with the forward where torch allows it, so
-    that a failure of either surfaces at the forward call, before any gradient exists."""
+    A compile failure raises `hstap.models.compiled.FlexCompileError`; the backward is compiled with the forward where
+    torch allows it, so that a failure of either surfaces at the forward call, before any gradient exists."""
     if cuda not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
         if cuda:
