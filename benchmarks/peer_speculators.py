@@ -55,7 +55,8 @@ hstap's side through its exact TTT mask at speculators' positions); reported: th
 share of equal argmaxes.
 
 Tokens/s: real tokens trained (after speculators' shift, one per sample fewer) over the time of the training epochs
-alone. Ends with ONE JSON line: per config the validation figures per epoch, speculators' own validation metrics, the
+alone (compilation included); `tokens_per_s_steady`: the median of speculators' own timing of its logged steps (every
+50th) after the first two. Ends with ONE JSON line: per config the validation figures per epoch, speculators' own validation metrics, the
 best epoch, steps, tokens, tokens/s, parity, the drafter dir; the chosen config and its drafter dir.
 """
 
@@ -65,6 +66,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import shutil
 import sys
@@ -225,6 +227,37 @@ def make_trainer(model, tcfg, train_dl, val_dl, device: torch.device, after_val)
     return PeerTrainer(model, tcfg, train_dl, val_dl)
 
 
+class MetricsTap(logging.Handler):
+    """The training lines speculators' Trainer logs every --log-freq steps ({"train": metrics, "profile": {step_ms,
+    tokens_per_s, ...}}: its own timing of a step, device-synchronized), kept while installed."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[dict] = []
+        self.log = logging.getLogger("speculators.metrics")
+
+    def emit(self, record):
+        if isinstance(record.msg, dict) and "train" in record.msg:
+            self.lines.append(record.msg)
+
+    def __enter__(self):
+        self.level, self.propagate = self.log.level, self.log.propagate
+        self.log.setLevel(logging.INFO)
+        self.log.propagate = False
+        self.log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.log.removeHandler(self)
+        self.log.setLevel(self.level)
+        self.log.propagate = self.propagate
+
+    def steady_tokens_per_s(self) -> float | None:
+        """Median tokens/s of the logged steps after the first two (compilation and warm-up); None below 3 lines."""
+        rates = sorted(x["profile"]["tokens_per_s"] for x in self.lines[2:] if x.get("profile"))
+        return rates[len(rates) // 2] if rates else None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # validation: greedy chain decoding replayed with hstap's definitions
 
@@ -382,12 +415,13 @@ def run_config(name: str, overrides: dict, a, ctx: dict) -> dict:
 
     tc = trainer_config(args, train_call, val_call)
     trainer = make_trainer(model, tc, train_dl, val_dl, ctx["device"], after_val)
-    with warnings.catch_warnings(), contextlib.ExitStack() as stack:
+    with warnings.catch_warnings(), contextlib.ExitStack() as stack, MetricsTap() as tap:
         if not cuda:  # a GPU trainer on the CPU: its autocast warnings, and its step timer's device synchronize
             warnings.simplefilter("ignore")
             stack.enter_context(mock.patch("torch.accelerator.synchronize", lambda *_, **__: None))
         trainer.run_training()
-    train_s = trainer.train_s
+    train_s, steady = trainer.train_s, tap.steady_tokens_per_s()
+    last_loss = tap.lines[-1]["train"].get("loss") if tap.lines else None
     del trainer, model, train_dl, val_dl
     best = max(epochs, key=lambda e: e["val_chain_tau"][-1])
     ckpt = out / "checkpoints" / str(best["epoch"])
@@ -402,7 +436,8 @@ def run_config(name: str, overrides: dict, a, ctx: dict) -> dict:
     return {"overrides": overrides, "ttt_steps": args.ttt_steps, "tokens_per_step": args.total_seq_len,
             "epochs": epochs, "best_epoch": best["epoch"], "val_chain_tau": best["val_chain_tau"],
             "steps": sum(n for n, _ in steps_tokens), "tokens": tokens, "train_s": round(train_s, 1),
-            "tokens_per_s": round(tokens / train_s, 1), "checkpoint": str(ckpt), "drafter": str(out / "drafter"),
+            "tokens_per_s": round(tokens / train_s, 1), "tokens_per_s_steady": steady and round(steady, 1),
+            "last_logged_train_loss": last_loss, "checkpoint": str(ckpt), "drafter": str(out / "drafter"),
             "parity": par}
 
 
