@@ -141,6 +141,17 @@ def configs(batch_tokens: int | None) -> dict[str, dict]:
     return {"default": {}, "hstap": {**rec, **HSTAP_LAYOUT}, "hstap-layout": rec}
 
 
+def fresh_compile_state() -> None:
+    """speculators compiles Eagle3DraftModel.forward once for the class (CUDA): every configuration's training,
+    validation and replay calls add graphs to that one code object, and past dynamo's recompile limit (8) the forward
+    would run eagerly (unfused flex_attention: the (T, K*T) scores of a whole packed batch). Each configuration starts
+    from an empty cache, with room for its own graphs."""
+    dynamo = torch._dynamo
+    dynamo.reset()
+    name = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo.config, name, max(getattr(dynamo.config, name), 64))
+
+
 def speculators_config(overrides: dict, a, save_path: Path, aux_vllm: list[int], cuda: bool):
     from speculators.train.config import TrainConfig
 
@@ -390,6 +401,7 @@ def run_config(name: str, overrides: dict, a, ctx: dict) -> dict:
     out, cuda = Path(a.out) / name, ctx["device"].type == "cuda"
     if out.exists():
         shutil.rmtree(out)
+    fresh_compile_state()
     tcfg = speculators_config(overrides, a, out / "checkpoints", ctx["aux_vllm"], cuda)
     args = argparse.Namespace(**tcfg.flatten())
     tcfg.save(str(out / "checkpoints"))  # run.yaml + train_command.txt: speculators' own record of the run
