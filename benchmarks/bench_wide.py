@@ -1,9 +1,12 @@
-"""Speedups at an 8B model's cost: the reference target and its drafter widened, function-preserving, to the
-Llama-3.1-8B shape (hstap.models.widen), against the plain reference target, in one run (H200).
+"""Speedups at an 8B model's cost: a small target (the reference target, SmolLM2-135M-Instruct: any Llama-family one
+with tied or untied embeddings) and its drafter widened, function-preserving, to the Llama-3.1-8B shape
+(hstap.models.widen), against the plain target, in one run (H200).
 
     python benchmarks/bench_wide.py --target .carry/reference/target-tiny --drafter RUN \
         --data .carry/reference/corpus/eval.jsonl.gz --prompts 48 --new-tokens 128
-    python benchmarks/bench_wide.py --tiny        # CPU smoke run: a random tiny target widened 2x (numbers mean nothing)
+    python benchmarks/bench_wide.py --target SMOLLM2_DIR --drafter RUN --data mtbench.jsonl --prompts 80 \
+        --new-tokens 128
+    python benchmarks/bench_wide.py --tiny   # CPU smoke run: a random SmolLM2-like target widened (numbers mean nothing)
 
 For each target (wide, then reference) on the same prompts, in bf16 on the fast engine (hstap eval's defaults:
 FastDecoder, CUDA graphs, torch.compile'd steps), each method over all prompts after a warm-up prompt:
@@ -14,6 +17,10 @@ against target-only's (hstap.speculative.evaluate.check_lossless: a mismatch wit
 Target-only also gets decode tok/s (one-token steps only) against its weight-bandwidth bound: weight bytes / the
 device-to-device copy bandwidth measured in this run (bytes read + written). The wide target's drafter is the same
 drafter widened: the report gives both targets' tau, which agree up to bf16 rounding of the rescaled norms.
+--data: what `hstap eval --data` takes (`hstap.speculative.evaluate.load_prompts`): a prepared dir, or a conversations
+file (JSONL/JSON/Parquet, e.g. {"id", "messages": [{"role", "content"}, ...]} per line), whose prompt is each record's
+messages up to its last user turn, rendered with the target's chat template (so a two-turn MT-bench record with the
+target's first answer gives the second turn's prompt); the first --prompts records.
 Prints a table, then ONE JSON line.
 """
 
@@ -125,11 +132,14 @@ def main(argv=None) -> int:
 
         tmp = Path(tempfile.mkdtemp(prefix="bench-wide-"))
         tok = build_tokenizer(sample_texts(), vocab_size=400, out_dir=tmp / "tok")
-        build_random_target(tmp / "t", tok, num_layers=8, hidden_size=64)
+        # SmolLM2's features at a tiny size: tied embeddings, 9 query heads on 3 kv heads, rope_theta 100000
+        build_random_target(tmp / "t", tok, num_layers=8, hidden_size=144, num_heads=9, num_kv_heads=3,
+                            intermediate_size=384, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
         target, tok = load_target(str(tmp / "t"), device="cpu", dtype="fp32")
         from bench_decode import random_drafter
         drafter = random_drafter(target)
-        shape = Shape(hidden=128, layers=12, heads=8, kv_heads=4, head_dim=32, intermediate=256)
+        shape = Shape(hidden=256, layers=12, heads=16, kv_heads=4, head_dim=32, intermediate=512)
         (tmp / "p.jsonl").write_text("".join(json.dumps({"id": str(i), "messages": [{"role": "user", "content": c}]})
                                              + "\n" for i, c in enumerate(["def parse(s):", "json.dumps", "a b c"])))
         a.data, a.prompts, a.new_tokens, a.k, a.tree = str(tmp / "p.jsonl"), 3, 12, 3, "2x3x6"

@@ -1,6 +1,8 @@
 """The GPU benchmarks' CPU smoke modes run end to end: bench_train.py --tiny (both shapes, profile; --store-checks) and
 quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter);
-bench_ngram.py on a few streams (its index and its scan propose the same drafts)."""
+bench_ngram.py on a few streams (its index and its scan propose the same drafts); peer_speculators.py --tiny
+(speculators' trainer on a tiny store, hstap's reading of its checkpoints equal to speculators' model); bench_wide.py
+--tiny (a SmolLM2-like tiny target widened, every method lossless)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,3 +75,74 @@ def test_bench_train_store_checks_tiny(tmp_path, monkeypatch):
     shards = sum(f.stat().st_size for f in (tmp_path / "store" / "shards").iterdir()) / 1e9
     assert on["hashed_gb"] == shards and r["store_gb"] <= shards < 1.01 * r["store_gb"]
     assert on["steps"] == off["steps"] == 2 and on["tokens"] == off["tokens"] > 0 and r["hash_gb_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def peer_tiny(tmp_path_factory):
+    """peer_speculators.py --tiny, one epoch: (its JSON line, its output dir with assets/{target,store})."""
+    pytest.importorskip("speculators.train.trainer")
+    out_dir = tmp_path_factory.mktemp("peer")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peer_speculators.py"), "--tiny", "--out",
+                        str(out_dir), "--epochs", "1", "--parity-samples", "2"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1]), out_dir
+
+
+def test_peer_speculators_tiny(peer_tiny):
+    """speculators' trainer on a tiny store built in-process, both configurations: validated with hstap's replay, each
+    best checkpoint converted to an hstap drafter whose logits are speculators' (every TTT step)."""
+    out, _ = peer_tiny
+    assert out["bench"] == "peer_speculators" and set(out["configs"]) == {"default", "hstap"}
+    for name, c in out["configs"].items():
+        par = c["parity"]
+        assert par["positions"] > 100 and par["argmax_equal"] == 1.0 and par["max_abs_logit_diff"] < 1e-3, (name, par)
+        assert c["steps"] > 0 and c["tokens"] > 0 and c["tokens_per_s"] > 0 and len(c["val_chain_tau"]) == 3
+        assert c["val_chain_tau"][0] >= 1.0 and c["epochs"][0]["val_rounds"] > 0
+        meta = json.loads((Path(c["drafter"]) / "drafter.json").read_text())
+        assert meta["peer"]["config"] == name and meta["config"]["aux_layers"] == [1, 3, 4]
+    assert out["configs"]["default"]["ttt_steps"] == 3 and out["configs"]["hstap"]["ttt_steps"] == 5
+    flags = json.loads((Path(out["configs"]["default"]["drafter"]) / "drafter.json").read_text())["config"]
+    assert flags["norm_before_fc"] and flags["norm_before_residual"] and flags["norm_output"]  # speculators' layout
+    assert out["chosen"] in out["configs"] and out["chosen_drafter"] == out["configs"][out["chosen"]]["drafter"]
+
+
+def test_peer_replay_equals_hstap_train_replay(peer_tiny, tmp_path):
+    """The selection figure is hstap's: a drafter trained by `hstap train` on the tiny store, exported for vLLM and run
+    as speculators' Eagle3DraftModel through peer_speculators.replay_validation, gives the chain taus hstap train's
+    own evaluation replayed on the same validation split (same split, counting and replay; both fp32)."""
+    import torch
+
+    _, out_dir = peer_tiny
+    assets, run = out_dir / "assets", tmp_path / "run"
+    common = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for argv in (["train", "--store", str(assets / "store"), "--target", str(assets / "target"), "--out", str(run),
+                  "--steps", "20", "--eval-frac", "0.25", "--batch-tokens", "1024"],
+                 ["export", "--run", str(run), "--to", "vllm", "--out", str(tmp_path / "vl"), "--dtype", "fp32",
+                  "--target", str(assets / "target")]):
+        p = subprocess.run([sys.executable, "-m", "hstap.cli", *argv], env=common, capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+    ev = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval": true' in x][-1]
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import peer_speculators as P
+    finally:
+        sys.path.pop(0)
+    from speculators.model import SpeculatorModel
+
+    model = SpeculatorModel.registry["eagle3"].from_pretrained(str(tmp_path / "vl")).float().eval()
+    model.verifier_norm = torch.nn.Identity()
+    a = type("A", (), {"store": str(assets / "store"), "target": str(assets / "target"), "tiny": True,
+                       "val_frac": 0.25, "val_samples": 0})()
+    ctx = P.context(a)
+    # an export holds no embedding; speculators 0.9 (transformers 5.17) fills it from the verifier only when the freshly
+    # materialized parameter happens to hold a NaN (its from_pretrained checks isnan()): set it as vLLM shares it
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(ctx["embed"])
+    dl = P.loader(P.StoreSamples(a.store, ctx["val"], 1024, torch.float32), 1024, 48, 3, 0, 0)
+    mine = P.replay_validation(model, dl, ctx["head"], ctx["hot"], ctx["t2d_dev"], 5, torch.device("cpu"),
+                               torch.float32)
+    assert mine["val_chain_tau"] == pytest.approx(ev["sim_chain_tau"], abs=1e-9), (mine, ev)
+    assert ev["sim_chain_tau"][0] > 1.0  # drafts were accepted: the comparison counts something

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from hstap.common import HstapError
 from hstap.export.drafter_dir import expected_state, load_drafter
 from hstap.layers import from_sglang, from_vllm, to_sglang, to_vllm, vllm_default_ids
-from hstap.models.drafter import DrafterConfig, Eagle3Drafter, parse_rope
+from hstap.models.drafter import SPECULATORS_FLAGS, DrafterConfig, Eagle3Drafter, parse_rope
 
 # SGLang's LlamaForCausalLMEagle3 and vLLM's Eagle3LlamaForCausalLM read these names (no embedding: shared from target).
 ENGINE_KEYS = ("fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -81,6 +81,10 @@ def llama_fields(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
 
 
 def sglang_config(cfg: DrafterConfig, dtype: torch.dtype) -> dict:
+    flags = [f for f in SPECULATORS_FLAGS if getattr(cfg, f)]
+    if flags:
+        raise HstapError(f"SGLang's LlamaForCausalLMEagle3 has no {', '.join(flags)} (speculators' variants of this "
+                         "drafter): export it with --to vllm")
     ids = to_sglang(cfg.aux_layers, cfg.target_model_type)
     if from_sglang(ids, cfg.target_model_type) != list(cfg.aux_layers):  # the conversion must round-trip exactly
         raise HstapError(f"aux layers {cfg.aux_layers} cannot be expressed in SGLang's convention for "
@@ -99,8 +103,8 @@ def vllm_config(cfg: DrafterConfig, dtype: torch.dtype, verifier: str, verifier_
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
         "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size, "eagle_aux_hidden_state_layer_ids": to_vllm(cfg.aux_layers),
-        # vLLM defaults norm_before_residual to True when the key is absent; hstap's residual is the un-normed fc output.
-        "norm_before_residual": False, "norm_before_fc": False,
+        # vLLM defaults norm_before_residual to True when the key is absent: every switch is written, hstap's layout off
+        **{f: bool(getattr(cfg, f)) for f in SPECULATORS_FLAGS},
         "speculators_config": {
             "algorithm": "eagle3", "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "accept_tolerance": 0.0,
@@ -202,13 +206,24 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
     """Load an exported directory (sglang, vllm or hf) as an Eagle3Drafter; returns (drafter in eval mode, config.json).
 
     SGLang/vLLM files hold no embedding: pass the target's `embed_weight` (V, H). Aux layers come from
-    hstap_export.json when present, else from the config's ids (SGLang: `from_sglang`; vLLM: `from_vllm`).
+    hstap_export.json when present, else from the config's ids (SGLang: `from_sglang`; vLLM: `from_vllm`). A
+    speculators config's norm_before_fc / norm_before_residual / norm_output are read with vLLM's defaults (False /
+    True / False when absent): a checkpoint of speculators' trainer computes here what it computes there.
     """
     p = Path(path)
     if (p / "drafter.safetensors").is_file():
         return load_drafter(p, device=device, dtype=dtype)
     wpath = p / "model.safetensors"
     conf, layer, aux, mtype, _ = read_export(p)
+    flags = {}
+    if conf.get("speculators_model_type") == "eagle3":
+        if conf.get("fc_norm"):
+            raise HstapError(f"{p / 'config.json'}: fc_norm (speculators' per-slot norms before fc) is not a layout "
+                             "hstap's drafter has")
+        # as vLLM reads a speculators config (vllm/transformers_utils/configs/speculators/algos.py: update_eagle3)
+        flags = {"norm_before_fc": bool(conf.get("norm_before_fc", False)),
+                 "norm_before_residual": bool(conf.get("norm_before_residual", True)),
+                 "norm_output": bool(conf.get("norm_output", False))}
     try:
         with safe_open(str(wpath), framework="pt") as f:
             state = {k: f.get_tensor(k) for k in f.keys()}
@@ -229,7 +244,7 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
         target_hidden_size=ht, num_aux=num_aux,
         rms_norm_eps=layer.get("rms_norm_eps", 1e-5), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=layer.get("max_position_embeddings", 2048), hidden_act=layer.get("hidden_act", "silu"),
-        target_model_type=mtype, aux_layers=list(aux), num_layers=int(layer.get("num_hidden_layers") or 1))
+        target_model_type=mtype, aux_layers=list(aux), num_layers=int(layer.get("num_hidden_layers") or 1), **flags)
     if "d2t" not in state and dcfg.draft_vocab_size == dcfg.vocab_size:  # the identity map (a vLLM export leaves it out)
         state["d2t"] = torch.zeros(dcfg.vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(dcfg.vocab_size, dtype=torch.bool)

@@ -4,4 +4,6 @@
 `LlamaForCausalLMEagle3` layout, deeper for vLLM) and its KV cache. `lean_target.py` and `lean_drafter.py` are their
 decode-time forms for the fast decoder: fused GEMMs, table rotary, few-row products as reductions (same math).
 `widen.py` widens a target and its drafter function-preservingly (the small target's behaviour at a big one's cost).
+`compiled.py` is the torch.compile machinery of training (the drafter's flex_attention, TTT's compiled regions): a
+recompile budget per region, compile failures told apart.
 """

@@ -9,6 +9,11 @@ most:
     h_out = mlp(post_attention_layernorm(r)) + r           # pre-norm output: what decoding and TTT feed back
     logits = lm_head(norm(h_out))                          # (B, T, draft_vocab)
 
+speculators' eagle3 variants (its trainer's defaults; vLLM runs them), read from its checkpoints and never trained by
+`hstap train` (`SPECULATORS_FLAGS`, all off = the layout above): norm_before_fc (h_in = fc(input_norm(aux))),
+norm_before_residual (r = self_attn(x) + hidden_norm(h_in)), norm_output (forward returns norm(h_out): decoding and TTT
+feed that back, and lm_head reads it as it is).
+
 Alignment (SGLang's draft-extend): the drafter at position t sees embed(x[t+1]) and the target's aux state at t, and
 predicts x[t+2]; its rotary position is t.
 
@@ -23,7 +28,6 @@ Single-device model code: no I/O, no ranks, no logging.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import warnings
 from dataclasses import dataclass, field
 
@@ -33,6 +37,7 @@ from torch import nn
 
 from hstap.common import HstapError
 from hstap.layers import is_deepseek
+from hstap.models.compiled import compile_region, guard_flex_compile
 
 
 def parse_rope(cfg) -> tuple[float, dict | None]:
@@ -51,6 +56,10 @@ def parse_rope(cfg) -> tuple[float, dict | None]:
     if rope.get("rope_type", rope.get("type", "default")) == "default":
         rope = {}
     return float(theta), rope or None
+
+
+SPECULATORS_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+"""DrafterConfig's switches for speculators' eagle3 variants (module docstring); all off in what `hstap train` makes."""
 
 
 @dataclass
@@ -90,6 +99,12 @@ class DrafterConfig:
     """Canonical ids of the target layers fused by fc, in order (empty for a final-state-only EAGLE-1-style drafter)."""
     num_layers: int = 1
     """Decoder layers: layer 0 is the EAGLE-3 midlayer (q/k/v over 2H inputs), layers 1.. plain Llama layers on H."""
+    norm_before_fc: bool = False
+    """RMSNorm (`input_norm`) over fc's K*Ht inputs before fc (speculators' and vLLM's `norm_before_fc`)."""
+    norm_before_residual: bool = False
+    """The midlayer's residual is hidden_norm(h_in) instead of h_in (speculators' and vLLM's `norm_before_residual`)."""
+    norm_output: bool = False
+    """forward returns norm(h_out), which is fed back and which lm_head reads as it is (speculators' `norm_output`)."""
 
     def __post_init__(self):
         if self.num_aux < 1:
@@ -130,6 +145,9 @@ class DrafterConfig:
         d = dataclasses.asdict(self)
         if d["num_layers"] == 1:
             del d["num_layers"]
+        for k in SPECULATORS_FLAGS:  # likewise: off (hstap's layout) is left out
+            if not d[k]:
+                del d[k]
         return d
 
     @classmethod
@@ -246,29 +264,6 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(*self.qkv(x, cos, sin), cache, mask))
 
 
-RECOMPILE_LIMIT = 64
-"""Graphs one compiled region may hold (dynamo's default, 8 per code object, is too few for TTT: see `_flex`)."""
-
-
-def compile_region(fn, **kw):
-    """torch.compile `fn` with a budget of RECOMPILE_LIMIT graphs for its code object (TTT's compiled regions).
-
-    Past its recompile limit dynamo silently runs the function eagerly. Where torch.compile takes a per-region
-    `recompile_limit`, that is the budget (and with fullgraph=True running out raises FailOnRecompileLimitHit instead
-    of falling back). Older torch has only the process-wide limit: it is raised around each call of the region, not for
-    the whole process, so nothing else in the process changes."""
-    if "recompile_limit" in inspect.signature(torch.compile).parameters:
-        return torch.compile(fn, recompile_limit=RECOMPILE_LIMIT, **kw)
-    compiled = torch.compile(fn, **kw)
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-
-    def call(*a, **k):
-        with cfg.patch(**{name: max(getattr(cfg, name), RECOMPILE_LIMIT)}):
-            return compiled(*a, **k)
-    return call
-
-
 FLEX_KERNEL_OPTIONS: dict = {"FORCE_USE_FLEX_ATTENTION": True}
 """kernel_options of every compiled flex_attention call: the main Triton kernel always, never inductor's decoding one.
 
@@ -285,11 +280,6 @@ FLEX_DYNAMIC = None
 shapes once another comes); benchmarks/repro_flex.py tries True too."""
 
 
-class FlexCompileError(HstapError):
-    """Compiling flex_attention for a shape failed (dynamo, inductor or Triton raised): the caller may run the exact SDPA
-    path instead (`hstap.train.ttt.TTTModel` does)."""
-
-
 _FLEX: dict = {}
 
 
@@ -304,8 +294,8 @@ def _flex(cuda: bool):
     grad mode splits them all again, so `TTTModel(evaluate=True)` under no_grad (train's evaluation, which runs last)
     hit the limit. Hence a region of our own (a wrapper, so its cache is not shared), a budget of RECOMPILE_LIMIT
     (the specialisations are bounded, ~2^4; `compile_region`), and fullgraph=True. FLEX_KERNEL_OPTIONS picks the kernel.
-    A compile failure raises FlexCompileError; the backward is compiled with the forward where torch allows it, so
-    that a failure of either surfaces at the forward call, before any gradient exists."""
+    A compile failure raises `hstap.models.compiled.FlexCompileError`; the backward is compiled with the forward where
+    torch allows it, so that a failure of either surfaces at the forward call, before any gradient exists."""
     if cuda not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
         if cuda:
@@ -320,42 +310,6 @@ def _flex(cuda: bool):
                     return flex_attention(*a, **kw)
             _FLEX[cuda] = eager
     return _FLEX[cuda]
-
-
-def guard_flex_compile(compiled):
-    """`compiled(q, k, v, **kw)` with the backward lowered at forward time and compile failures as FlexCompileError."""
-    import torch._functorch.config as fcfg
-
-    eager_bw = {"force_non_lazy_backward_lowering": True} if hasattr(fcfg, "force_non_lazy_backward_lowering") else {}
-
-    def call(q, k, v, **kw):
-        try:
-            with fcfg.patch(**eager_bw):
-                return compiled(q, k, v, **kw)
-        except Exception as e:  # noqa: BLE001 - only compile failures are converted; anything else is re-raised
-            cause = compile_failure(e)
-            if cause is None:
-                raise
-            raise FlexCompileError(f"compiling flex_attention failed for query {tuple(q.shape)} {q.dtype}, key "
-                                   f"{tuple(k.shape)}: {cause}") from e
-    return call
-
-
-def compile_failure(e: BaseException) -> str | None:
-    """'Type: first line' of the innermost dynamo/inductor/Triton exception in e's chain (a failure to compile), or
-    None when there is none or the chain holds an out-of-memory error (a failure to run, not to compile)."""
-    chain = []
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    if any(isinstance(x, torch.OutOfMemoryError) for x in chain):
-        return None
-    hits = [x for x in chain if type(x).__module__.startswith(("torch._dynamo", "torch._inductor", "triton"))]
-    if not hits:
-        return None
-    root = hits[-1]
-    lines = [ln.strip() for ln in str(root).splitlines() if ln.strip()]
-    return f"{type(root).__name__}: {lines[0][:240] if lines else ''}".rstrip(": ")
 
 
 class MLP(nn.Module):
@@ -377,6 +331,7 @@ class Midlayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.norm_before_residual = cfg.norm_before_residual
 
     # pre/post hold everything but the cache and the attention kernel: pure tensor functions that torch.compile fuses
     # (train --compile replaces them on the instance), while the cache bookkeeping stays in plain Python.
@@ -390,7 +345,8 @@ class Midlayer(nn.Module):
 
     def forward(self, emb, hidden, cos, sin, cache, mask):
         q, k, v = self.pre(emb, hidden, cos, sin)
-        return self.post(self.self_attn.attend(q, k, v, cache, mask), hidden)
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden  # (B, T, H)
+        return self.post(self.self_attn.attend(q, k, v, cache, mask), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -426,6 +382,8 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's embedding, frozen
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        if cfg.norm_before_fc:  # registered only then: hstap's own state dict stays as it was
+            self.input_norm = RMSNorm(cfg.num_aux * cfg.target_hidden_size, cfg.rms_norm_eps)
         self.midlayer = Midlayer(cfg)
         if cfg.num_layers > 1:  # not registered at all for one layer: its state dict stays as it was
             self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(1, cfg.num_layers)})
@@ -440,7 +398,8 @@ class Eagle3Drafter(nn.Module):
         """Fuse captured target states: (B, T, K*Ht) or (B, T, K, Ht) -> (B, T, H)."""
         if aux.dim() == 4:
             aux = aux.flatten(-2)  # (B, T, K*Ht)
-        return self.fc(aux.to(self.fc.weight.dtype))
+        aux = aux.to(self.fc.weight.dtype)
+        return self.fc(self.input_norm(aux) if self.config.norm_before_fc else aux)
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor):
         return self.rotary(x, position_ids)  # cos, sin: (B, T, hd)
@@ -452,22 +411,28 @@ class Eagle3Drafter(nn.Module):
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 cache: DrafterCache | LayerCaches | None = None, attn_mask=None) -> torch.Tensor:
         """One pass through the layers. input_ids (B, T) target ids; hidden (B, T, H); returns h_out (B, T, H), the
-        last layer's pre-norm output. Every layer sits at the same rotary positions and uses the same mask."""
+        last layer's pre-norm output (normed: norm_output). Every layer sits at the same rotary positions and uses the
+        same mask."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
         cos, sin = self.rope(hidden, position_ids)
         n = self.config.num_layers
         if n == 1:
-            return self.midlayer(emb, hidden, cos, sin, cache, attn_mask)
-        if cache is not None and not (isinstance(cache, LayerCaches) and len(cache.layers) == n):
-            raise ValueError(f"a {n}-layer drafter takes a LayerCaches({n}) (new_drafter_cache), got {type(cache)}")
-        caches = cache.layers if cache is not None else [None] * n
-        h = self.midlayer(emb, hidden, cos, sin, caches[0], attn_mask)
-        for layer, c in zip(self.layers.values(), caches[1:]):
-            h = layer(h, cos, sin, c, attn_mask)  # (B, T, H)
-        return h
+            h = self.midlayer(emb, hidden, cos, sin, cache, attn_mask)  # (B, T, H)
+        else:
+            if cache is not None and not (isinstance(cache, LayerCaches) and len(cache.layers) == n):
+                raise ValueError(f"a {n}-layer drafter takes a LayerCaches({n}) (new_drafter_cache), got {type(cache)}")
+            caches = cache.layers if cache is not None else [None] * n
+            h = self.midlayer(emb, hidden, cos, sin, caches[0], attn_mask)
+            for layer, c in zip(self.layers.values(), caches[1:]):
+                h = layer(h, cos, sin, c, attn_mask)  # (B, T, H)
+        return self.norm(h) if self.config.norm_output else h
+
+    def head_input(self, h_out: torch.Tensor) -> torch.Tensor:
+        """What lm_head reads of a forward's output: norm(h_out), or h_out itself when forward normed it already."""
+        return h_out if self.config.norm_output else self.norm(h_out)
 
     def compute_logits(self, h_out: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h_out))  # (B, T, Vd)
+        return self.lm_head(self.head_input(h_out))  # (B, T, Vd)
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target ids (SGLang's hot_token_id = arange + d2t)."""

@@ -14,7 +14,8 @@ what it saves is kernels, not flops:
                 `attention="math"`: the same attention as two matrix products and a softmax over the un-repeated
                 cache, for the compiler to fuse (hstap.models.lean_target.attend).
 The weights are copies (the drafter is small); the drafter itself is left as it is. A drafter class that overrides
-`forward` (a test double, another architecture) is called as it is: only the stock midlayer is rewritten.
+`forward` (a test double, another architecture) is called as it is, and so is a drafter of speculators' variants
+(`hstap.models.drafter.SPECULATORS_FLAGS`): only the stock midlayer is rewritten.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hstap.models.drafter import Eagle3Drafter, rotate
+from hstap.models.drafter import SPECULATORS_FLAGS, Eagle3Drafter, rotate
 from hstap.models.lean_target import FUSE_MAX_BYTES, attend, linear
 
 
@@ -34,7 +35,9 @@ class LeanDrafter:
                  fuse_bytes: int = FUSE_MAX_BYTES):
         self.drafter, self.config, self.d2t, self.attention = drafter, drafter.config, drafter.d2t, attention
         self.fuse_rows, self.fuse_bytes = fuse_rows, fuse_bytes  # few-row products as reductions (lean_target.linear)
-        self.fused = type(drafter).forward is Eagle3Drafter.forward
+        # speculators' variants (SPECULATORS_FLAGS) run the drafter's own forward, project and compute_logits
+        self.fused = type(drafter).forward is Eagle3Drafter.forward and not any(
+            getattr(drafter.config, f, False) for f in SPECULATORS_FLAGS)
         m = drafter.midlayer
         a = m.self_attn
         self.nh, self.nkv, self.hd = a.n_heads, a.n_kv, a.hd

@@ -20,7 +20,12 @@ How, with H -> H' (and the rest likewise), every new weight entry 0 unless said:
   ([1, N'/2-1, N'-4]) read the states the drafter was trained on (`layer_positions`); the layers in between have all
   weights zero, so each adds exactly 0 to the residual stream (and costs a full layer).
 - the drafter: fc reads each captured state's first H components (the rest are 0) and writes the first H rows; its
-  q/k/v read cat(embedding, hidden) at columns [0, H) and [H', H' + H); norms, heads and MLP as the target's.
+  q/k/v read cat(embedding, hidden) at columns [0, H) and [H', H' + H); norms, heads and MLP as the target's; of
+  speculators' variants (`hstap.models.drafter.SPECULATORS_FLAGS`) input_norm is rescaled as a norm over K*H' inputs
+  and the other two need nothing more.
+- tied embeddings (SmolLM2): lm_head is the padded embedding, so widening either gives the same wide matrix; the wide
+  config keeps `tie_word_embeddings`, and the wide model one copy. Its cost is an 8B's but for the vocabulary: the
+  head reads V x H' (SmolLM2: 49,152 rows, Llama-3.1-8B: 128,256; bench_wide.py reports the weight bytes).
 
 Exact in real arithmetic: in fp32 the greedy outputs equal the original's (tests/models/test_widen.py); in bf16 the
 rescaled norms round differently and a near-tie can flip (bench_wide.py reports the agreement).
@@ -210,6 +215,10 @@ def widen_drafter(state: dict, dcfg, dst: Shape, wide_aux: list[int]):
            "norm.weight": _norm(state["norm.weight"], H, Hw),
            "lm_head.weight": _place(state["lm_head.weight"], (dcfg.draft_vocab_size, Hw)),
            "d2t": state["d2t"], "t2d": state["t2d"]}
+    if dcfg.norm_before_fc:  # speculators' input_norm over the K*H' fc inputs, K*H of them non-zero: as every norm
+        w = state["input_norm.weight"]
+        out["input_norm.weight"] = torch.zeros(K * Hw, dtype=w.dtype, device=w.device).index_copy(
+            0, fc_cols.to(w.device), w * math.sqrt(H / Hw))
     out.update({"midlayer." + k: v for k, v in widen_attention_mlp(mid, src, d_dst, in_cols, 2 * Hw).items()})
     for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         out[f"midlayer.{n}.weight"] = _norm(mid[f"{n}.weight"], H, Hw)

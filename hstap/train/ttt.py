@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hstap.models.drafter import DrafterConfig, Eagle3Drafter, FlexCompileError, compile_region, new_drafter_cache
+from hstap.models.compiled import FlexCompileError, compile_region
+from hstap.models.drafter import DrafterConfig, Eagle3Drafter, new_drafter_cache
 
 
 def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
@@ -350,7 +351,7 @@ class TTTModel(nn.Module):
             h = d(ids, hidden, pos, cache, self._mask(T, k, dev))  # (B, T, H)
             planned = not evaluate and "rows" in tb  # `plan_rows` ran (Feed): no host sync here
             rows_t, rows_c = tb["rows"][k] if planned else step_rows(tb, T, k, counted_only=not evaluate)
-            x = d.norm(h.reshape(B * T, -1).index_select(0, rows_t))  # (n, H)
+            x = d.head_input(h.reshape(B * T, -1).index_select(0, rows_t))  # (n, H)
             p, tgt = tb["p"].index_select(0, rows_c), tb["tgt"].index_select(0, rows_c)  # (n, Vd), (n,)
             if evaluate:
                 ce, pred = soft_ce_rows(x, d.lm_head.weight, p, self.ce_chunk, cd, self.eval_core)  # (n,), (n,)

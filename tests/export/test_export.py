@@ -369,6 +369,83 @@ def test_deeper_drafter_refused_by_sglang(trained, tiny_llama, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".sg")]
 
 
+def _speculators_step_logits(model, ids, aux, K: int) -> list[torch.Tensor]:
+    """speculators' Eagle3DraftModel over one sequence (ids (T+1,), aux (T, K*H) = fc inputs of positions 0..T-1):
+    the lm_head output of each of K teacher-forced TTT steps, (1, T, Vd) each."""
+    got = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: got.append(o.detach()))
+    T = aux.shape[0]
+    with torch.no_grad():
+        model(hidden_states=aux[None], input_ids=ids[None, 1:], document_ids=torch.zeros(1, T, dtype=torch.long),
+              position_ids=torch.arange(1, T + 1)[None], ttt_steps=K)  # shift_batch's layout: positions from 1
+    hook.remove()
+    return got
+
+
+def _hstap_step_logits(d: Eagle3Drafter, ids, aux, K: int) -> list[torch.Tensor]:
+    """The same through hstap's drafter: its exact TTT mask, speculators' teacher forcing and positions."""
+    from hstap.models.drafter import new_drafter_cache
+    from hstap.train.ttt import ttt_mask
+
+    T, out = aux.shape[0], []
+    with torch.no_grad():
+        hidden, cache = d.project(aux[None]), new_drafter_cache(d)
+        for k in range(K):
+            step = torch.nn.functional.pad(ids[None, 1 + k:], (0, k))  # (1, T): x[t+1+k]
+            hidden = d(step, hidden, torch.arange(1 + k, T + 1 + k)[None], cache, ttt_mask(T, k))
+            out.append(d.compute_logits(hidden))
+    return out
+
+
+def test_speculators_layout_switches_read_as_speculators_computes_them(trained, tiny_llama, tmp_path):
+    """speculators' eagle3 layout switches, its trainer's defaults (norm_before_fc, norm_before_residual, norm_output):
+    a checkpoint saved by speculators' own Eagle3DraftModel is read by load_exported into a drafter with speculators'
+    logits at every TTT step; a config without norm_before_residual means True (vLLM's reading); fc_norm is refused;
+    an hstap drafter with the switches exports them to vLLM, reads back identically, and SGLang refuses it."""
+    spec = pytest.importorskip("speculators.models.eagle3")
+    from speculators.train.cli import create_transformer_layer_config
+
+    layer = create_transformer_layer_config(str(tiny_llama), num_layers=1, draft_arch="llama", hidden_act=None,
+                                            sliding_window=2048, full_attention_indices=[0])
+    d2t, t2d = _vocab_map(layer.vocab_size, seed=1)
+    model = spec.Eagle3DraftModel.from_training_args(
+        layer, t2d=t2d, d2t=d2t, verifier_name_or_path=str(tiny_llama), draft_vocab_size=VD, ttt_steps=3,
+        norm_before_fc=True, norm_before_residual=True, norm_output=True, target_layer_ids=to_vllm(AUX),
+        draft_attn_impl="sdpa").eval()
+    torch.manual_seed(3)
+    with torch.no_grad():  # away from the init: a norm applied or left out changes the logits visibly
+        for name, p in model.named_parameters():
+            if not name.startswith("verifier_"):
+                p.normal_(1.0, 0.3) if p.dim() == 1 else p.normal_(0.0, 0.3)
+    model.save_pretrained(str(tmp_path / "spec"))
+    d, _ = load_exported(tmp_path / "spec")
+    assert (d.config.norm_before_fc, d.config.norm_before_residual, d.config.norm_output) == (True, True, True)
+    assert d.config.aux_layers == AUX
+    g = torch.Generator().manual_seed(4)
+    ids, aux = torch.randint(0, layer.vocab_size, (13,), generator=g), torch.randn(12, 3 * 64, generator=g)
+    theirs, ours = _speculators_step_logits(model, ids, aux, 3), _hstap_step_logits(d, ids, aux, 3)
+    for a, b in zip(theirs, ours):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert theirs[0].abs().max() > 1.0
+    conf = json.loads((tmp_path / "spec" / "config.json").read_text())
+    del conf["norm_before_residual"]
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(conf))
+    assert load_exported(tmp_path / "spec")[0].config.norm_before_residual is True
+    (tmp_path / "spec" / "config.json").write_text(json.dumps({**conf, "fc_norm": True}))
+    with pytest.raises(HstapError, match="fc_norm"):
+        load_exported(tmp_path / "spec")
+    run = tmp_path / "run"
+    save_drafter(run / "best", d, extra={"store": {**trained[2], "captured_layers": AUX, "path": "STORE"}})
+    export(ExportConfig(run=str(run), to="vllm", out=str(tmp_path / "vl"), dtype="fp32", target=str(tiny_llama)))
+    c = json.loads((tmp_path / "vl" / "config.json").read_text())
+    assert (c["norm_before_fc"], c["norm_before_residual"], c["norm_output"]) == (True, True, True)
+    back, _ = load_exported(tmp_path / "vl", embed_weight=d.embed_tokens.weight)
+    assert all(torch.equal(a, b) for a, b in zip(_hstap_step_logits(back, ids, aux, 3), ours))
+    with pytest.raises(HstapError, match="SGLang's LlamaForCausalLMEagle3 has no norm_before_fc"):
+        export(ExportConfig(run=str(run), to="sglang", out=str(tmp_path / "sg")))
+    assert not (tmp_path / "sg").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # SGLang fidelity
 

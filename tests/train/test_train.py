@@ -209,7 +209,7 @@ def test_a_flex_compile_failure_is_one_log_line_and_the_run_trains_as_sdpa(asset
     from torch._inductor.select_algorithm import NoValidChoicesError
 
     import hstap.models.drafter as dr
-    from hstap.models.drafter import guard_flex_compile
+    from hstap.models.compiled import guard_flex_compile
 
     def no_kernel(q, k, v, **kw):
         raise NoValidChoicesError("No choices to select, please consider adding ATEN into max_autotune_gemm_backends")

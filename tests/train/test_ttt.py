@@ -259,7 +259,7 @@ def test_compile_failure_finds_the_inductor_error_and_leaves_out_of_memory_alone
     from torch._dynamo.exc import BackendCompilerFailed
     from torch._inductor.select_algorithm import NoValidChoicesError
 
-    from hstap.models.drafter import compile_failure
+    from hstap.models.compiled import compile_failure
 
     def chained(inner, outer=RuntimeError("compiled call failed")):
         try:
@@ -286,7 +286,7 @@ def test_a_flex_compile_failure_recomputes_the_batch_with_sdpa_exactly(monkeypat
     from torch._inductor.select_algorithm import NoValidChoicesError
 
     import hstap.models.drafter as dr
-    from hstap.models.drafter import guard_flex_compile
+    from hstap.models.compiled import guard_flex_compile
 
     d, W, hot, t2d, ids, lm, L, aux, final = tiny_setup(seed=5, B=3, T=9, lengths=(9, 6, 4))
     tb = target_distribution(final, lm, L, W, hot, t2d)
