@@ -153,10 +153,10 @@ class SGLangServer:
 
 def generate(url: str, input_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              stop_token_ids: list[int] | None = None, seed: int | None = None, timeout: float = 3600.0,
-             **extra) -> dict:
-    """POST /generate with token ids; SGLang's answer (`output_ids`, `meta_info`). `extra` goes into the request
-    as is (rid, return_hidden_states, ...)."""
-    sp: dict = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature)}
+             sampling: dict | None = None, **extra) -> dict:
+    """POST /generate with token ids; SGLang's answer (`output_ids`, `meta_info`). `sampling` adds to the sampling
+    params (ignore_eos, ...); `extra` goes into the request as is (rid, extra_key, ...)."""
+    sp: dict = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature), **(sampling or {})}
     if stop_token_ids:
         sp["stop_token_ids"] = [int(i) for i in stop_token_ids]
     if seed is not None:
