@@ -122,6 +122,11 @@ class SGLangServer:
         except (OSError, ValueError):
             return False
 
+    def info(self) -> dict:
+        """The running server's /server_info (its resolved arguments, `version`)."""
+        with urllib.request.urlopen(self.url + "/server_info", timeout=30) as r:
+            return json.loads(r.read())
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 

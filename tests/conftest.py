@@ -84,3 +84,14 @@ def vllm_llama(tiny_tokenizer, tmp_path_factory) -> Path:
         model.lm_head.weight.mul_(6.0)
     model.save_pretrained(str(d))
     return d
+
+
+@pytest.fixture(scope="session")
+def greedy_drafted(vllm_llama, tmp_path_factory):
+    """(prepared set of `vllm_llama`'s own greedy answers, a short drafter training RUN on them, their directory):
+    the drafter the engines' eval tests (vLLM, SGLang) put inside the engine; chain k=3, layers 1,2,3."""
+    from _train_fixtures import greedy_drafter
+
+    root = tmp_path_factory.mktemp("greedy-drafted")
+    greedy, run = greedy_drafter(vllm_llama, root, 3, 24, layers="1,2,3")
+    return greedy, run, root
