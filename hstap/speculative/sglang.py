@@ -90,8 +90,8 @@ def run_sglang(cfg, prompts: list[tuple[str, list[int]]], eos: list[int], drafte
     try:
         ref, t_ref, up_ref, version = _serve(*run, out_dir / "sglang-target.log", base, ids, cfg.max_new_tokens,
                                              cfg.temperature, eos, cfg.seed)
-    except RuntimeError as e:
-        raise HstapError(f"--engine sglang: the SGLang server (no speculation) did not start: {e}") from None
+    except (RuntimeError, OSError) as e:
+        raise HstapError(f"--engine sglang: the SGLang server without speculation failed: {e}") from None
     target_out = [list(a["output_ids"]) for a in ref]
     new_ref = sum(map(len, target_out))
     block: dict = {
@@ -106,9 +106,10 @@ def run_sglang(cfg, prompts: list[tuple[str, list[int]]], eos: list[int], drafte
             "--speculative-num-draft-tokens", str(cfg.k + 1)]
     try:
         ans, t_spec, up_spec, _ = _serve(*run, spec_log, spec, ids, cfg.max_new_tokens, cfg.temperature, eos, cfg.seed)
-    except RuntimeError:
-        block["speculative"] = {"ran": False, "error": startup_error(spec_log.read_text(errors="replace")),
-                                "log": str(spec_log), "device": device}
+    except (RuntimeError, OSError) as e:  # it did not start (its log's error line), or its requests failed
+        error = startup_error(spec_log.read_text(errors="replace")) if isinstance(e, RuntimeError) else \
+            f"a request failed: {e}"
+        block["speculative"] = {"ran": False, "error": error, "log": str(spec_log), "device": device}
         return block
     outs = [list(a["output_ids"]) for a in ans]
     counts = [spec_counts(a.get("meta_info") or {}, cfg.k) for a in ans]
@@ -149,7 +150,7 @@ def check_ran(report: dict, out_dir: Path) -> None:
     s = (report.get("sglang") or {}).get("speculative") or {}
     if s.get("ran") is False:
         where = " (SGLang's generic CPU path has no EAGLE-3: docs/engines.md)" if s.get("device") == "cpu" else ""
-        raise HstapError(f"--engine sglang: SGLang's EAGLE-3 server did not start: {s.get('error')}{where}; log "
+        raise HstapError(f"--engine sglang: SGLang's EAGLE-3 server did not run: {s.get('error')}{where}; log "
                          f"{s.get('log')}; {out_dir / 'report.json'} holds hstap's decoder and SGLang's target-only run")
 
 

@@ -70,6 +70,17 @@ def test_sglang_eagle3_counts_equal_hstaps_or_the_reason_it_cannot_run(report):
     assert sp["device"] == "cpu" and any(b in sp["error"] for b in CPU_BLOCKERS), sp["error"]
     assert (out / "sglang-eagle3.log").is_file() and "--speculative-algorithm EAGLE3" in \
         (out / "sglang-eagle3.log").read_text()
-    assert err is not None and err.startswith("--engine sglang: SGLang's EAGLE-3 server did not start: ")
+    assert err is not None and err.startswith("--engine sglang: SGLang's EAGLE-3 server did not run: ")
     assert sp["error"] in err and "docs/engines.md" in err and str(out / "report.json") in err
     assert "SGLang EAGLE-3 (k=3): did not run:" in printed
+
+
+def test_accepted_by_position_from_sglangs_histogram():
+    """SGLang's `spec_correct_drafts_histogram[j]` counts the rounds that accepted j drafts
+    (Req.update_spec_correct_drafts_histogram, srt/managers/schedule_batch.py); draft position i was accepted in every
+    round that took more than i."""
+    from hstap.speculative.sglang import spec_counts
+
+    assert spec_counts({"spec_verify_ct": 5, "spec_correct_drafts_histogram": [1, 2, 0, 2]}, 3) == (5, [4, 2, 2])
+    assert spec_counts({"spec_verify_ct": 2, "spec_correct_drafts_histogram": [2]}, 3) == (2, [0, 0, 0])
+    assert spec_counts({}, 2) == (0, [0, 0])  # a request SGLang never verified (finished at its prefill)
