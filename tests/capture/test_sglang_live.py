@@ -24,7 +24,7 @@ from hstap.capture.sglang.protocol import ENV_LAYERS, hook_spec
 from hstap.sglang_engine import generate
 
 LAYERS = [0, 2, 4]  # canonical ids in the 6-layer tiny target (5, the last layer's output, SGLang cannot capture)
-CHUNK = 64  # --chunked-prefill-size: most prompts here are longer (48..156 tokens)
+CHUNK = 64  # --chunked-prefill-size: most prompts here are longer (21 of 24: 56..154 tokens)
 N = 24
 
 
