@@ -5,8 +5,8 @@ Why another interpreter: SGLang 0.5.23 pins torch 2.14.1 and imports torchvision
 CPU torch cannot host, so the server gets a venv of its own (`.venv-sglang`, requirements-sglang-server.txt, README
 command 2) with hstap installed in it (its hook and plugin run inside the server). `server_python` finds it.
 
-On a machine without a GPU the server takes SGLang's generic CPU path (`cpu_args`, docs/engines.md "SGLang on the
-CPU"): `--device cpu --attention-backend torch_native --disable-cuda-graph` and a KV pool of `CPU_MAX_TOTAL_TOKENS`
+On a machine without a GPU the server takes SGLang's generic CPU path (`cpu_args`, docs/engines.md "A real SGLang server on
+the CPU"): `--device cpu --attention-backend torch_native --disable-cuda-graph` and a KV pool of `CPU_MAX_TOTAL_TOKENS`
 tokens (SGLang's default pool, sized from a fraction of the machine's memory, had its scheduler OOM-killed on a
 24 GiB box). Never with `SGLANG_USE_CPU_ENGINE=1`: that path imports sgl_kernel's CPU build, which is not on PyPI.
 """

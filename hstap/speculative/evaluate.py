@@ -338,7 +338,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     dtype = str(target.dtype).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16")
     vllm_dir = vllm_drafter_dir(cfg.drafter, cfg.target, out_dir, dtype, target.num_layers) \
         if cfg.engine == "vllm" else None  # refused now, before the long runs
-    sglang_dir = sglang_engine.sglang_drafter_dir(cfg.drafter, out_dir, dtype, target.num_layers) \
+    sglang_dir = sglang_engine.sglang_drafter_dir(cfg, out_dir, dtype, target.num_layers) \
         if cfg.engine == "sglang" else None
     engine, methods = decoders(cfg, target, drafter, prompts, eos)
     outputs, results = {}, {}

@@ -17,7 +17,8 @@ batches them. What comes back:
 - tokens/s of both runs (batched: comparable with each other only).
 
 On SGLang's generic CPU path (the only one that runs without a GPU, `hstap.sglang_engine.cpu_args`), sglang 0.5.23's
-EAGLE-3 does not start: docs/engines.md ("SGLang's EAGLE-3 on the CPU") has the file and line of each blocker. The
+EAGLE-3 does not start: docs/engines.md ("SGLang's EAGLE-3 and `hstap eval --engine sglang`") has the file and line of
+each blocker. The
 target-only run still runs; the speculative server's own error line is reported (`speculative.error`, and the command
 then stops with it, after writing the report).
 
@@ -36,10 +37,14 @@ from pathlib import Path
 from hstap.common import HstapError
 
 
-def sglang_drafter_dir(drafter: str, out_dir: Path, dtype: str, num_layers: int) -> Path:
-    """The directory SGLang loads as the drafter (module docstring); refused when SGLang cannot tap its layers."""
+def sglang_drafter_dir(cfg, out_dir: Path, dtype: str, num_layers: int) -> Path:
+    """Before the long runs: the server venv's python exists (`--sglang-python`), and the directory SGLang loads as the
+    drafter (module docstring), refused when SGLang cannot tap its layers."""
     from hstap.layers import check_sglang_capturable, from_sglang
+    from hstap.sglang_engine import server_python
 
+    server_python(cfg.sglang_python)
+    drafter = cfg.drafter
     p = Path(drafter)
     if not ((p / "config.json").is_file() and (p / "model.safetensors").is_file()):
         from hstap.export.stage import ExportConfig, export
@@ -81,7 +86,7 @@ def run_sglang(cfg, prompts: list[tuple[str, list[int]]], eos: list[int], drafte
     and `target_outputs`, moved into the report's prompts by `attach`)."""
     from hstap.sglang_engine import launch_args, server_python, startup_error
 
-    python = server_python(getattr(cfg, "sglang_python", None))
+    python = server_python(cfg.sglang_python)
     device = "cuda" if str(cfg.device).startswith("cuda") else "cpu"
     ids = [p for _, p in prompts]
     base = [*launch_args(device, dtype), "--disable-radix-cache", "--random-seed", str(cfg.seed)]

@@ -3,9 +3,9 @@ drafter of tests/conftest.py's `greedy_drafted` exported `--to sglang` on the fl
 
 What runs here: hstap's decoder (lossless, tau > 1), SGLang without speculation on the same prompts (its greedy outputs
 equal hstap's target-only outputs, token for token), and SGLang's EAGLE-3 server, which sglang 0.5.23 does not start
-on its CPU path (docs/engines.md, "SGLang's EAGLE-3 on the CPU": the triton KV-copy warm-up that speculative decoding
-turns on, and no EAGLE draft attention backend for torch_native): the report and the one error line carry SGLang's
-own error. Where SGLang's EAGLE-3 does run (a GPU), the same test asserts that SGLang's counts (rounds, accepted
+on its CPU path (docs/engines.md, "SGLang's EAGLE-3 and `hstap eval --engine sglang`": the triton KV-copy warm-up
+that speculative decoding turns on, and no EAGLE draft attention backend for torch_native): the report and the one
+error line carry SGLang's own error. Where SGLang's EAGLE-3 does run (a GPU), the same test asserts that SGLang's counts (rounds, accepted
 drafts by position) equal hstap's decoder and that its outputs with the drafter equal those without."""
 
 from __future__ import annotations
@@ -84,3 +84,14 @@ def test_accepted_by_position_from_sglangs_histogram():
     assert spec_counts({"spec_verify_ct": 5, "spec_correct_drafts_histogram": [1, 2, 0, 2]}, 3) == (5, [4, 2, 2])
     assert spec_counts({"spec_verify_ct": 2, "spec_correct_drafts_histogram": [2]}, 3) == (2, [0, 0, 0])
     assert spec_counts({}, 2) == (0, [0, 0])  # a request SGLang never verified (finished at its prefill)
+
+
+def test_a_missing_server_python_is_refused_before_the_long_runs(vllm_llama, greedy_drafted, tmp_path):
+    from hstap.speculative.evaluate import EvalConfig, evaluate
+
+    greedy, run, _ = greedy_drafted
+    with pytest.raises(HstapError, match=r"--sglang-python: .*/nowhere/python does not exist"):
+        evaluate(EvalConfig(target=str(vllm_llama), drafter=str(run), data=str(greedy), out=str(tmp_path / "r"),
+                            k=K, device="cpu", engine="sglang", num_prompts=2, sglang_python=str(tmp_path / "nowhere"
+                                                                                                  / "python")))
+    assert not (tmp_path / "r" / "report.json").exists()
