@@ -118,6 +118,18 @@ def sglang_capture_inputs(config_ids: Sequence[int], model_type: str = "llama") 
     return [i + 1 for i in config_ids]
 
 
+def check_sglang_capturable(ids: Sequence[int], num_layers: int, what: str = "--layers") -> None:
+    """Refuse canonical ids SGLang cannot capture: the last layer's output (N-1). SGLang captures layer *inputs*:
+    `set_eagle3_layers_to_capture` stores `id + 1` (sglang 0.5.23 srt/models/llama.py:941; DeepSeek likewise) and the
+    model's forward captures `i in range(start_layer, end_layer)` (llama.py:486-492), so input N, the output of layer
+    N-1, is never taken. The last layer's output after the final norm is always stored as `final`."""
+    last = last_layer(num_layers)
+    if last in [int(i) for i in ids]:
+        raise HstapError(f"{what}: SGLang cannot capture canonical layer {last}, the last layer's output, in a "
+                         f"{num_layers}-layer target (it captures layer inputs: id+1 = {num_layers} is not a layer; "
+                         f"the final-norm output is stored as `final` anyway): use ids up to {last - 1}")
+
+
 def from_sglang(config_ids: Sequence[int], model_type: str = "llama") -> list[int]:
     """SGLang draft-config ids -> canonical ids."""
     return [i - 1 for i in sglang_capture_inputs(config_ids, model_type)]

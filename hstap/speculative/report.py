@@ -3,6 +3,8 @@ measured speedup may not carry over to serving (a CPU, a tiny target)."""
 
 from __future__ import annotations
 
+from hstap.speculative.sglang import sglang_lines
+
 PLOT = "acceptance.png"
 
 
@@ -46,7 +48,7 @@ def print_summary(cfg, r: dict) -> None:
         lines.append(f"  simulated tau of this chain (training, teacher-forced): {r['simulated_tau']:.3f}")
     if r["lossless"] is not None:
         lines.append("  lossless (greedy outputs equal target-only): " + ("yes" if r["lossless"] else "NO"))
-    lines.extend("  " + x for x in vllm_lines(r.get("vllm")))
+    lines.extend("  " + x for x in vllm_lines(r.get("vllm")) + sglang_lines(r.get("sglang")))
     lines.append("  " + TAU_MEANS)
     for note in r["speedup_notes"]:
         lines.append(f"  speedup not representative: {note}")
@@ -95,6 +97,8 @@ def markdown(cfg, r: dict) -> str:
                          "output up to that tie, so the run counts as lossless.")
     if r.get("vllm"):
         lines += [""] + vllm_lines(r["vllm"])
+    if r.get("sglang"):
+        lines += [""] + sglang_lines(r["sglang"])
     lines += ["", "- " + TAU_MEANS + " The prefill's first token is not counted.", "- " + SPEEDUP_MEANS]
     if r["speedup_notes"]:
         lines += ["", "**These speedups are not representative** of serving a large target on a GPU:"]

@@ -137,3 +137,19 @@ def test_server_settings_are_checked(setup, tiny_llama):
                             ("enable_pdmux", True, "drop it")):
         p = server_problems(dict(ok, **{key: value}), store, data, LAYERS)
         assert len(p) == 1 and fix in p[0], (key, p)
+
+
+def test_layer_n_minus_1_is_refused_before_the_server_is_asked(tiny_llama, tmp_path, capsys):
+    """SGLang captures layer inputs (`set_eagle3_layers_to_capture` stores id+1, srt/models/llama.py:941; the forward
+    captures only i in range(start_layer, end_layer), :486-492): the last layer's output (canonical 5 of 6) is never
+    taken. The driver says so in one line, before it asks the server anything (nothing listens at port 9) and before
+    it creates the store."""
+    from hstap.cli import main
+
+    data = make_prepared(tiny_llama, tmp_path / "p", records(2, seed=1))
+    code = main(["capture", "--engine", "sglang", "--server", "http://127.0.0.1:9", "--target", str(tiny_llama),
+                 "--data", str(data), "--out", str(tmp_path / "s"), "--layers", "1,3,5"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("hstap: error: --layers: SGLang cannot capture canonical layer 5, the last layer's output")
+    assert not (tmp_path / "s").exists()

@@ -249,9 +249,9 @@ def test_hook_config_errors(sg, prepared, tmp_path):
 class _EagleTarget(torch.nn.Module):
     """What `set_capture_layers` needs from an SGLang model: a config and `set_eagle3_layers_to_capture`."""
 
-    def __init__(self, model_type):
+    def __init__(self, model_type, num_layers=61):
         super().__init__()
-        self.config = type("C", (), {"model_type": model_type})()
+        self.config = type("C", (), {"model_type": model_type, "num_hidden_layers": num_layers})()
         self.ids = None
 
     def set_eagle3_layers_to_capture(self, ids):
@@ -286,6 +286,10 @@ def test_plugin_via_sglang_entry_points(sg, monkeypatch):
         monkeypatch.setenv(ENV_LAYERS, "2,30,58")  # DeepSeek without the +1 rule: ids name layer inputs
         m = _EagleTarget("deepseek_v3")
         assert set_capture_layers(m, [2, 30, 58]) == [3, 31, 59] and m.ids == [3, 31, 59]
+        m = _EagleTarget("llama", num_layers=6)  # the last layer's output (5) is never captured: the server stops
+        with pytest.raises(HstapError, match=f"{ENV_LAYERS}: SGLang cannot capture canonical layer 5"):
+            set_capture_layers(m, [1, 5])
+        assert m.ids is None
     finally:
         HookRegistry.reset()
         mod.configure_aux_hidden_state_capture = original

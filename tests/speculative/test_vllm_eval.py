@@ -12,7 +12,6 @@ import json
 import shutil
 
 import pytest
-from _train_fixtures import greedy_drafter
 from _vllm_fixtures import require_vllm
 
 from hstap.common import HstapError
@@ -21,11 +20,10 @@ K, N_NEW = 3, 24
 
 
 @pytest.fixture(scope="module")
-def drafted(vllm_llama, tmp_path_factory):
+def drafted(greedy_drafted, tmp_path_factory):
     require_vllm()
-    root = tmp_path_factory.mktemp("vllm-eval")
-    greedy, run = greedy_drafter(vllm_llama, root, K, N_NEW, layers="1,2,3")
-    return greedy, run, root
+    greedy, run, _ = greedy_drafted  # k=3, 24 new tokens, layers 1,2,3 (shared with the SGLang eval test)
+    return greedy, run, tmp_path_factory.mktemp("vllm-eval")
 
 
 @pytest.fixture(scope="module")

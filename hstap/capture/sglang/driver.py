@@ -22,7 +22,7 @@ from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, 
 from hstap.capture.stage import copy_vocab_map, open_inputs, store_header
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
-from hstap.layers import parse_layers, to_sglang
+from hstap.layers import check_sglang_capturable, parse_layers, to_sglang
 from hstap.store.format import committed_ids_of, merge_manifest
 from hstap.store.writer import StoreWriter
 
@@ -106,6 +106,7 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     server = cfg.server.rstrip("/")
     meta, ds, n, target_block = open_inputs(cfg)
     layers = parse_layers(cfg.layers, target_block["num_layers"])
+    check_sglang_capturable(layers, target_block["num_layers"])  # before the server is asked anything
     info = server_info(server)
     problems = server_problems(info, cfg.out, cfg.data, layers, target_block["model_type"])
     if problems:

@@ -265,7 +265,9 @@ class CaptureHook:
         width = sum(int(a.shape[-1]) for a in aux) if isinstance(aux, (list, tuple)) else int(aux.shape[-1])
         if width != self.K * H:
             self._note("aux_width", f"aux hidden states are {width} wide, expected {self.K} layers x {H}: "
-                                    f"the server captures other layers than config.layers={self.cfg.layers}")
+                                    f"the server captures other layers than config.layers={self.cfg.layers} "
+                                    f"(set by {ENV_LAYERS} or --return-aux-hidden-state-layer-ids; SGLang never "
+                                    "captures the last layer's output, canonical N-1)")
             return
         total = sum(int(n) for n in ext)
         if int(hidden.shape[0]) < total:

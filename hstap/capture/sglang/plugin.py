@@ -15,7 +15,7 @@ import os
 
 from hstap.capture.sglang.protocol import ENV_LAYERS
 from hstap.common import HstapError
-from hstap.layers import parse_ids, to_sglang
+from hstap.layers import check_sglang_capturable, parse_ids, to_sglang
 
 log = logging.getLogger("hstap.sglang")
 
@@ -37,7 +37,10 @@ def set_capture_layers(model, layers: list[int]) -> list[int] | None:
     if setter is None:
         return None  # a draft model or a model without EAGLE-3 support: nothing to do here
     cfg = getattr(model, "config", None)
-    model_type = getattr(getattr(cfg, "text_config", None) or cfg, "model_type", "llama")
+    text = getattr(cfg, "text_config", None) or cfg
+    model_type = getattr(text, "model_type", "llama")
+    if isinstance(getattr(text, "num_hidden_layers", None), int):  # the server stops at start-up, saying why
+        check_sglang_capturable(layers, text.num_hidden_layers, ENV_LAYERS)
     ids = to_sglang(layers, model_type)
     setter(ids)
     log.info("hstap: %s captures canonical layers %s (SGLang ids %s)", type(model).__name__, layers, ids)

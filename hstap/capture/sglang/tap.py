@@ -3,7 +3,9 @@ client are captured with their generated tokens, in the passes that serve them, 
 
 Forward-thread bookkeeping (`TapDemux`, owned by the hook in capture/sglang/hook.py), host-side lists only:
  - a request is tapped from its first prefill row at position 0 (`tapped`: a hash of its rid below `tap_fraction`). A
-   request first seen later (its prefix came from the radix cache, or it started before the tap) is not tapped;
+   request first seen later (its prefix came from the radix cache, or it started before the tap) is not tapped, nor
+   are SGLang's own health checks (`GET /health` generates one token for a request `HEALTH_CHECK_<hex>`: every load
+   balancer's poll would otherwise become a one-token sample, as seen on a live server);
  - its rows, in order: EXTEND chunks and the prefill part of MIXED batches (`extend_prefix_lens_cpu` says where each
    starts), then one row per decode step (DECODE: position `seq_lens_cpu[i] - 1`; MIXED: the running rows, prefix =
    length - 1). The state of the row at position t is the one that predicted token t+1, as capture stores it;
@@ -37,6 +39,7 @@ FINISH_SINKS: list = []  # this process's tap-mode hooks: sink(reqs, outside_str
 STREAMER = ("sglang.srt.managers.scheduler_components.output_streamer", "SchedulerOutputStreamer", "stream_output")
 ABORTS = ("sglang.srt.managers.scheduler", "Scheduler", "send_abort_output")
 
+NOT_TRAFFIC = ("HEALTH_CHECK",)  # rid prefixes of SGLang's own requests (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX)
 _DONE_KEEP = 1 << 16  # ended rids remembered (to ignore the overlap scheduler's late rows and second stream)
 
 
@@ -131,6 +134,10 @@ class TapDemux:
             return  # ended: a late row of the overlap scheduler, or not tapped
         st = self.active.get(rid)
         if st is None:
+            if rid.startswith(NOT_TRAFFIC):
+                self.stats["tap_skipped_health_check"] += 1
+                self._end(rid)
+                return
             if p != 0:
                 self.stats["tap_skipped_joined_late"] += 1  # radix-cache prefix, or started before the tap
                 self._end(rid)
