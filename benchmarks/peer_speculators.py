@@ -161,6 +161,10 @@ def speculators_config(overrides: dict, a, save_path: Path, aux_vllm: list[int],
             "on_missing": "raise"}
     if not cuda:  # eager flex_attention has no backward on the CPU, the fused loss is a Triton kernel
         flat.update(draft_attn_impl="sdpa", loss_implementation="eager")
+    elif getattr(a, "loss_implementation", "fused") != "fused":
+        # the H200 image's torch 2.11: dynamo fails to trace the fused KL kernel's backward (RESULTS.md, fourteenth
+        # session: "ListVariable ... is already tracked for mutation"); eager materialises the logits (more memory)
+        flat.update(loss_implementation=a.loss_implementation)
     return TrainConfig.from_flat({**flat, **overrides})
 
 
@@ -520,6 +524,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--val-samples", type=int, default=0, help="validate on the first N of the split only (0 = all)")
     ap.add_argument("--val-k", type=int, default=5, help="chain length of the selection figure (eval's default k)")
     ap.add_argument("--workers", type=int, default=4, help="DataLoader workers (spawned; 0 = in the main process)")
+    ap.add_argument("--loss-implementation", default="fused", choices=["fused", "eager"],
+                    help="CUDA: speculators' loss kernels (fused Triton; eager where the fused one fails to compile)")
     ap.add_argument("--parity-samples", type=int, default=4)
     ap.add_argument("--parity-tokens", type=int, default=256, help="parity samples cut to this many tokens")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny random target and store built here")

