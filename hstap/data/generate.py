@@ -18,7 +18,8 @@ Engines:
   so a conversation of n turns costs one prefill of its tokens, not n of its growing history (`prefilled_tokens` in
   the summary; outputs equal the re-prefill path's, tested token for token; `--prefix-cache false` prefills every
   turn whole). A turn stops at an end-of-turn/eos token (not kept in the text), at `max_new_tokens`, or where the
-  conversation would pass `max_len`; the turns whose prompt no longer fits are dropped (counted). Targets the slot
+  conversation would pass `max_len`; the turns whose prompt no longer fits are dropped, and a conversation whose
+  first prompt does not fit is left out (both counted in the summary). Targets the slot
   model does not cover (other layer kinds, a sliding window shorter than a row) run in lockstep batches
   (hstap/data/decode.py: turn k of `batch_size` conversations together, each prompt prefilled whole).
 - server (`--server URL`, hstap/data/openai_client.py): any OpenAI-compatible `/v1/chat/completions` (SGLang, vLLM,
@@ -90,7 +91,8 @@ class GenerateConfig:
     tokens across its turns, and a finished one hands its row to the next)."""
     max_len: int = 4096
     """Embedded engine: most tokens of one conversation (prompts and answers); an answer is cut where it would pass
-    it, and the turns whose prompt no longer fits are dropped (counted). KV memory: batch_size x max_len tokens."""
+    it, the turns whose prompt no longer fits are dropped, and a conversation whose first prompt does not fit is left
+    out (both counted). KV memory: batch_size x max_len tokens."""
     concurrency: int = 8
     """Server engine: conversations in flight at once."""
     device: str = "cpu"
@@ -204,16 +206,15 @@ class _Conversation(Dialogue):
         self.prompt: list[int] | None = None
         self.last: list[int] = []
         self.prompt_tokens = 0
-        self.error: str | None = None
+        self.too_long = False  # its first prompt does not fit: left out (counted)
 
     def _turn(self) -> Turn | None:
         if self.k >= len(self.slots):
             return None
         ids = self.eng.prompt_ids(self.msgs[:self.slots[self.k]])
         if len(ids) >= self.limit:
-            if self.k == 0:  # not even the first answer fits: the conversation is a bad record
-                self.error = (f"{self.sid}: assistant turn 0: prompt of {len(ids)} tokens fills the context "
-                              f"({self.limit}: --max-len or the model's)")
+            if self.k == 0:  # not even the first answer fits
+                self.too_long = True
             else:  # the turns from here on do not fit: the conversation ends with the last answered turn
                 self.dropped = len(self.slots) - self.k
                 self.msgs = self.msgs[:self.slots[self.k]]
@@ -259,11 +260,8 @@ def _run_embedded(cfg: GenerateConfig, todo, emit, stats: dict, tap=None) -> Non
         stats["truncated_turns"] += sum(f == "length" for f in c.finishes)
         stats["dropped_turns"] += c.dropped
         stats["prompt_tokens"] += c.prompt_tokens
-        if c.error is not None:
-            if cfg.on_error == "fail":
-                raise HstapError(f"generate: {c.error}")
-            print(f"hstap generate: skipping {c.error}", file=sys.stderr)
-            stats["skipped"] += 1
+        if c.too_long:  # its first prompt does not fit: left out, counted (as prepare counts what it truncates)
+            stats["too_long"] += 1
             continue
         tapped = None
         if tap is not None and c.finishes and c.fed_states is not None:
@@ -298,11 +296,7 @@ def _lockstep_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats
         for c, s in enumerate(slots):
             if k < len(s) and c not in failed:
                 ids = eng.prompt_ids(convs[c][:s[k]])
-                if len(ids) >= limit:
-                    msg = f"{batch[c][0]}: assistant turn {k}: prompt of {len(ids)} tokens fills the context ({limit})"
-                    if cfg.on_error == "fail":
-                        raise HstapError(f"generate: {msg}")
-                    print(f"hstap generate: skipping {msg}", file=sys.stderr)
+                if len(ids) >= limit:  # left out, counted (the continuous path keeps the turns that fit)
                     failed.add(c)
                     continue
                 rows.append((c, s[k]))
@@ -326,7 +320,7 @@ def _lockstep_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats
             stats["truncated_turns"] += fin == "length"
     for c, (sid, _) in enumerate(batch):
         if c in failed:
-            stats["skipped"] += 1
+            stats["too_long"] += 1
         else:
             emit(sid, convs[c], no_assistant=not slots[c], tapped=tapped.get(c))
 
@@ -398,7 +392,7 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     check_resume(cfg, _RESUME_KEYS, out, cfg_path)
     done = recover_output(out)
     stats = {"conversations": 0, "already_done": 0, "duplicates": 0, "skipped": 0, "no_assistant": 0,
-             "assistant_turns": 0, "truncated_turns": 0, "dropped_turns": 0, "generated_tokens": 0,
+             "assistant_turns": 0, "truncated_turns": 0, "dropped_turns": 0, "too_long": 0, "generated_tokens": 0,
              "gen_seconds": 0.0}
     if cfg.target is not None:  # a server's prefill is its own (its prefix cache)
         stats.update(prompt_tokens=0, prefilled_tokens=0)
@@ -446,7 +440,9 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
           f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens"
           + (f", {stats['dropped_turns']} turns past --max-len dropped" if stats["dropped_turns"] else "")
           + f") in {secs:.1f} s"
-          f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped; wrote {out}"
+          f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped"
+          + (f", {stats['too_long']} left out (their first prompt does not fit --max-len)" if stats["too_long"] else "")
+          + f"; wrote {out}"
           + (f"; prefilled {stats['prefilled_tokens']:,} of {stats['prompt_tokens']:,} prompt tokens "
              f"({stats['prompt_tokens'] - stats['prefilled_tokens']:,} reused from the conversations' own caches)"
              if cfg.target is not None and cfg.prefix_cache else "")

@@ -406,3 +406,22 @@ def test_a_failed_start_leaves_no_output_and_no_config(case, tmp_path, capsys):
     out = tmp_path / "new-dir" / "out.jsonl"
     refused(["generate", "--server", dead, "--data", src, "--out", out, "--backoff", "0", *opts], capsys, *expect,
             untouched=[out.parent])
+
+
+def test_max_len_drops_turns_and_leaves_out_what_does_not_fit(tiny_llama, tmp_path):
+    """--max-len bounds a conversation: an answer is cut where it would pass it, the turns whose prompt no longer fits
+    are dropped (the conversation ends with its last answered turn) and a conversation whose first prompt does not fit
+    is left out; both counted, nothing raised."""
+    recs = [{"id": "long", "conversations": [{"role": "user", "content": "indent " * 80},
+                                             {"role": "assistant", "content": "x"}]},
+            {"id": "turns", "conversations": [m for u in TURNS for m in ({"role": "user", "content": u},
+                                                                         {"role": "assistant", "content": "old"})]}]
+    src = _write_jsonl(tmp_path / "in.jsonl", recs)
+    s = generate(GenerateConfig(data=[str(src)], out=str(tmp_path / "o.jsonl"), target=str(tiny_llama),
+                                max_new_tokens=6, max_len=60))
+    got = {r["id"]: r["conversations"] for r in _read_jsonl(tmp_path / "o.jsonl")}
+    assert s["too_long"] == 1 and list(got) == ["turns"]
+    conv = got["turns"]
+    answered = sum(m["role"] == "assistant" for m in conv)
+    assert conv[-1]["role"] == "assistant" and 0 < answered < len(TURNS)
+    assert s["dropped_turns"] == len(TURNS) - answered and s["assistant_turns"] == answered
