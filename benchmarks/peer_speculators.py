@@ -162,7 +162,7 @@ def speculators_config(overrides: dict, a, save_path: Path, aux_vllm: list[int],
     if not cuda:  # eager flex_attention has no backward on the CPU, the fused loss is a Triton kernel
         flat.update(draft_attn_impl="sdpa", loss_implementation="eager")
     elif getattr(a, "loss_implementation", "fused") != "fused":
-        # the H200 image's torch 2.11: dynamo fails to trace the fused KL kernel's backward (RESULTS.md, fourteenth
+        # the H200 image's torch 2.11: dynamo fails to trace the fused KL kernel's backward (RESULTS.md, fifteenth
         # session: "ListVariable ... is already tracked for mutation"); eager materialises the logits (more memory)
         flat.update(loss_implementation=a.loss_implementation)
     return TrainConfig.from_flat({**flat, **overrides})

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The field's protocol on a real chat model (issue #37), fourteenth session, one H200: SmolLM2-135M-Instruct from its
+# The field's protocol on a real chat model (issue #37), fifteenth session, one H200: SmolLM2-135M-Instruct from its
 # pip package -> ShareGPT (salvaged by `hstap data` on the CPU box, answers blanked: generate replaces them) -> the
 # target's own greedy answers, all turns -> prepare -> capture (fp8) -> hstap train (defaults) beside speculators
 # 0.9.0's trainer (its default recipe and hstap's recipe, each a process) -> hstap eval on MT-bench turns 1 and 2
