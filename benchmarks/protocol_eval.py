@@ -8,13 +8,14 @@ its turn-2 conversations (the target's own first answer in them), in parts run a
 Drafters: hstap's training run (RUN/best), and of the speculators runs (benchmarks/peer_speculators.py output dirs)
 the one whose summary.json has the highest validation chain tau (never chosen on MT-bench). Settings (--settings):
 hstap's drafter at chain k=5 and eval's default tree (8 x depth 6, 60 nodes), each greedy (temperature 0: lossless
-checked token for token) and at temperature 1 (lossless rejection sampling; prompt i samples with seed i); the peer's
+checked token for token) and at temperature 1 (lossless rejection sampling; prompt i of a part samples with seed i,
+the same for every drafter); the peer's
 at chain k=5 and tree, greedy. Each (drafter, setting, turn) is split into parts of --part prompts, one `hstap eval`
 process per part (--parallel at a time, one CPU thread each, eager engine: tau does not depend on speed).
 
 Merged per (drafter, setting, turn) and over both turns: tau = tokens produced by verify forwards / verify forwards
 (the bonus token included), per-position acceptance = rounds whose accepted draft reached position i / rounds,
-lossless (all parts), prompts measured. Prints a table, then ONE JSON line. The baseline of the table is the peer's
+lossless (all parts), prompts measured, parts that failed or ran past --limit (left out of tau). Prints a table, then ONE JSON line. The baseline of the table is the peer's
 drafter in the same run: the ratio column is hstap's tau over the peer's at the same setting.
 """
 
@@ -79,13 +80,13 @@ def run_all(jobs: list[tuple[list[str], Path]], parallel: int, limit: float) -> 
 
 
 def merge(dirs: list[Path]) -> dict:
-    tok = rounds = prompts = 0
+    tok = rounds = prompts = failed = 0
     counts = None
     lossless: bool | None = True
     for d in dirs:
         f = d / "report.json"
         if not f.is_file():
-            lossless = None
+            lossless, failed = None, failed + 1
             continue
         r = json.loads(f.read_text())
         e = r["methods"]["eagle"]
@@ -98,7 +99,7 @@ def merge(dirs: list[Path]) -> dict:
         lossless = None if lossless is None or ok is None else bool(lossless and ok)
     return {"tau": round(tok / rounds, 4) if rounds else None, "rounds": rounds, "prompts": prompts,
             "per_position_acceptance": [round(c / rounds, 4) for c in counts or []] if rounds else None,
-            "lossless": lossless}
+            "lossless": lossless, "failed_parts": failed}
 
 
 def main(argv=None) -> dict:
@@ -152,8 +153,8 @@ def main(argv=None) -> dict:
             row = {t: merge(d) for t, d in dirs.items()}
             row["both"] = merge(dirs["turn1"] + dirs["turn2"])
             res["rows"][f"{name} {s}"] = row
-    print(f"{'drafter / setting':34s} {'turn 1':>7s} {'turn 2':>7s} {'both':>7s} {'ratio':>6s} lossless  acceptance "
-          "(both turns)")
+    print(f"{'drafter / setting':34s} {'turn 1':>7s} {'turn 2':>7s} {'both':>7s} {'ratio':>6s} lossless  failed  "
+          "acceptance (both turns)")
     for key, row in res["rows"].items():
         name, s = key.rsplit(" ", 1)
         peer_row = res["rows"].get(f"speculators-{peer} {s}") if name == "hstap" else None
@@ -162,7 +163,8 @@ def main(argv=None) -> dict:
         row["ratio_to_peer"] = round(ratio, 4) if ratio else None
         f = lambda v: f"{v:7.3f}" if isinstance(v, (int, float)) else f"{'-':>7s}"  # noqa: E731
         print(f"{key:34s} {f(row['turn1']['tau'])} {f(row['turn2']['tau'])} {f(row['both']['tau'])} "
-              f"{f(ratio)[1:]} {str(row['both']['lossless']):8s}  {row['both']['per_position_acceptance']}")
+              f"{f(ratio)[1:]} {str(row['both']['lossless']):8s}  {row['both']['failed_parts']:6d}  "
+              f"{row['both']['per_position_acceptance']}")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res))

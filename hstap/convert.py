@@ -182,7 +182,12 @@ def strip_quantization(model, meta: dict) -> None:
 
 
 def check_prompt(tok) -> list[int]:
-    text = tok.apply_chat_template(CHECK_MESSAGES, tokenize=False, add_generation_prompt=True)
+    """The check's prompt: a chat-template rendering, or its plain text for a model without a template (a base
+    model's GGUF)."""
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(CHECK_MESSAGES, tokenize=False, add_generation_prompt=True)
+    else:
+        text = CHECK_MESSAGES[0]["content"]
     return tok(text, add_special_tokens=False)["input_ids"]
 
 

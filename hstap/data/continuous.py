@@ -20,7 +20,9 @@ Scheduling: free rows take new conversations; rows waiting for a prefill are pre
 longest, in groups of at most `prefill_tokens`) once at least `rows // 16` wait or no row is decoding; every other
 step is one decode step of all rows (idle rows compute at the scratch slot and are ignored). One host read per step:
 the next token of every row. Sampling: `hstap.data.decode.pick_tokens` (greedy, or temperature + top-p with each
-row's own generator seeded per turn), so an answer never depends on its batch or row.
+row's own generator seeded per turn), so the random draws of an answer never depend on its batch or row (its
+arithmetic may: bf16 kernels round batched rows differently, which can turn a near-tie; fp32 on the CPU is tested
+equal to one-at-a-time decoding).
 """
 
 from __future__ import annotations
@@ -150,7 +152,6 @@ class ContinuousEngine:
         self.reuse = reuse
         self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "restarts": 0, "decode_steps": 0,
                       "prefill_passes": 0, "generated_tokens": 0}
-        self._where: dict[int, int] = {}  # id(dialogue) -> row, while its row holds it
 
     # ---------------------------------------------------------------------------------------------------- rows
     def _start_turn(self, r: int, turn: Turn) -> None:

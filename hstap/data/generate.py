@@ -33,9 +33,9 @@ conversation's output doesn't depend on which batch or thread it landed in, nor 
 
 Output: JSONL, one `{"id", "conversations": [{"role", "content"}]}` record per input conversation (the format
 `hstap prepare` reads, same ids as the input); every generated assistant turn also carries its `"finish_reason"`:
-"stop" (the target ended it) or "length" (cut at --max-new-tokens: the text stays cut, and prepare trains on no
-closing token after it, since the target never produced one). Records are appended one by one with fsync, in completion order (which
-may differ from the input order; conversations the run skips are left out). Resume: rerunning the same command skips
+"stop" (the target ended it) or "length" (cut at --max-new-tokens or --max-len: the text stays cut, and prepare trains
+on no closing token after it, since the target never produced one). Records are appended one by one with fsync, in
+completion order (which may differ from the input order; conversations the run skips are left out). Resume: rerunning the same command skips
 the ids already in the output; a truncated last line left by a crash is dropped first (the file is truncated at its
 last newline). `--new` starts over. The resolved config goes to `<out>.config.json` (`out` is a file, so not
 `config.json` in a directory); a resume refuses to mix in outputs made with other generation settings.
@@ -195,6 +195,14 @@ def _todo(cfg: GenerateConfig, done: set[str], stats: dict) -> Iterator[tuple[st
 # -------------------------------------------------------------------------------------------------------------- runs
 
 
+def _ended_before(msgs: list[dict], i: int) -> list[dict]:
+    """The conversation cut before message i (a turn that no longer fits): it ends with its last answered turn."""
+    msgs = msgs[:i]
+    while msgs and msgs[-1]["role"] != "assistant":
+        msgs.pop()
+    return msgs
+
+
 class _Conversation(Dialogue):
     """A conversation as the continuous engine answers it: its assistant turns in order, each from the conversation
     as regenerated so far; a turn whose prompt no longer fits the row (--max-len, or the model's context) ends it."""
@@ -202,7 +210,7 @@ class _Conversation(Dialogue):
     def __init__(self, sid: str, msgs: list[dict], cfg: GenerateConfig, eng: EmbeddedEngine, limit: int):
         self.sid, self.msgs, self.cfg, self.eng, self.limit = sid, msgs, cfg, eng, limit
         self.slots = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-        self.k, self.finishes, self.tokens, self.dropped = 0, [], 0, 0
+        self.k, self.finishes, self.tokens, self.dropped, self.row_cuts = 0, [], 0, 0, 0
         self.prompt: list[int] | None = None
         self.last: list[int] = []
         self.prompt_tokens = 0
@@ -217,9 +225,7 @@ class _Conversation(Dialogue):
                 self.too_long = True
             else:  # the turns from here on do not fit: the conversation ends with the last answered turn
                 self.dropped = len(self.slots) - self.k
-                self.msgs = self.msgs[:self.slots[self.k]]
-                while self.msgs and self.msgs[-1]["role"] != "assistant":
-                    self.msgs.pop()
+                self.msgs = _ended_before(self.msgs, self.slots[self.k])
             return None
         self.prompt = ids
         self.prompt_tokens += len(ids)
@@ -233,6 +239,7 @@ class _Conversation(Dialogue):
         text = self.eng.tokenizer.decode(new_ids, skip_special_tokens=True)
         self.msgs[self.slots[self.k]] = {"role": "assistant", "content": text, "finish_reason": finish}
         self.finishes.append(finish)
+        self.row_cuts += finish == "length" and len(new_ids) < self.cfg.max_new_tokens  # cut by --max-len instead
         self.tokens += len(new_ids)
         self.last = new_ids
         self.k += 1
@@ -257,7 +264,8 @@ def _run_embedded(cfg: GenerateConfig, todo, emit, stats: dict, tap=None) -> Non
     for c in engine.run(_Conversation(sid, msgs, cfg, eng, limit) for sid, msgs in todo):
         stats["assistant_turns"] += len(c.finishes)
         stats["generated_tokens"] += c.tokens
-        stats["truncated_turns"] += sum(f == "length" for f in c.finishes)
+        stats["truncated_turns"] += sum(f == "length" for f in c.finishes) - c.row_cuts
+        stats["cut_at_max_len"] += c.row_cuts
         stats["dropped_turns"] += c.dropped
         stats["prompt_tokens"] += c.prompt_tokens
         if c.too_long:  # its first prompt does not fit: left out, counted (as prepare counts what it truncates)
@@ -285,19 +293,21 @@ def _run_lockstep(cfg: GenerateConfig, eng: EmbeddedEngine, todo, emit, stats: d
 
 def _lockstep_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats: dict, tap=None) -> None:
     # Turn k of every conversation is generated in one batch; turn k+1 needs turn k's text, so turns go in order.
-    # With a tap (--capture), the last turn also returns the states of its prompt and answer.
+    # With a tap (--capture), each answered turn returns the states of its prompt and answer; the last one's is kept.
+    # The --max-len rules are _Conversation's: turns that no longer fit are dropped, a first one that does not leaves
+    # the conversation out.
     convs = [msgs for _, msgs in batch]
     slots = [[i for i, m in enumerate(msgs) if m["role"] == "assistant"] for msgs in convs]
-    failed: set[int] = set()
-    tapped: dict[int, tuple] = {}  # conversation -> (prompt ids, answer ids, states) of its last turn
+    ended: dict[int, int] = {}  # conversation -> the turn whose prompt no longer fits
+    tapped: dict[int, tuple] = {}  # conversation -> (prompt ids, answer ids, states) of its last answered turn
     limit = min(cfg.max_len, eng.max_len or cfg.max_len)
     for k in range(max((len(s) for s in slots), default=0)):
         rows, prompts = [], []
         for c, s in enumerate(slots):
-            if k < len(s) and c not in failed:
+            if k < len(s) and c not in ended:
                 ids = eng.prompt_ids(convs[c][:s[k]])
-                if len(ids) >= limit:  # left out, counted (the continuous path keeps the turns that fit)
-                    failed.add(c)
+                if len(ids) >= limit:
+                    ended[c] = k
                     continue
                 rows.append((c, s[k]))
                 prompts.append(ids)
@@ -310,19 +320,25 @@ def _lockstep_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats
                            tap.layers if tap is not None else None)
         stats["gen_seconds"] += time.perf_counter() - t0
         for j, ((c, i), (text, toks, fin, *st)) in enumerate(zip(rows, res)):
-            if st and k == len(slots[c]) - 1:  # a sample is the last turn: its prompt holds every earlier one
+            if st:  # a sample is the last answered turn: its prompt holds every earlier one
                 tapped[c] = (prompts[j], toks, st[0])
             convs[c][i] = {"role": "assistant", "content": text, "finish_reason": fin}
             stats["prompt_tokens"] += len(prompts[j])
             stats["prefilled_tokens"] += len(prompts[j])
             stats["assistant_turns"] += 1
             stats["generated_tokens"] += len(toks)
-            stats["truncated_turns"] += fin == "length"
+            cut_by_row = fin == "length" and len(toks) < cfg.max_new_tokens
+            stats["truncated_turns"] += fin == "length" and not cut_by_row
+            stats["cut_at_max_len"] += cut_by_row
     for c, (sid, _) in enumerate(batch):
-        if c in failed:
+        k = ended.get(c)
+        if k == 0:
             stats["too_long"] += 1
-        else:
-            emit(sid, convs[c], no_assistant=not slots[c], tapped=tapped.get(c))
+            continue
+        if k is not None:
+            stats["dropped_turns"] += len(slots[c]) - k
+        msgs = convs[c] if k is None else _ended_before(convs[c], slots[c][k])
+        emit(sid, msgs, no_assistant=not slots[c], tapped=tapped.get(c))
 
 
 def _run_server(cfg: GenerateConfig, todo, emit, stats: dict) -> None:
@@ -387,17 +403,19 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     if out.is_dir():
         raise HstapError(f"generate: out: {out} is a directory; give a .jsonl file path")
     cfg_path = out.with_name(out.name + ".config.json")
-    if cfg.new and out.exists():
-        out.unlink()
-    check_resume(cfg, _RESUME_KEYS, out, cfg_path)
-    done = recover_output(out)
+    if not cfg.new:
+        check_resume(cfg, _RESUME_KEYS, out, cfg_path)
+    done = set() if cfg.new else recover_output(out)  # --new: the old file goes at the first record, not before
     stats = {"conversations": 0, "already_done": 0, "duplicates": 0, "skipped": 0, "no_assistant": 0,
-             "assistant_turns": 0, "truncated_turns": 0, "dropped_turns": 0, "too_long": 0, "generated_tokens": 0,
+             "assistant_turns": 0, "truncated_turns": 0, "cut_at_max_len": 0, "dropped_turns": 0, "too_long": 0,
+             "generated_tokens": 0,
              "gen_seconds": 0.0}
     if cfg.target is not None:  # a server's prefill is its own (its prefix cache)
         stats.update(prompt_tokens=0, prefilled_tokens=0)
 
-    def on_open() -> None:  # at the first record: a run that fails before leaves nothing behind
+    def on_open() -> None:  # at the first record: a run that fails before leaves nothing behind (nor removes)
+        if cfg.new and out.exists():  # with --capture, the tap starts its store over at the first answer too
+            out.unlink()
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(cfg_path, run_meta(STAGE, cfg))
 
@@ -438,6 +456,7 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     tps = f", {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
     print(f"hstap generate: {stats['conversations']} conversations written ({stats['assistant_turns']} answers, "
           f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens"
+          + (f", {stats['cut_at_max_len']} at --max-len" if stats["cut_at_max_len"] else "")
           + (f", {stats['dropped_turns']} turns past --max-len dropped" if stats["dropped_turns"] else "")
           + f") in {secs:.1f} s"
           f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped"

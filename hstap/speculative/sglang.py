@@ -71,6 +71,9 @@ def _serve(python: str, target: str, log: Path, args: list[str], prompts: list[l
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
             answers = list(pool.map(lambda p: generate(srv.url, p, max_new, temperature, eos, seed), prompts))
+        for a in answers:
+            if not isinstance(a, dict) or not isinstance(a.get("output_ids"), list):
+                raise ValueError(f"an answer without output_ids: {str(a)[:200]}")
         return answers, time.perf_counter() - t0, srv.startup_s or 0.0, version
 
 
@@ -95,7 +98,7 @@ def run_sglang(cfg, prompts: list[tuple[str, list[int]]], eos: list[int], drafte
     try:
         ref, t_ref, up_ref, version = _serve(*run, out_dir / "sglang-target.log", base, ids, cfg.max_new_tokens,
                                              cfg.temperature, eos, cfg.seed)
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError, KeyError) as e:
         raise HstapError(f"--engine sglang: the SGLang server without speculation failed: {e}") from None
     target_out = [list(a["output_ids"]) for a in ref]
     new_ref = sum(map(len, target_out))
@@ -111,7 +114,8 @@ def run_sglang(cfg, prompts: list[tuple[str, list[int]]], eos: list[int], drafte
             "--speculative-num-draft-tokens", str(cfg.k + 1)]
     try:
         ans, t_spec, up_spec, _ = _serve(*run, spec_log, spec, ids, cfg.max_new_tokens, cfg.temperature, eos, cfg.seed)
-    except (RuntimeError, OSError) as e:  # it did not start (its log's error line), or its requests failed
+    except (RuntimeError, OSError, ValueError, KeyError) as e:  # it did not start (its log's error line), or a
+        # request failed
         error = startup_error(spec_log.read_text(errors="replace")) if isinstance(e, RuntimeError) else \
             f"a request failed: {e}"
         block["speculative"] = {"ran": False, "error": error, "log": str(spec_log), "device": device}

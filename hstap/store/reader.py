@@ -50,6 +50,8 @@ def check_shard(store: Path, entry: dict, checksum: bool | None = None) -> None:
         same = not checksum or file_checksum(f) == entry["sha256"]
     except FileNotFoundError:
         raise HstapError(f"{f}: shard file is missing; {hint}") from None
+    except OSError as e:  # shrank while read, unreadable: one line naming the shard
+        raise HstapError(f"{f}: cannot be read whole ({type(e).__name__}: {e}); {hint}") from None
     if not same:
         raise HstapError(f"{f}: sha256 differs from the one recorded when it was committed (the file changed or is "
                          f"corrupt); {hint}")
