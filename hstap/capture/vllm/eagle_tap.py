@@ -155,7 +155,8 @@ def _record(mr, kwargs: dict, out) -> None:
         BOOK.stats["steps_unrecorded"] += 1  # embeddings or M-RoPE inputs: no token ids / 1-D positions to file by
         return
     states = torch.stack([*(a[:T] for a in aux), hidden[:T]], dim=1).to("cpu")  # (T, K+1, H)
-    BOOK.record(list(mr.input_batch.req_ids[:n]), starts, positions[:T].to("cpu", torch.long), input_ids[:T].to("cpu", torch.long), states)
+    BOOK.record(list(mr.input_batch.req_ids[:n]), starts, positions[:T].to("cpu", torch.long),
+                input_ids[:T].to("cpu", torch.long), states)
 
 
 def eagle_layers(vllm_config) -> tuple[list[int], list[int], int]:
