@@ -110,8 +110,8 @@ def acceptance(recs: list[dict]) -> tuple[float, float]:
 
 class Stream:
     """The request loop: `prompts` sent in order, `concurrency` in flight; `on_answer(rec, done)` runs in the calling
-    thread after each finished request (drafter updates happen there: serving goes on meanwhile); records go to
-    `log_path` (served.jsonl) as they finish. A progress line on stderr at most every `every_s` seconds."""
+    thread after each finished request (drafter updates happen there: serving goes on meanwhile), then the record goes
+    to `log_path` (served.jsonl). A progress line on stderr at most every `every_s` seconds."""
 
     def __init__(self, client: Client, prompts: list[list[int]], concurrency: int, log_path: Path,
                  status: Callable[[], str], window: int = 32, every_s: float = 2.0):
@@ -131,9 +131,9 @@ class Stream:
                 rec["t_s"] = time.perf_counter() - t0
                 self.records.append(rec)
                 rec["served"] = len(self.records)
+                on_answer(rec, len(self.records))  # it may tag the record (the drafter serving) before it is logged
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
-                on_answer(rec, len(self.records))
                 self._progress(time.perf_counter() - t0)
         wall = time.perf_counter() - t0
         self._progress(wall, force=True)

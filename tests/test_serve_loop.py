@@ -13,8 +13,8 @@ recompute (fp32), although their verify steps computed rejected drafts' states a
 from __future__ import annotations
 
 import json
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _train_fixtures import greedy_drafter
@@ -54,13 +54,14 @@ def loop(vllm_llama, tmp_path_factory):
         write_consumer(out / "store", {**read_consumer(out / "store"), "active": False})
         prompts = [p for _, p in load_prompts(str(root / "probe.jsonl"), load_tokenizer(str(vllm_llama)))]
         c = Client(url, N_NEW, stop_ids(str(vllm_llama)), 0)
-        busy: list = []
-        t = threading.Thread(target=lambda: busy.extend(c.complete(i, p) for i, p in enumerate(prompts * 2)))
-        t.start()
-        time.sleep(0.5)
-        probed["load"] = post(url + "/collective_rpc", {"method": "hstap_load_drafter", "args": [str(root / "b-vllm")]})
-        t.join()
-        probed.update(busy=busy, prompts=prompts, answers=[c.complete(i, p) for i, p in enumerate(prompts)])
+        with ThreadPoolExecutor(4) as pool:  # 4 in flight while B is loaded
+            busy = [pool.submit(c.complete, i, p) for i, p in enumerate(prompts * 2)]
+            time.sleep(0.3)
+            probed["load"] = post(url + "/collective_rpc", {"method": "hstap_load_drafter",
+                                                            "args": [str(root / "b-vllm")]})
+            probed["in_flight"] = sum(not f.done() for f in busy)
+        probed.update(busy=[f.result() for f in busy], prompts=prompts,
+                      answers=[c.complete(i, p) for i, p in enumerate(prompts)])
         want = [p + a["tokens"][:-1] for p, a in zip(prompts, probed["answers"])]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -136,7 +137,7 @@ def test_a_drafter_taken_up_drafts_in_vllm_as_in_hstap(loop, vllm_llama):
     assert max(res["max_abs_err"].values()) < 1e-4 and res["tensors"] > 0
     prompts, answers = probed["prompts"], probed["answers"]
     busy = probed["busy"]  # requests in flight while B was loaded: each answered once, with the same outputs
-    assert len(busy) == 2 * len(prompts) and all("error" not in b for b in busy)
+    assert len(busy) == 2 * len(prompts) and all("error" not in b for b in busy) and probed["in_flight"] >= 1
     assert all(b["tokens"] == answers[b["i"] % len(prompts)]["tokens"] for b in busy)
     target, _, eos = _hf(vllm_llama)
     drafter, _ = load_any_drafter(str(run_b), target)
@@ -157,3 +158,33 @@ def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
     assert None not in probed["stored"], probed["stored"]  # every probe answer is a store sample
     rep = recompute(str(root / "w" / "store"), str(vllm_llama), samples=100, device="cpu", compute_dtype="fp32")
     assert rep["ok"], rep["problems"]  # decode-step states (rejected drafts overwritten) == a prefill, fp32
+
+
+def test_bad_settings_are_one_error_each(tmp_path):
+    from hstap.common import HstapError
+    from hstap.serve_loop import ServeLoopConfig
+
+    base = dict(target="t", prompts="p", out=str(tmp_path))
+    for kw, msg in (({"mode": "fixed"}, "--mode fixed serves a given drafter"), ({"mode": "x"}, "--mode: expected"),
+                    ({"keep_shards": 1, "epochs": 2}, "--keep-shards 1 < --epochs 2"),
+                    ({"concurrency": 0}, "--concurrency: must be >= 1")):
+        with pytest.raises(HstapError, match=msg):
+            ServeLoopConfig(**base, **kw)
+
+
+def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from hstap.common import HstapError
+    from hstap.vllm_worker import check_same_drafter
+
+    for name, shape, ids in (("a", (4, 8), [2, 3, 4]), ("b", (4, 6), [2, 3, 4]), ("c", (4, 8), [1, 3, 4])):
+        (tmp_path / name).mkdir()
+        save_file({"fc.weight": torch.zeros(shape)}, str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": ids}))
+    check_same_drafter(tmp_path / "a", tmp_path / "a")
+    with pytest.raises(HstapError, match=r"its tensors differ from the served drafter's .*\['fc.weight'\]"):
+        check_same_drafter(tmp_path / "a", tmp_path / "b")
+    with pytest.raises(HstapError, match=r"eagle_aux_hidden_state_layer_ids \[1, 3, 4\] != the served drafter's"):
+        check_same_drafter(tmp_path / "a", tmp_path / "c")
