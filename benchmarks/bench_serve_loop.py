@@ -51,15 +51,17 @@ def _cli(log: Path, *args, timeout: float = 3600) -> None:
         raise SystemExit(f"hstap {args[0]} failed ({p.returncode}); log {log}:\n{log.read_text()[-3000:]}")
 
 
-def _first_user_turns(src: Path, dst: Path, n: int, skip: int = 0) -> Path:
-    """The first user turn of conversations skip..skip+n of a JSONL(.gz) file, as one-turn conversations."""
+def _first_user_turns(src: Path, dst: Path, n: int, answer: bool = False) -> Path:
+    """The first user turn of the first n conversations of a JSONL(.gz) file, as one-turn conversations; `answer`: an
+    assistant turn after it, for `hstap generate` to replace with the target's own."""
     with (gzip.open(src, "rt") if str(src).endswith(".gz") else open(src)) as f, open(dst, "w") as out:
-        for line in itertools.islice(f, skip, skip + n):
+        for line in itertools.islice(f, n):
             rec = json.loads(line)
             conv = rec.get("conversations") or rec.get("messages")
             user = next(m for m in conv if (m.get("role") or m.get("from")) in ("user", "human"))
-            out.write(json.dumps({"id": rec.get("id"), "conversations": [
-                {"role": "user", "content": user.get("content", user.get("value"))}]}) + "\n")
+            turns = [{"role": "user", "content": user.get("content", user.get("value"))}]
+            out.write(json.dumps({"id": rec.get("id"), "conversations": turns + (
+                [{"role": "assistant", "content": "-"}] if answer else [])}) + "\n")
     return dst
 
 
@@ -70,7 +72,7 @@ def _tiny(work: Path) -> tuple[Path, Path, Path]:
     from hstap.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
 
     tok = build_tokenizer(sample_texts(), vocab_size=400, out_dir=work / "tok")
-    model = build_random_target(work / "target", tok, model_type="llama", num_layers=6, hidden_size=128, num_heads=4,
+    model = build_random_target(work / "target", tok, model_type="llama", num_layers=8, hidden_size=128, num_heads=4,
                                 num_kv_heads=2, intermediate_size=256, seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)
@@ -113,7 +115,7 @@ def main() -> None:
         a.max_tokens, a.shard_tokens, a.update_every, a.max_model_len = min(a.max_tokens, 32), 512, 8, 512
     else:
         target, train_src, eval_src = Path(a.target), Path(a.corpus) / "train.jsonl.gz", Path(a.corpus) / "eval.jsonl.gz"
-    other = _first_user_turns(train_src, work / "other.jsonl", a.offline_samples)
+    other = _first_user_turns(train_src, work / "other.jsonl", a.offline_samples, answer=True)
     served = _first_user_turns(eval_src, work / "served.jsonl", a.requests)
 
     # 0. the offline drafter, on other data
