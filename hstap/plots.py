@@ -118,7 +118,8 @@ def serve_loop_plot(runs: dict[str, dict], path: str | Path):
             ax.plot(ups, [0.01 + 0.02 * n] * len(ups), linestyle="none", marker="|", markersize=10, color=f"C{n}")
     ax.set_xlabel("requests served")
     ax.set_ylabel("draft tokens accepted / proposed")
-    ax.set_ylim(0, 1.02)
+    top = max((p["acceptance"] for s in runs.values() for p in s.get("windows") or []), default=0.0)
+    ax.set_ylim(0, min(1.02, max(0.25, 1.25 * top)))  # low acceptance stays readable
     ax.set_title("vLLM's acceptance while serving (ticks: drafter updates taken up)", fontsize=10)
     ax.grid(alpha=0.3)
     if runs:

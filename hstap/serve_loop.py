@@ -192,7 +192,7 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
         from types import SimpleNamespace
 
         from hstap.data.vocab import load_vocab_map
-        from hstap.layers import default_aux_layers, fc_slots, parse_layers
+        from hstap.layers import default_aux_layers, parse_layers
         from hstap.model_dir import load_config, target_head
         from hstap.train.trainer import init_drafter
 
@@ -207,8 +207,7 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
         drafter = init_drafter(SimpleNamespace(seed=cfg.seed, init_lm_head=True, draft_layers=1), hf,
                                SimpleNamespace(d2t=d2t, t2d=t2d, layers=layers), embed.float(), head.float())
         d = out / "drafter-init"
-        save_drafter(d, drafter, {"store": {"layers": layers, "note": "initialisation, never trained"}})
-        assert fc_slots(layers) == drafter.config.num_aux
+        save_drafter(d, drafter, {"store": {"layers": layers}, "init": "the trainer's initialisation, never trained"})
     tmp = out / ".vocab_map.safetensors.tmp"
     save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp))
     tmp.replace(out / "vocab_map.safetensors")

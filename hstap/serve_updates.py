@@ -71,7 +71,7 @@ class Updater:
         self.version, self.step = 0, -1  # v0000: the start drafter
         self.updates: list[dict] = []
         self.peak_bytes, self.peak_shards = 0, 0
-        self._log = open(out / "updates.jsonl", "w")
+        (out / "updates.jsonl").write_text("")
 
     def status(self) -> str:
         from hstap.serve_client import store_usage
@@ -116,8 +116,8 @@ class Updater:
             shutil.rmtree(dst, ignore_errors=True)
             print(f"serve-loop: drafter update to step {step} failed: {rec['error']}", file=sys.stderr, flush=True)
         self.updates.append(rec)
-        self._log.write(json.dumps(rec) + "\n")
-        self._log.flush()
+        with open(self.out / "updates.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
 
 def _windows(ok: list[dict], size: int) -> list[dict]:
@@ -171,7 +171,7 @@ def summarize(cfg, out: Path, prompts: list, records: list[dict], wall: float, u
          "lost": len(prompts) - len(ok), "duplicates": len(idx) - len(set(idx)) + len(ids) - len(set(ids)),
          "wall_s": wall, "server_start_s": started_s, "generated_tokens": gen, "tokens_per_s": gen / wall,
          "requests_per_s": len(ok) / wall, "acceptance": acc, "tau": tau,
-         "first_window": _windows(ok, cfg.update_every)[:1], "windows": _windows(ok, cfg.update_every),
+         "windows": _windows(ok, cfg.update_every),
          "server_counters": diff, "per_request_sums": per_req,
          "counters_agree": None if cfg.mode == "target" else (
              per_req["num_draft_tokens"] == diff.get("vllm:spec_decode_num_draft_tokens")
