@@ -250,6 +250,22 @@ def start_trainer(cfg: ServeLoopConfig, out: Path, drafter0: Path, device: str) 
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def read_reference(path: str) -> dict[int, list[int]]:
+    """{prompt index: output tokens} of a --mode target run's served.jsonl (--reference)."""
+    p = Path(path)
+    if not p.is_file():
+        raise HstapError(f"{p}: --reference: not a file (the served.jsonl of a --mode target run)")
+    out = {}
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        try:
+            r = json.loads(line)
+            if "tokens" in r:
+                out[int(r["i"])] = [int(t) for t in r["tokens"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise HstapError(f"{p}:{n}: --reference: not a served.jsonl record ({e})") from None
+    return out
+
+
 def wait_for_claim(out: Path, trainer: subprocess.Popen, timeout: float = 600.0) -> None:
     """Until the trainer wrote STORE/consumer.json (its window, which the tap's writer keeps to from its first
     shard); HstapError with the end of train.log if it exits first."""
@@ -290,10 +306,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     device = _device(cfg)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
     prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
-    ref = None
-    if cfg.reference:
-        ref = {r["i"]: r["tokens"] for r in map(json.loads, Path(cfg.reference).read_text().splitlines())
-               if "tokens" in r}
+    ref = read_reference(cfg.reference) if cfg.reference else None
     write_run_config(out, "serve-loop", cfg)
     drafter0 = start_drafter(cfg, out) if cfg.mode != "target" else None
     if drafter0 is not None:

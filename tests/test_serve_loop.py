@@ -188,3 +188,17 @@ def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
         check_same_drafter(tmp_path / "a", tmp_path / "b")
     with pytest.raises(HstapError, match=r"eagle_aux_hidden_state_layer_ids \[1, 3, 4\] != the served drafter's"):
         check_same_drafter(tmp_path / "a", tmp_path / "c")
+
+
+def test_a_bad_reference_is_one_error_naming_the_line(tmp_path):
+    from hstap.common import HstapError
+    from hstap.serve_loop import read_reference
+
+    p = tmp_path / "served.jsonl"
+    p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n{"i": 2, "tokens": [3\n')
+    with pytest.raises(HstapError, match=r"served.jsonl:3: --reference: not a served.jsonl record"):
+        read_reference(str(p))
+    p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n')
+    assert read_reference(str(p)) == {0: [1, 2]}  # a lost request has no reference
+    with pytest.raises(HstapError, match="--reference: not a file"):
+        read_reference(str(tmp_path / "none.jsonl"))
