@@ -122,14 +122,16 @@ def main() -> None:
             min(a.requests, 48)
         a.max_tokens, a.shard_tokens, a.update_every, a.max_model_len = min(a.max_tokens, 32), 512, 8, 512
     else:
-        target, train_src, eval_src = Path(a.target), Path(a.corpus) / "train.jsonl.gz", Path(a.corpus) / "eval.jsonl.gz"
+        corpus = Path(a.corpus)
+        target, train_src, eval_src = Path(a.target), corpus / "train.jsonl.gz", corpus / "eval.jsonl.gz"
     other = _first_user_turns(train_src, work / "other.jsonl", a.offline_samples, answer=True)
     served = _first_user_turns(eval_src, work / "served.jsonl", a.requests)
 
     # 0. the offline drafter, on other data
     t = time.monotonic()
-    _cli(work / "generate.log", "generate", "--target", target, "--data", other, "--out", work / "other.generated.jsonl",
-         "--capture", work / "offline-store", "--max-new-tokens", a.max_tokens, "--device", "cpu")
+    _cli(work / "generate.log", "generate", "--target", target, "--data", other, "--out",
+         work / "other.generated.jsonl", "--capture", work / "offline-store", "--max-new-tokens", a.max_tokens,
+         "--device", "cpu")
     _cli(work / "train-offline.log", "train", "--store", work / "offline-store", "--target", target, "--out",
          work / "offline-run", "--steps", a.offline_steps, "--ttt", a.k, "--lr", a.lr, "--warmup-ratio", 0,
          "--min-lr-ratio", 1, "--batch-tokens", a.batch_tokens, "--draft-vocab", _vocab(target), "--eval-frac", 0,
@@ -173,13 +175,12 @@ def _report(a, work: Path, summaries: dict, loads: dict, offline_s: float, total
     rows = []
     for name, s in summaries.items():
         w = s["windows"]
-        ll = s.get("lossless") or {}
-        st = s["store"]
-        rows.append([name, f"{s['answered']}/{s['requests']}", f"{s['tokens_per_s']:.1f}", f"{s['tokens_per_s'] / off:.2f}x",
-                     "-" if s["mode"] == "target" else f"{s['acceptance']:.3f} / {s['tau']:.2f}",
-                     "-" if not w or s["mode"] == "target" else f"{w[0]['acceptance']:.3f} -> {w[-1]['acceptance']:.3f}",
-                     str(s["updates_taken"]) if s["mode"] == "loop" else "-",
-                     f"{st.get('peak_bytes', 0) / 1e6:.1f} / {st.get('bound_bytes', 0) / 1e6:.1f}" if s["mode"] == "loop" else "-",
+        ll, st, spec, loop = s.get("lossless") or {}, s["store"], s["mode"] != "target", s["mode"] == "loop"
+        rows.append([name, f"{s['answered']}/{s['requests']}", f"{s['tokens_per_s']:.1f}",
+                     f"{s['tokens_per_s'] / off:.2f}x", f"{s['acceptance']:.3f} / {s['tau']:.2f}" if spec else "-",
+                     f"{w[0]['acceptance']:.3f} -> {w[-1]['acceptance']:.3f}" if w and spec else "-",
+                     str(s["updates_taken"]) if loop else "-",
+                     f"{st.get('peak_bytes', 0) / 1e6:.1f} / {st.get('bound_bytes', 0) / 1e6:.1f}" if loop else "-",
                      f"{ll.get('equal')}/{ll.get('compared')}" if ll else "ref", f"{loads[name]:.1f}"])
     print(table(["run", "answered", "tok/s", "vs loop off", "acceptance / tau", "first -> last window", "updates",
                  "store peak / bound MB", "= target", "load"], rows))
