@@ -47,6 +47,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
              "speculative decoding (chain/tree) vs target-only: tau, per-position acceptance, speedup, losslessness"),
     "serve": ("hstap.data.serve", "ServeConfig", "serve",
               "a minimal OpenAI-compatible server over the embedded engine (tests, local generate --server runs)"),
+    "serve-loop": ("hstap.serve_loop", "ServeLoopConfig", "serve_loop",
+                   "train as you serve: vLLM serves with an EAGLE-3 drafter and taps, a follow trainer, live updates"),
     "verify": ("hstap.verify", "VerifyConfig", "verify",
                "store integrity, recompute vs the target, layer-offset detection, compare two stores"),
 }

@@ -102,3 +102,27 @@ def training_curves(metrics: str | Path, path: str | Path):
             ax.legend()
     _save(fig, path)
     return fig
+
+
+def serve_loop_plot(runs: dict[str, dict], path: str | Path):
+    """vLLM's acceptance (accepted / proposed draft tokens) over windows of answered requests, against requests served,
+    one line per `hstap serve-loop` summary in `runs` (name -> summary.json); a loop's drafter updates are the ticks
+    at the bottom. Returns the figure."""
+    fig, ax = _figure(7, 3.8)
+    for n, (name, s) in enumerate(runs.items()):
+        w = s.get("windows") or []
+        ax.plot([p["served"] for p in w], [p["acceptance"] for p in w], marker="o", markersize=3, color=f"C{n}",
+                label=f"{name} (overall {s.get('acceptance', 0):.3f}, tau {s.get('tau', 1):.2f})")
+        ups = [u["served"] for u in s.get("updates") or [] if "error" not in u]
+        if ups:
+            ax.plot(ups, [0.01 + 0.02 * n] * len(ups), linestyle="none", marker="|", markersize=10, color=f"C{n}")
+    ax.set_xlabel("requests served")
+    ax.set_ylabel("draft tokens accepted / proposed")
+    top = max((p["acceptance"] for s in runs.values() for p in s.get("windows") or []), default=0.0)
+    ax.set_ylim(0, min(1.02, max(0.25, 1.25 * top)))  # low acceptance stays readable
+    ax.set_title("vLLM's acceptance while serving (ticks: drafter updates taken up)", fontsize=10)
+    ax.grid(alpha=0.3)
+    if runs:
+        ax.legend(fontsize=8)
+    _save(fig, path)
+    return fig

@@ -32,3 +32,16 @@ def test_training_curves_from_metrics(tmp_path):
     loss, acc, tau = fig.axes
     assert list(loss.lines[0].get_xdata()) == [1, 2, 3, 4, 5] and list(tau.lines[0].get_ydata()) == [1.6]
     assert "tau" in tau.get_title() and loss.get_xlabel() == "optimizer step"
+
+
+def test_serve_loop_plot_one_line_per_run_and_update_ticks(tmp_path):
+    from hstap.plots import serve_loop_plot
+
+    win = [{"served": 8 * i, "acceptance": 0.1 * i} for i in range(1, 5)]
+    runs = {"loop": {"windows": win, "acceptance": 0.2, "tau": 1.5, "updates": [{"served": 8}, {"served": 16},
+                                                                                {"served": 24, "error": "x"}]},
+            "fixed": {"windows": win[:2], "acceptance": 0.15, "tau": 1.4}}
+    fig = serve_loop_plot(runs, tmp_path / "a.png")
+    assert (tmp_path / "a.png").read_bytes()[:8] == PNG
+    lines = fig.axes[0].lines
+    assert len(lines) == 3 and list(lines[1].get_xdata()) == [8, 16]  # two runs + the loop's taken updates

@@ -144,6 +144,20 @@ def load_weights(ckpt: Path, drafter: Eagle3Drafter) -> None:
         raise HstapError(f"{ckpt}/drafter.safetensors: does not fit this drafter ({missing} / {unexpected})")
 
 
+def load_init(path: Path, drafter: Eagle3Drafter) -> None:
+    """--init-from: the weights of the hstap drafter directory `path`, whose config must equal this run's drafter's."""
+    try:
+        theirs = json.loads((path / "drafter.json").read_text()).get("config") or {}
+    except (OSError, ValueError) as e:
+        raise HstapError(f"{path / 'drafter.json'}: --init-from: cannot read: {e}") from None
+    mine = json.loads(json.dumps(drafter.config.to_dict()))
+    diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if diff:
+        raise HstapError(f"{path / 'drafter.json'}: --init-from: its drafter differs from this run's in {diff} "
+                         f"({', '.join(f'{k}={theirs.get(k)!r}, here {mine.get(k)!r}' for k in diff[:3])})")
+    load_weights(path, drafter)
+
+
 def load_rest(ckpt: Path, state: dict, rank: int, params: list, opt) -> None:
     """Optimizer (resharded like the parameters under FSDP) and this rank's RNG."""
     flat = load_file(str(ckpt / "optimizer.safetensors"))

@@ -184,6 +184,10 @@ class TrainConfig:
     16,384 when a chunk's target logits are at most 2^28 values (a vocab <= 16,384), else 4,096 (the 8B's setting)."""
     init_lm_head: bool = True
     """Initialise the drafter lm_head from the target lm_head's rows of the draft vocabulary."""
+    init_from: str | None = None
+    """Start from this hstap drafter's weights (RUN/best, RUN/checkpoints/step_*, export --to hf) instead of the init;
+    same config and vocab map as this run (`hstap serve-loop`: the served drafter trained on). Not with --resume's
+    checkpoint, which wins."""
     seed: int = 0
     """Seed of the drafter init and of the data order (the eval split is a hash of the sample ids)."""
     peak_tflops: float = 790.0
@@ -357,6 +361,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     # checkpoint that does not fit leaves the run as it was.
     if ckpt:
         checkpoint.load_weights(ckpt, drafter)
+    elif cfg.init_from:
+        checkpoint.load_init(Path(cfg.init_from), drafter)
     drafter.to(dev)
     trainer = Trainer(cfg, drafter, world, dev, attn, bf16)
     # best_sim_tau of a run saved before tau included the bonus token (no "tau_definition") is not comparable

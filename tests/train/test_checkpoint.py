@@ -153,3 +153,20 @@ def test_truncate_metrics_drops_lines_after_the_step_and_a_torn_last_line(tmp_pa
     assert [json.loads(x) for x in path.read_text().splitlines()] == lines[:3]
     checkpoint.truncate_metrics(tmp_path / "absent.jsonl", 2)  # nothing to truncate: no error, no file
     assert not (tmp_path / "absent.jsonl").exists()
+
+
+def test_init_from_loads_a_drafter_of_the_same_config_and_refuses_another(tmp_path):
+    """`train --init-from`: the weights of an hstap drafter directory (serve-loop's served drafter), bit for bit; a
+    drafter of another config is one error naming the fields."""
+    from hstap.export.drafter_dir import save_drafter
+
+    d = _trained(1)[0]
+    save_drafter(tmp_path / "src", d)
+    d2 = _fresh()[0]
+    d2.set_vocab_map(d.d2t, d.t2d)  # the run's vocab map (train --vocab-map): the one the drafter was trained with
+    checkpoint.load_init(tmp_path / "src", d2)
+    assert all(torch.equal(a, b) for a, b in zip(d.state_dict().values(), d2.state_dict().values()))
+    other = tiny_setup(num_layers=2)[0]
+    with pytest.raises(HstapError, match=r"drafter.json: --init-from: its drafter differs from this run's in "
+                                         r"\['num_layers'\]"):
+        checkpoint.load_init(tmp_path / "src", other)

