@@ -146,7 +146,7 @@ def sharegpt_records(path: Path, counts: Counter):
         raise HstapError(f"{path}: not a ShareGPT file (expected a JSON list of {{\"id\", \"conversations\"}} records)")
     tail: dict = {}
     seen_digest: set[str] = set()
-    ids: Counter = Counter()
+    ids: set[str] = set()
     for _, rec in iter_json_list(path, data, tail):
         counts["records"] += 1
         item = clean_sharegpt(rec, counts)
@@ -158,15 +158,13 @@ def sharegpt_records(path: Path, counts: Counter):
             counts["dropped: duplicate"] += 1
             continue
         seen_digest.add(digest)
-        ids[rid] += 1
-        if ids[rid] > 1:  # a reused id: the later conversation is renamed
-            new = f"{rid}~{ids[rid]}"
-            while new in ids:
-                ids[rid] += 1
-                new = f"{rid}~{ids[rid]}"
-            ids[new] += 1
+        if rid in ids:  # a reused id: the later conversation is renamed <id>~2, <id>~3, ...
+            n = 2
+            while f"{rid}~{n}" in ids:
+                n += 1
+            rid = f"{rid}~{n}"
             counts["reused ids renamed"] += 1
-            rid = new
+        ids.add(rid)
         yield rid, msgs
     counts[TAIL] = tail.get("bytes", 0)
 

@@ -147,6 +147,7 @@ def test_layer_n_minus_1_is_refused_before_the_server_is_asked(tiny_llama, tmp_p
     from hstap.cli import main
 
     data = make_prepared(tiny_llama, tmp_path / "p", records(2, seed=1))
+    capsys.readouterr()  # prepare's own warnings are not the driver's
     code = main(["capture", "--engine", "sglang", "--server", "http://127.0.0.1:9", "--target", str(tiny_llama),
                  "--data", str(data), "--out", str(tmp_path / "s"), "--layers", "1,3,5"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
