@@ -268,6 +268,7 @@ def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys, kernels):
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     assert rep["engine"] == "fast" and rep["lossless"] is True and set(rep["methods"]) == {"target", "ngram", "eagle"}
     assert rep["kernels"] == kernels and f"({kernels} kernels)" in (tmp_path / "r" / "report.md").read_text()
+    assert rep["compiled"] is False  # torch.compile'd steps are for CUDA (the CPU runs them as they are)
     for m in rep["methods"].values():
         assert m["verify_ms_per_round"] > 0 and m["host_ms_per_round"] >= 0
     from hstap.speculative.latency import round_model
