@@ -40,8 +40,21 @@ def user_message(e: HstapError) -> str:
     return one_line(text)
 
 
-_UMASK = os.umask(0)
+_UMASK = os.umask(0)  # os.umask can only be read by setting it: read once, at import
 os.umask(_UMASK)
+
+
+def file_mode() -> int:
+    """The permissions open() gives a new file in this process (0o666 less the umask): what mkstemp's 0600 becomes."""
+    return 0o666 & ~_UMASK
+
+
+def temp_dir_beside(out: Path) -> Path:
+    """A new temporary directory next to `out` (the same file system: the finished result is renamed into place), with
+    the permissions mkdir would give it (mkdtemp makes 0700)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o777 & ~_UMASK)
+    return tmp
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -57,7 +70,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> Non
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the permissions open() would
+        os.fchmod(fd, file_mode())  # mkstemp creates 0600; give the file the permissions open() would
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

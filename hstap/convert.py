@@ -37,13 +37,14 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hstap.common import HstapError, atomic_write_json, fsync_dir, one_line, package_files, package_version, run_meta
+from hstap.common import (
+    HstapError, atomic_write_json, file_mode, fsync_dir, one_line, package_files, package_version, run_meta,
+    temp_dir_beside)
 
 RECORD = "hstap_convert.json"
 CHECK_MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -220,10 +221,7 @@ def convert(cfg: ConvertConfig) -> dict:
     strip_quantization(model, meta)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result should be a normal directory
+    tmp = temp_dir_beside(out)
     try:
         t_save = time.perf_counter()
         model.save_pretrained(str(tmp))
@@ -241,7 +239,7 @@ def convert(cfg: ConvertConfig) -> dict:
                          "torch": torch.__version__}}
         atomic_write_json(tmp / RECORD, record)
         for f in tmp.iterdir():
-            f.chmod(0o666 & ~umask)  # some writers (safetensors) create 0600 files
+            f.chmod(file_mode())  # some writers (safetensors) create 0600 files
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         fsync_dir(tmp)

