@@ -55,6 +55,18 @@ def store_samples(path) -> dict[str, dict]:
     return {s.ids[i]: s[i] for i in range(len(s))}
 
 
+def committed_count(store) -> int:
+    """Samples a store has committed so far, as a resumed capture counts them (`committed_ids_of`); 0 before its
+    manifest exists. What the kill tests poll while a capture runs."""
+    from hstap.common import HstapError
+    from hstap.store.format import committed_ids_of
+
+    try:
+        return len(committed_ids_of(store))
+    except HstapError:
+        return 0
+
+
 def assert_same_store(a: dict[str, dict], b: dict[str, dict], atol: float = 1e-5) -> None:
     import torch
 

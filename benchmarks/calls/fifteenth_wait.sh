@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Waits (at most $1 seconds) for the detached pipeline of fifteenth_protocol.sh, printing its log as it grows; then
+# Waits (at most $1 seconds) for the detached pipeline of sixteenth_protocol.sh, printing its log as it grows; then
 # copies what it produced so far under $OUT (results, log tails, eval and store figures, the drafter's metrics).
 P=${P:-/root/p}; lim=${1:-540}; t=0
 while [ $t -lt $lim ] && ! grep -q "^== done" $P/pipeline.log 2>/dev/null; do sleep 10; t=$((t + 10)); done

@@ -15,7 +15,7 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
-from _capture_fixtures import assert_same_store, store_samples
+from _capture_fixtures import assert_same_store, committed_count, store_samples
 from _sglang_fixtures import make_prepared, records
 from _sglang_live import REPO, events, server, wait_for
 
@@ -32,14 +32,6 @@ def _cmd(model, data, store, url) -> list[str]:
     return [sys.executable, "-m", "hstap.cli", "capture", "--engine", "sglang", "--server", url, "--target",
             str(model), "--data", str(data), "--out", str(store), "--layers", ",".join(map(str, LAYERS)),
             "--dtype", "fp32", "--concurrency", "2"]
-
-
-def _committed(store) -> int:
-    try:
-        part = json.loads((store / "parts" / "rank000.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    return sum(len(e["ids"]) for e in part["shards"])
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +99,9 @@ def test_sigkill_of_the_server_mid_capture_then_restart_and_resume(live, uninter
     cmd = _cmd(live.model, live.data, live.store, live.srv.url)
     with open(live.root / "killed.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    wait_for(lambda: _committed(live.store) > 0 or proc.poll() is not None, 600, "a first commit")
+    wait_for(lambda: committed_count(live.store) > 0 or proc.poll() is not None, 600, "a first commit")
     live.srv.kill()  # SIGKILL to the server's whole process group: HTTP server, scheduler, detokenizer
-    done = _committed(live.store)
+    done = committed_count(live.store)
     assert proc.wait(120) != 0  # the driver sees the server gone and stops, saying so
     out = (live.root / "killed.log").read_text()
     assert 0 < done < N, f"killed with {done} committed: not mid-capture ({out[-2000:]})"

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _capture_fixtures import assert_same_store, make_prepared, store_samples
+from _capture_fixtures import assert_same_store, committed_count, make_prepared, store_samples
 from _vllm_fixtures import require_vllm, serve, vllm_env
 
 from hstap.common import HstapError, free_port
@@ -44,14 +44,6 @@ def _cmd(target: Path, data: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "hstap.cli", "capture", "--engine", "vllm", "--target", str(target), "--data",
             str(data), "--out", str(out), "--layers", LAYERS, "--dtype", "fp32", "--device", "cpu",
             "--batch-tokens", "64", "--shard-tokens", "300"]
-
-
-def _committed(store: Path) -> int:
-    try:
-        part = json.loads((store / "parts" / "rank000.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    return sum(len(e["ids"]) for e in part["shards"])
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +77,11 @@ def test_sigkill_mid_capture_then_resume(vllm_llama, data, uninterrupted, tmp_pa
         proc = subprocess.Popen(_cmd(vllm_llama, data, out), env=vllm_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + 600
-    while _committed(out) == 0 and proc.poll() is None and time.monotonic() < deadline:
+    while committed_count(out) == 0 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # the whole engine: the driver, vLLM's engine core and its worker
     proc.wait(60)
-    done = _committed(out)
+    done = committed_count(out)
     assert 0 < done < N_SAMPLES, f"killed with {done} committed: not mid-capture ({(tmp_path / 'killed.log').read_text()[-2000:]})"
     p = subprocess.run(_cmd(vllm_llama, data, out), env=vllm_env(), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
