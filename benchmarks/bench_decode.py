@@ -99,7 +99,7 @@ def big_target(dev, dtype):
 
 def tiny_target(tmp: Path):
     from hstap.model_dir import load_target
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
 
     build_random_target(tmp, None, model_type="llama", num_layers=8, hidden_size=64, vocab_size=256)
     return load_target(str(tmp), device="cpu", dtype="fp32")[0], None

@@ -31,10 +31,10 @@ from hstap.speculative.evaluate import check_lossless, eos_ids, load_prompts, re
 def build_tiny(root: Path) -> dict:
     """A random tiny Llama target with a chat tokenizer, a random EAGLE-3 drafter, a random final-state drafter and a
     JSONL of prompts, all written under root."""
-    from hstap.export.drafter_dir import save_drafter
+    from hstap.drafter_dir import save_drafter
     from hstap.layers import fc_slots
     from hstap.models.drafter import DrafterConfig, Eagle3Drafter
-    from hstap.toy import build_random_target, build_tokenizer, sample_texts
+    from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts
 
     texts = sample_texts()
     tok = build_tokenizer(texts, vocab_size=400)

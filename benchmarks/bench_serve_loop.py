@@ -77,7 +77,7 @@ def _tiny(work: Path) -> tuple[Path, Path, Path]:
     """A random toy target (sharpened head) and stdlib chats: (target, train.jsonl, eval.jsonl)."""
     import torch
 
-    from hstap.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
+    from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
 
     tok = build_tokenizer(sample_texts(), vocab_size=400, out_dir=work / "tok")
     model = build_random_target(work / "target", tok, model_type="llama", num_layers=8, hidden_size=128, num_heads=4,

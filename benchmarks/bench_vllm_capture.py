@@ -16,7 +16,7 @@ What is measured, on the first --samples conversations (prepared with the target
   each --repeats times, alternating (a) and (b); the figure is tokens/s and capture/plain, best of the repeats;
   (c) parity: the capture store against `--engine hf` on the same prepared set (fp32 compute; with --dtype bf16 also
       vLLM bf16 against HF bf16 and against HF fp32): max abs error and rel_max per stored layer and `final`
-      (hstap.parity's metrics, `hstap verify --a --b`).
+      (hstap.verify.parity's metrics, `hstap verify --a --b`).
 Prints a table, then ONE JSON line. With --tiny: a random 6-layer H=128 target and 24 stdlib conversations (a smoke
 run: the numbers mean nothing).
 """
@@ -75,7 +75,7 @@ def plain_prefill(target: str, data: Path, dtype: str, batch_tokens: int, device
     from hstap.data.prepare import load_prepared
     from hstap.layers import parse_layers, to_vllm
     from hstap.model_dir import load_config
-    from hstap.vllm_engine import start_llm, stop_llm
+    from hstap.engines.vllm import start_llm, stop_llm
 
     ds = load_prepared(data)
     prompts = [TokensPrompt(prompt_token_ids=list(r["input_ids"])) for r in ds]
@@ -115,7 +115,7 @@ def parity(a: Path, b: Path) -> dict:
     """Per slot (each stored layer, final): max abs error over all common samples, and compare_stores' metrics."""
 
     from hstap.store.reader import open_store
-    from hstap.verify import compare_stores
+    from hstap.verify.stage import compare_stores
 
     rep = compare_stores(str(a), str(b))
     sa, sb = open_store(a), open_store(b)
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     try:
         if a.tiny:
-            from hstap.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
+            from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
 
             tok = build_tokenizer(sample_texts(), vocab_size=400, out_dir=root / "tok")
             build_random_target(root / "t", tok, num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=2,

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     from hstap.layers import default_aux_layers, to_vllm
     from hstap.model_dir import load_config
     from hstap.store.reader import open_store
-    from hstap.vllm_engine import vllm_server
+    from hstap.engines.vllm import vllm_server
 
     N = load_config(a.target).num_hidden_layers
     prompts = prompts_of(a.target, a.data, a.requests)

@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     if a.tiny:
         import tempfile
 
-        from hstap.toy import build_random_target, build_tokenizer, sample_texts
+        from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts
 
         tmp = Path(tempfile.mkdtemp(prefix="bench-wide-"))
         tok = build_tokenizer(sample_texts(), vocab_size=400, out_dir=tmp / "tok")

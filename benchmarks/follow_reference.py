@@ -78,7 +78,7 @@ def _tiny_reference(w: Path) -> tuple[Path, Path, Path]:
     """A random toy target (peaked head) and stdlib chats split into train/eval: (target, train.jsonl, eval.jsonl)."""
     import torch
 
-    from hstap.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
+    from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
 
     tok = build_tokenizer(sample_texts(), vocab_size=512, out_dir=w / "tok")
     model = build_random_target(w / "target", tok, model_type="llama", num_layers=6, hidden_size=64, seed=1)

@@ -338,7 +338,7 @@ def replay_validation(model, val_dl, head: torch.Tensor, hot: torch.Tensor, t2d:
 def convert(ckpt: Path, out: Path, store, embed: torch.Tensor, extra: dict):
     """hstap's reading of a speculators checkpoint (what `hstap eval --drafter CKPT` loads), saved as an hstap drafter
     dir with the store's provenance (so `hstap export` validates it)."""
-    from hstap.export.drafter_dir import save_drafter
+    from hstap.drafter_dir import save_drafter
     from hstap.export.engines import load_exported
 
     drafter, _ = load_exported(ckpt, embed_weight=embed)
@@ -490,7 +490,7 @@ def tiny_assets(root: Path) -> tuple[str, str]:
 
     from hstap.capture.stage import CaptureConfig, capture
     from hstap.data.prepare import PrepareConfig, prepare
-    from hstap.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
+    from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
 
     shutil.rmtree(root, ignore_errors=True)  # a re-run builds them afresh (prepare never overwrites)
     tok = build_tokenizer(sample_texts(), vocab_size=400, out_dir=root / "tok")

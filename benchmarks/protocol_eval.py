@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
 
 def tiny(a) -> dict:
     """A toy target, a 10-step hstap drafter, two prompts per turn file: the script's plumbing, on the CPU."""
-    from hstap.toy import build_random_target, build_tokenizer, sample_texts
+    from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts
 
     tmp = Path(tempfile.mkdtemp(prefix="protocol-eval-"))
     tok = build_tokenizer(sample_texts()[:200], vocab_size=300)

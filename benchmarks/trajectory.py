@@ -26,7 +26,7 @@ import torch
 def build(root: Path) -> dict:
     from hstap.capture.stage import CaptureConfig, capture
     from hstap.data.prepare import PrepareConfig, prepare
-    from hstap.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
+    from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
 
     tok = build_tokenizer(sample_texts(), vocab_size=400, out_dir=root / "tok")
     target = root / "target"

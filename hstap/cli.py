@@ -32,7 +32,7 @@ from hstap.common import HstapError, user_message
 # subcommand -> (module, config class, entry function, one-line help). Only stages that work are listed. An entry
 # "module:function" lives in another module than its config: `generate` is the capture stage's composition (--capture).
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "demo": ("hstap.demo", "DemoConfig", "demo", "the whole pipeline end to end, offline, on a toy target (or yours)"),
+    "demo": ("hstap.demo.stage", "DemoConfig", "demo", "the whole pipeline end to end, offline, on a toy target (or yours)"),
     "convert": ("hstap.convert", "ConvertConfig", "convert",
                 "a GGUF file, or an installed package holding one, -> a plain HF model directory (checked)"),
     "data": ("hstap.data.sources", "DataConfig", "data",
@@ -47,9 +47,9 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
              "speculative decoding (chain/tree) vs target-only: tau, per-position acceptance, speedup, losslessness"),
     "serve": ("hstap.data.serve", "ServeConfig", "serve",
               "a minimal OpenAI-compatible server over the embedded engine (tests, local generate --server runs)"),
-    "serve-loop": ("hstap.serve_loop", "ServeLoopConfig", "serve_loop",
+    "serve-loop": ("hstap.serve_loop.stage", "ServeLoopConfig", "serve_loop",
                    "train as you serve: vLLM serves with an EAGLE-3 drafter and taps, a follow trainer, live updates"),
-    "verify": ("hstap.verify", "VerifyConfig", "verify",
+    "verify": ("hstap.verify.stage", "VerifyConfig", "verify",
                "store integrity, recompute vs the target, layer-offset detection, compare two stores"),
 }
 

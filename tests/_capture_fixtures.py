@@ -16,7 +16,7 @@ from _procs import Child, redirect_output
 
 def write_corpus(path: Path, n: int, seed: int = 0, min_chars: int = 10, max_chars: int = 260) -> Path:
     """n chat records of varied length (answers cut to a random size) from the stdlib docs."""
-    from hstap.toy import stdlib_conversations
+    from hstap.demo.toy import stdlib_conversations
 
     rng = random.Random(seed)
     convs = stdlib_conversations()

@@ -60,7 +60,7 @@ def records(n: int, seed: int = 0, hostile: bool = True) -> list[dict]:
     """Chat records (stdlib docs, answers cut to varied lengths); with `hostile`, the first ids are hostile strings."""
     import random
 
-    from hstap.toy import stdlib_conversations
+    from hstap.demo.toy import stdlib_conversations
 
     rng = random.Random(seed)
     convs = stdlib_conversations()

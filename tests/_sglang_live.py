@@ -1,6 +1,6 @@
 """The live SGLang server in the tests: sglang 0.5.23 in its own venv (`.venv-sglang` in the repository root, made by
 README.md's command 2 and .ci/run from requirements-sglang-server.txt), started on SGLang's generic CPU path in fp32
-(`hstap.sglang_engine`), as a process group of its own.
+(`hstap.engines.sglang`), as a process group of its own.
 
 `server_venv()` skips a test only when that venv is absent (a checkout where command 2 was not run); a venv that is
 there but cannot start a server fails the test, so that CI never skips the live tests silently. The server imports
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hstap.sglang_engine import VENV, SGLangServer, launch_args
+from hstap.engines.sglang import VENV, SGLangServer, launch_args
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = REPO / VENV / "bin" / "python"

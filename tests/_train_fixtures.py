@@ -30,7 +30,7 @@ def build_assets(root: Path, tokenizer, n: int = 28, with_store: bool = True) ->
 
     from hstap.capture.stage import CaptureConfig, capture
     from hstap.data.prepare import PrepareConfig, prepare
-    from hstap.toy import build_random_target, stdlib_conversations
+    from hstap.demo.toy import build_random_target, stdlib_conversations
 
     target = root / "target"
     model = build_random_target(target, tokenizer, model_type="llama", num_layers=6, hidden_size=64, seed=1)
@@ -118,7 +118,7 @@ def greedy_drafter(target_dir: Path, root: Path, ttt: int = 3, n_new: int = 24, 
     from hstap.model_dir import load_target
     from hstap.speculative.drivers import target_generate
     from hstap.speculative.evaluate import eos_ids, prompt_from_mask
-    from hstap.toy import stdlib_conversations
+    from hstap.demo.toy import stdlib_conversations
     from hstap.train.stage import TrainConfig, train
 
     convs = [{"id": c["id"], "conversations": c["conversations"][:1] + [{"role": "assistant", "content": "x"}]}

@@ -33,8 +33,8 @@ def vllm_env() -> dict:
 
 def serve(model: Path, port: int, log: Path, *args: str, timeout: float = 600.0):
     """`vllm serve MODEL` on PORT as the tests run it (fp32, eager, 512-token context) with ARGS, until /v1/models
-    answers (`hstap.vllm_engine.vllm_server`)."""
-    from hstap.vllm_engine import vllm_server
+    answers (`hstap.engines.vllm.vllm_server`)."""
+    from hstap.engines.vllm import vllm_server
 
     return vllm_server(model, port, log, "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", *args,
                        env=vllm_env(), timeout=timeout)

@@ -32,7 +32,7 @@ def ref_corpus() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
-    from hstap.toy import build_tokenizer, sample_texts
+    from hstap.demo.toy import build_tokenizer, sample_texts
 
     d = tmp_path_factory.mktemp("tok")
     return build_tokenizer(sample_texts(), vocab_size=400, out_dir=d), d
@@ -41,7 +41,7 @@ def tiny_tokenizer(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_tokenizer, tmp_path_factory) -> Path:
     """A 6-layer, H=64 random Llama with a chat-template tokenizer, saved to a directory (fp32)."""
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
 
     d = tmp_path_factory.mktemp("tiny-llama")
     build_random_target(d, tiny_tokenizer[0], model_type="llama", num_layers=6, hidden_size=64)
@@ -62,7 +62,7 @@ def sg(tiny_llama):
 @pytest.fixture(scope="session")
 def tiny_deepseek(tiny_tokenizer, tmp_path_factory) -> Path:
     """A 6-layer random DeepseekV3 (MLA + MoE) with the same tokenizer."""
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
 
     d = tmp_path_factory.mktemp("tiny-deepseek")
     build_random_target(d, tiny_tokenizer[0], model_type="deepseek_v3", num_layers=6, hidden_size=64)
@@ -75,7 +75,7 @@ def vllm_llama(tiny_tokenizer, tmp_path_factory) -> Path:
     greedy decoding has clear winners and a drafter has something to learn; fp32."""
     import torch
 
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
 
     d = tmp_path_factory.mktemp("vllm-llama")
     model = build_random_target(d, tiny_tokenizer[0], model_type="llama", num_layers=6, hidden_size=128, num_heads=4,

@@ -32,7 +32,7 @@ def test_gpu_capture_matches_cpu_fp32(tiny_llama, tmp_path, dtype):
     from _capture_fixtures import make_prepared
 
     from hstap.store.reader import open_store
-    from hstap.verify import compare_stores
+    from hstap.verify.stage import compare_stores
 
     prepared = make_prepared(tiny_llama, tmp_path / "prep", 40)
     _capture(tiny_llama, prepared, tmp_path / "cpu", "cpu", "fp32", "fp32")
@@ -159,7 +159,7 @@ def _fast_setup(path, vocab_draft=None, aux=(1, 2, 3)):
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tiny_tokenizer, tmp_path_factory):
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
 
     d = tmp_path_factory.mktemp("tiny-qwen3")
     build_random_target(d, tiny_tokenizer[0], model_type="qwen3", num_layers=4, hidden_size=64)
@@ -169,7 +169,7 @@ def tiny_qwen3(tiny_tokenizer, tmp_path_factory):
 @pytest.fixture(scope="module")
 def vocab8(tmp_path_factory):
     """A Llama with 8 tokens: random drafts are often right, so trees accept through second children (KV moves)."""
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
 
     d = tmp_path_factory.mktemp("vocab8")
     build_random_target(d, None, model_type="llama", num_layers=4, hidden_size=64, vocab_size=8)

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from hstap.toy import stdlib_conversations
+from hstap.demo.toy import stdlib_conversations
 
 
 def test_demo_runs_every_stage_and_reports_a_lossless_tau(tmp_path):

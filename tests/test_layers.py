@@ -272,7 +272,7 @@ OLD_COMMIT = "e0c5eaae39c26dabf5de594a811d377b0c323e33"  # the last commit befor
 
 
 @pytest.mark.parametrize("path,expected", [
-    ("hstap/verify.py", ["N + 1", "claimed[k] + 1", "N - 1"]), ("hstap/export.py", ["int(j) - 1"]),
+    ("hstap/verify/stage.py", ["N + 1", "claimed[k] + 1", "N - 1"]), ("hstap/export.py", ["int(j) - 1"]),
     ("hstap/engines/vllm.py", ["num_layers - 1"])])
 def test_scan_flags_the_old_files(path, expected):
     try:

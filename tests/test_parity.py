@@ -1,10 +1,10 @@
-"""hstap.parity: the bf16 ulp and the per-layer metrics on values whose errors are known."""
+"""hstap.verify.parity: the bf16 ulp and the per-layer metrics on values whose errors are known."""
 
 from __future__ import annotations
 
 import torch
 
-from hstap.parity import layer_stats, ulp_bf16
+from hstap.verify.parity import layer_stats, ulp_bf16
 
 
 def test_ulp_bf16_is_the_bf16_spacing():

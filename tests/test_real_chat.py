@@ -39,7 +39,7 @@ def test_prefix_cache_gives_the_reprefill_answers(smollm2_answered, smollm2, tmp
 
 
 def test_captured_states_equal_a_recompute(smollm2_answered, smollm2_store, smollm2):
-    from hstap.verify import recompute
+    from hstap.verify.stage import recompute
 
     root, _ = smollm2_answered
     for store in (smollm2_store, root / "tap"):  # prefill capture; generate's decode path on reused caches

@@ -45,7 +45,7 @@ def vllm_store(env, smollm2, smollm2_prepared, tmp_path_factory):
 def test_vllm_capture_equals_hf(vllm_store, smollm2_store):
     from _capture_fixtures import store_samples
 
-    from hstap.verify import compare_stores
+    from hstap.verify.stage import compare_stores
 
     out, s = vllm_store
     assert s["samples"] == 2

@@ -31,10 +31,10 @@ def _conversations(path, rows) -> None:
 def loop(vllm_llama, tmp_path_factory):
     require_vllm()
     from hstap.export.stage import ExportConfig, export
-    from hstap.serve_client import Client, post
-    from hstap.serve_loop import ServeLoopConfig, serve_loop, stop_ids
+    from hstap.serve_loop.requests import Client, post
+    from hstap.serve_loop.stage import ServeLoopConfig, serve_loop, stop_ids
     from hstap.store.consumer import read_consumer, write_consumer
-    from hstap.toy import stdlib_conversations
+    from hstap.demo.toy import stdlib_conversations
 
     root = tmp_path_factory.mktemp("serve-loop")
     _, run_b = greedy_drafter(vllm_llama, root, K, N_NEW, layers="1,2,3")  # trained offline on 16 other prompts
@@ -152,7 +152,7 @@ def test_a_drafter_taken_up_drafts_in_vllm_as_in_hstap(loop, vllm_llama):
 
 
 def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
-    from hstap.verify import recompute
+    from hstap.verify.stage import recompute
 
     _, probed, root, _ = loop
     assert None not in probed["stored"], probed["stored"]  # every probe answer is a store sample
@@ -162,7 +162,7 @@ def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
 
 def test_bad_settings_are_one_error_each(tmp_path):
     from hstap.common import HstapError
-    from hstap.serve_loop import ServeLoopConfig
+    from hstap.serve_loop.stage import ServeLoopConfig
 
     base = dict(target="t", prompts="p", out=str(tmp_path))
     for kw, msg in (({"mode": "fixed"}, "--mode fixed serves a given drafter"), ({"mode": "x"}, "--mode: expected"),
@@ -177,7 +177,7 @@ def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
     from safetensors.torch import save_file
 
     from hstap.common import HstapError
-    from hstap.vllm_worker import check_same_drafter
+    from hstap.serve_loop.worker import check_same_drafter
 
     for name, shape, ids in (("a", (4, 8), [2, 3, 4]), ("b", (4, 6), [2, 3, 4]), ("c", (4, 8), [1, 3, 4])):
         (tmp_path / name).mkdir()
@@ -192,7 +192,7 @@ def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
 
 def test_a_bad_reference_is_one_error_naming_the_line(tmp_path):
     from hstap.common import HstapError
-    from hstap.serve_loop import read_reference
+    from hstap.serve_loop.stage import read_reference
 
     p = tmp_path / "served.jsonl"
     p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n{"i": 2, "tokens": [3\n')

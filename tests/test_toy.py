@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hstap.demo import MIN_TOY_ACCURACY, check_toy_target
-from hstap.toy import build_random_target, next_token_accuracy, train_toy_target
+from hstap.demo.stage import MIN_TOY_ACCURACY, check_toy_target
+from hstap.demo.toy import build_random_target, next_token_accuracy, train_toy_target
 
 TINY = dict(num_layers=2, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, seq_len=32, batch_size=4,
             lr=1e-2)
@@ -53,7 +53,7 @@ def test_next_token_accuracy_tells_a_trained_target_from_a_random_one(tiny_token
 
 
 def test_stdlib_conversations_extended_adds_methods_after_the_same_records():
-    from hstap.toy import stdlib_conversations
+    from hstap.demo.toy import stdlib_conversations
 
     base, ext = stdlib_conversations(), stdlib_conversations(extended=True)
     assert ext[:len(base)] == base and len(ext) > 1.5 * len(base)  # the default set (tests, benchmarks) is unchanged

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from hstap.common import HstapError
-from hstap.parity import TOLERANCES
-from hstap.verify import VerifyConfig, compare_stores, quick_check, recompute, verify
+from hstap.verify.parity import TOLERANCES
+from hstap.verify.stage import VerifyConfig, compare_stores, quick_check, recompute, verify
 
 
 @pytest.fixture(scope="module")
 def prepared(tiny_llama, tmp_path_factory) -> Path:
     from hstap.data.prepare import PrepareConfig, prepare
-    from hstap.toy import sample_texts
+    from hstap.demo.toy import sample_texts
 
     d = tmp_path_factory.mktemp("verify-data")
     text = "\n".join(sample_texts())
@@ -154,7 +154,7 @@ def test_missing_final_norm_is_named(stores, tiny_llama, target, tmp_path):
 
 
 def test_store_from_another_target_fails(stores, tiny_tokenizer, tmp_path):
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
 
     other = tmp_path / "other"
     build_random_target(other, tiny_tokenizer[0], model_type="llama", num_layers=6, hidden_size=64, seed=1)

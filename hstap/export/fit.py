@@ -21,7 +21,7 @@ from hstap.common import HstapError
 def drafter_facts(path: str | Path) -> dict:
     """{"file": the JSON the facts come from, "vocab_size", "target_hidden_size", "aux_layers", "target": the target
     block it was trained on (None: not recorded)} of a drafter directory, RUN, or SGLang / speculators export."""
-    from hstap.export.drafter_dir import resolve_drafter_dir
+    from hstap.drafter_dir import resolve_drafter_dir
     from hstap.export.engines import read_export
 
     p = Path(path)

@@ -3,7 +3,7 @@
     hstap export --run RUN --to sglang|vllm|hf --out DIR [--store STORE] [--target TARGET]
 
 - sglang / vllm: the engine's config.json and model.safetensors (`hstap/export/engines.py` says what each holds);
-- hf: the hstap format (`hstap/export/drafter_dir.py`), embedding included (`load_drafter(DIR)` reads it, for `hstap
+- hf: the hstap format (`hstap/drafter_dir.py`), embedding included (`load_drafter(DIR)` reads it, for `hstap
   eval`), plus a config.json that describes the model (not loadable by transformers).
 
 Every export also gets `hstap_export.json` (the export's run config and the drafter's provenance): `config.json` is the
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, run_meta
-from hstap.export.drafter_dir import DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, validate_checkpoint
+from hstap.drafter_dir import DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, validate_checkpoint
 from hstap.export.engines import (ENGINES, HF_DTYPE, VLLM_NUM_AUX, engine_state, export_readme, llama_fields,
                                   sglang_config, vllm_config)
 from hstap.export.fit import check_drafter_target

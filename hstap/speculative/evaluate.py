@@ -189,7 +189,7 @@ def eos_ids(tokenizer, target) -> list[int]:
 def load_any_drafter(path: str, target):
     """(drafter on the target's device and dtype, its metadata) from an hstap drafter dir, a training RUN, or an
     SGLang / vLLM export (whose missing embedding is the target's)."""
-    from hstap.export.drafter_dir import load_drafter
+    from hstap.drafter_dir import load_drafter
     from hstap.export.engines import load_exported
 
     p = Path(path)
@@ -219,7 +219,7 @@ def sim_chain_tau(rec: dict | None, k: int) -> float | None:
 def read_sim_tau(drafter_path: str) -> dict | None:
     """The training run's simulated tau for this drafter: from metrics.jsonl next to it (RUN, RUN/best or a checkpoint),
     the eval line of the checkpoint's own step (trainer_state.json) when there is one, else the last eval line."""
-    from hstap.export.drafter_dir import resolve_drafter_dir
+    from hstap.drafter_dir import resolve_drafter_dir
 
     p = Path(drafter_path)
     try:

@@ -1,6 +1,6 @@
 """`hstap eval --engine sglang`: the drafter inside SGLang's own speculative decoding (EAGLE-3), next to hstap's decoder.
 
-SGLang runs as two servers of the SGLang server venv (`hstap.sglang_engine`; `--sglang-python`), one after the other,
+SGLang runs as two servers of the SGLang server venv (`hstap.engines.sglang`; `--sglang-python`), one after the other,
 on the same target and dtype, with the radix cache off: without speculation, then with the drafter
 (`--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR --speculative-num-steps K
 --speculative-eagle-topk 1 --speculative-num-draft-tokens K+1`: a chain of --k drafts, hstap's --mode chain). Every
@@ -16,7 +16,7 @@ batches them. What comes back:
   outputs without the drafter equal hstap's target-only outputs (the same greedy target in two engines);
 - tokens/s of both runs (batched: comparable with each other only).
 
-On SGLang's generic CPU path (the only one that runs without a GPU, `hstap.sglang_engine.cpu_args`), sglang 0.5.23's
+On SGLang's generic CPU path (the only one that runs without a GPU, `hstap.engines.sglang.cpu_args`), sglang 0.5.23's
 EAGLE-3 does not start: docs/engines.md ("SGLang's EAGLE-3 and `hstap eval --engine sglang`") has the file and line of
 each blocker. The
 target-only run still runs; the speculative server's own error line is reported (`speculative.error`, and the command
@@ -41,7 +41,7 @@ def sglang_drafter_dir(cfg, out_dir: Path, dtype: str, num_layers: int) -> Path:
     """Before the long runs: the server venv's python exists (`--sglang-python`), and the directory SGLang loads as the
     drafter (module docstring), refused when SGLang cannot tap its layers."""
     from hstap.layers import check_sglang_capturable, from_sglang
-    from hstap.sglang_engine import server_python
+    from hstap.engines.sglang import server_python
 
     server_python(cfg.sglang_python)
     drafter = cfg.drafter
@@ -64,7 +64,7 @@ def sglang_drafter_dir(cfg, out_dir: Path, dtype: str, num_layers: int) -> Path:
 def _serve(python: str, target: str, log: Path, args: list[str], prompts: list[list[int]], max_new: int,
            temperature: float, eos: list[int], seed: int) -> tuple[list[dict], float, float, str]:
     """(answers, wall seconds, startup seconds, SGLang version) of one server over all prompts at once."""
-    from hstap.sglang_engine import SGLangServer, generate
+    from hstap.engines.sglang import SGLangServer, generate
 
     with SGLangServer(python, target, log, args) as srv:
         version = str(srv.info().get("version"))
@@ -87,7 +87,7 @@ def run_sglang(cfg, prompts: list[tuple[str, list[int]]], eos: list[int], drafte
                hstap_outputs: dict[str, list[list[int]]], eagle: dict, out_dir: Path) -> dict:
     """Both SGLang runs (module docstring); returns the report's `sglang` block (per-prompt outputs under `outputs`
     and `target_outputs`, moved into the report's prompts by `attach`)."""
-    from hstap.sglang_engine import launch_args, server_python, startup_error
+    from hstap.engines.sglang import launch_args, server_python, startup_error
 
     python = server_python(cfg.sglang_python)
     device = "cuda" if str(cfg.device).startswith("cuda") else "cpu"

@@ -62,7 +62,7 @@ def _run(target: str, dtype: str, prompts: list[list[int]], max_new: int, temper
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from hstap.vllm_engine import start_llm, stop_llm
+    from hstap.engines.vllm import start_llm, stop_llm
 
     longest = max(len(p) for p in prompts) + max_new + 8
     llm = start_llm(target, dtype, device, longest, speculative_config=spec, seed=seed, disable_log_stats=False)

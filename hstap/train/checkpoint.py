@@ -54,7 +54,7 @@ def save(run: Path, step: int, drafter: Eagle3Drafter, params: list, opt, state:
         if fsdp:
             drafter = Eagle3Drafter(drafter.config)
             drafter.load_state_dict(sd, strict=False)
-        from hstap.export.drafter_dir import save_drafter
+        from hstap.drafter_dir import save_drafter
         save_drafter(tmp, drafter, extra)
         save_file(flat, str(tmp / "optimizer.safetensors"))
         save_file(rt, str(tmp / "rng.safetensors"))
@@ -115,7 +115,7 @@ def check_vocab_map(ckpt: Path, d2t: torch.Tensor, t2d: torch.Tensor, src: str) 
     with: its lm_head rows are those ids. Compared by `vocab_map_sha256`, before anything of the run is written."""
     from safetensors import safe_open
 
-    from hstap.export.drafter_dir import vocab_map_sha256
+    from hstap.drafter_dir import vocab_map_sha256
 
     f = ckpt / "drafter.safetensors"
     with safe_open(str(f), framework="pt") as h:

@@ -101,7 +101,7 @@ def build_data(cfg, store, layers: list[int], sel: list[int] | None, vocab: tupl
         src = store
         ids_all, lengths_all = list(store.ids), list(store.lengths)
         prov = {**store.header, "layers": layers, "captured_layers": store.layers, "path": str(store.path)}
-    from hstap.export.drafter_dir import vocab_map_sha256
+    from hstap.drafter_dir import vocab_map_sha256
     meta = {"store": prov, "vocab_map_sha256": vocab_map_sha256(d2t, t2d), "vocab_map_source": vocab_src}
 
     if cfg.eval_store:

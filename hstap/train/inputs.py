@@ -139,12 +139,12 @@ def resolve_vocab(cfg, store, V: int) -> tuple[torch.Tensor, torch.Tensor, str]:
 
 
 def preflight(cfg, store, rank: int, dev: torch.device) -> None:
-    """The store matches the target, on rank 0 (`hstap.verify.quick_check` recomputes two samples of the opened store;
+    """The store matches the target, on rank 0 (`hstap.verify.stage.quick_check` recomputes two samples of the opened store;
     --follow, whose store may hold no sample yet: its header's target fingerprints); a failure stops every rank."""
     err = None
     if rank == 0 and not cfg.skip_verify:
         from hstap.train.follow import check_store_target
-        from hstap.verify import quick_check
+        from hstap.verify.stage import quick_check
         try:
             if cfg.follow:
                 check_store_target(cfg.store, cfg.target)

@@ -166,7 +166,7 @@ class TrainConfig:
     """Continue from RUN's newest complete checkpoint (weights, optimizer, schedule, data position, RNG); a larger
     --steps extends the run (the cosine schedule is then laid out over the new total)."""
     skip_verify: bool = False
-    """Skip the pre-flight check that the store matches the target (hstap.verify.quick_check)."""
+    """Skip the pre-flight check that the store matches the target (hstap.verify.stage.quick_check)."""
     device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"]})
     """Device; under torchrun each rank takes GPU LOCAL_RANK."""
     dtype: str = field(default="auto", metadata={"choices": ["auto", "bf16", "fp32"]})

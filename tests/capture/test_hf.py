@@ -192,7 +192,7 @@ def test_capture_runner_handles_writer_errors(tiny_llama, tmp_path):
 def test_data_rendered_with_another_chat_template_is_refused_unless_allowed(tiny_tokenizer, tiny_llama, tmp_path):
     """One line naming both template hashes; --allow-template-mismatch captures anyway (and the store records it)."""
     from hstap.data.prepare import read_meta
-    from hstap.toy import CHAT_TEMPLATE
+    from hstap.demo.toy import CHAT_TEMPLATE
 
     other = tmp_path / "other.jinja"
     other.write_text(CHAT_TEMPLATE.replace("|>\n{{ m['content'] }}", "|> {{ m['content'] }}"))

@@ -113,7 +113,7 @@ def test_sigkill_at_random_moments_then_resume(tiny_llama, data, reference, tmp_
 
 
 def test_bad_input_is_one_error_line_and_status_2(tiny_llama, data, tmp_path):
-    from hstap.toy import build_tokenizer, sample_texts
+    from hstap.demo.toy import build_tokenizer, sample_texts
 
     other_tok = tmp_path / "other-tok"
     build_tokenizer(sample_texts()[:2], vocab_size=300, out_dir=other_tok)

@@ -21,7 +21,7 @@ from _sglang_live import REPO, events, server, wait_for
 
 from hstap.capture.session import encode_rid, http_json
 from hstap.capture.sglang.protocol import ENV_LAYERS, hook_spec
-from hstap.sglang_engine import generate
+from hstap.engines.sglang import generate
 
 LAYERS = [0, 2, 4]  # canonical ids in the 6-layer tiny target (5, the last layer's output, SGLang cannot capture)
 CHUNK = 64  # --chunked-prefill-size: most prompts here are longer (21 of 24: 56..154 tokens)

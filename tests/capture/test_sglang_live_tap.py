@@ -17,7 +17,7 @@ import urllib.request
 from _sglang_live import events, server, wait_for
 
 from hstap.capture.sglang.protocol import ENV_LAYERS, hook_spec
-from hstap.sglang_engine import generate
+from hstap.engines.sglang import generate
 
 LAYERS = [0, 2, 4]
 
@@ -35,7 +35,7 @@ def _abandon(url: str, prompt: list[int]) -> None:
 
 def test_tap_stores_served_requests_from_live_decode_batches(tiny_llama, tmp_path):
     from hstap.store.reader import open_store
-    from hstap.verify import recompute
+    from hstap.verify.stage import recompute
 
     store = tmp_path / "tap"
     spec = hook_spec(str(store), None, LAYERS, tap=True, tap_dtype="fp32", flush_s=0.2)

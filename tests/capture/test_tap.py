@@ -41,7 +41,7 @@ def tapped(tiny_llama, tmp_path_factory):
 def test_samples_are_prompt_plus_answer_and_equal_a_prefill_recompute(tapped, tiny_llama):
     from hstap.data.decode import EmbeddedEngine
     from hstap.store.reader import open_store
-    from hstap.verify import recompute
+    from hstap.verify.stage import recompute
 
     root, summary = tapped
     s = open_store(root / "store")

@@ -37,7 +37,7 @@ def _abandon(url: str, prompt: list[int]) -> None:
 def test_tap_stores_served_requests(vllm_llama, tmp_path):
     require_vllm()
     from hstap.store.reader import open_store
-    from hstap.verify import recompute
+    from hstap.verify.stage import recompute
 
     store = tmp_path / "tap"
     kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",

@@ -373,7 +373,7 @@ def test_a_sliding_window_cache_falls_back_to_reprefill(tiny_tokenizer, tmp_path
     """A cache that cannot be carried across turns (sliding-window layers) is not: the whole history is prefilled
     each turn, with the same answers, and generate --capture still stores every last turn."""
     from hstap.capture.tap import generate as generate_capture
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
 
     build_random_target(tmp_path / "m", tiny_tokenizer[0], model_type="mistral", num_layers=2, sliding_window=8)
     recs = [{"id": f"c{n}", "conversations": [m for u in TURNS[:n] for m in (

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hstap.common import HstapError
-from hstap.export.drafter_dir import save_drafter
+from hstap.drafter_dir import save_drafter
 from hstap.speculative.drivers import target_generate
 from hstap.speculative.evaluate import EvalConfig, evaluate, prompt_from_mask, read_sim_tau, sim_chain_tau
 from tests._speculate_fixtures import load_tiny_target, random_drafter
@@ -213,7 +213,7 @@ def test_training_sim_tau_is_the_tau_eval_measures(tiny_tokenizer, tmp_path):
 
     import torch
 
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
     from tests._train_fixtures import greedy_drafter, metrics
 
     tok, K, n_new = tiny_tokenizer[0], 3, 24
@@ -247,7 +247,7 @@ def other(tmp_path_factory):
     from _capture_fixtures import make_prepared
 
     from hstap.export.stage import ExportConfig, export
-    from hstap.toy import build_random_target, build_tokenizer, sample_texts
+    from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts
 
     root = tmp_path_factory.mktemp("other")
     tok = build_tokenizer(sample_texts()[::-1], vocab_size=300)

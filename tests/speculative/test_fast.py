@@ -26,7 +26,7 @@ TYPES = ["llama", "qwen2", "qwen3", "deepseek_v3"]
 
 @pytest.fixture(scope="module")
 def tiny_models(tiny_llama, tiny_deepseek, tiny_tokenizer, tmp_path_factory) -> dict:
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
 
     paths = {"llama": tiny_llama, "deepseek_v3": tiny_deepseek}
     for mt in ("qwen2", "qwen3"):
@@ -166,7 +166,7 @@ def test_eos_stops(tiny_models):
 @pytest.fixture(scope="module")
 def vocab4(tmp_path_factory):
     """A 2-layer Llama with a 4-token vocabulary (64 outcomes for 3 tokens) and a drafter over 3 of them."""
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
 
     d = tmp_path_factory.mktemp("vocab4")
     build_random_target(d, None, model_type="llama", num_layers=2, hidden_size=16, num_heads=2, num_kv_heads=1,
@@ -236,7 +236,7 @@ def test_deeper_drafter_falls_back_with_one_line(tiny_models):
 
 
 def test_unsupported_cache_falls_back_with_one_line(tiny_tokenizer, tmp_path):
-    from hstap.toy import build_random_target
+    from hstap.demo.toy import build_random_target
 
     build_random_target(tmp_path, tiny_tokenizer[0], model_type="mistral", num_layers=2, hidden_size=64,
                         sliding_window=32)
@@ -254,7 +254,7 @@ def test_unsupported_cache_falls_back_with_one_line(tiny_tokenizer, tmp_path):
 
 @pytest.mark.parametrize("kernels", ["standard", "fused"])
 def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys, kernels):
-    from hstap.export.drafter_dir import save_drafter
+    from hstap.drafter_dir import save_drafter
     from hstap.speculative.evaluate import EvalConfig, evaluate
 
     target = load_tiny_target(tiny_llama)[0]

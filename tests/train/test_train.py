@@ -81,7 +81,7 @@ def test_offline_training_learns_and_checkpoints(assets, tmp_path, capsys):
 
     # The checkpoint is an hstap drafter; the vocab map derived from the store's counts is the prepared set's.
     from hstap.data.vocab import load_vocab_map
-    from hstap.export.drafter_dir import load_drafter
+    from hstap.drafter_dir import load_drafter
     best, meta = load_drafter(run)
     assert meta["store"]["layers"] == [1, 3, 4] and best.config.aux_layers == [1, 3, 4]
     d2t, t2d = load_vocab_map(assets["prepared"])
@@ -232,7 +232,7 @@ def test_deeper_drafter_with_another_objective_trains_and_exports(assets, tmp_pa
     """--draft-layers 2 --loss ce+tv through the CLI: metrics only at log steps (the logged figures are that step's),
     a checkpoint with two decoder layers that evaluates and exports to vLLM; a bad --loss is one clear line."""
     from hstap.cli import COMMANDS, make_config
-    from hstap.export.drafter_dir import load_drafter
+    from hstap.drafter_dir import load_drafter
     from hstap.export.stage import ExportConfig, export
 
     run = tmp_path / "run"
@@ -281,7 +281,7 @@ def test_the_prepared_draft_vocab_carries_through_capture_to_train(assets, tmp_p
 
     from hstap.common import sha256_bytes
     from hstap.data.vocab import build_vocab_map
-    from hstap.export.drafter_dir import load_drafter
+    from hstap.drafter_dir import load_drafter
     from hstap.store.reader import open_store
 
     st = assets["store"]
@@ -319,7 +319,7 @@ def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
     """--draft-vocab N unlike the store's (prepared) map of 96: the top N of the store's counts, recorded in
     config.json; unlike an explicit --vocab-map: one error, before the run exists; unset: the map's own size."""
     from hstap.data.vocab import build_vocab_map, load_vocab_map
-    from hstap.export.drafter_dir import load_drafter
+    from hstap.drafter_dir import load_drafter
     from hstap.store.reader import open_store
 
     def run(out, **kw):
@@ -424,7 +424,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, assets, tmp_path, capsy
         expect = ["train: the training split is empty: 28 sample(s)", "--eval-frac 0.9999999"]
     else:  # --online's samples (or a vocab map's source) prepared with another tokenizer
         from hstap.data.prepare import PrepareConfig, prepare
-        from hstap.toy import build_tokenizer, sample_texts
+        from hstap.demo.toy import build_tokenizer, sample_texts
 
         build_tokenizer(sample_texts()[::-1], vocab_size=300, out_dir=tmp_path / "tok")
         with contextlib.redirect_stdout(io.StringIO()):

@@ -37,7 +37,7 @@ from hstap.layers import parse_layers, to_vllm
 from hstap.model_dir import load_config
 from hstap.store.format import committed_ids_of, merge_manifest
 from hstap.store.writer import StoreWriter
-from hstap.vllm_engine import start_llm, stop_llm
+from hstap.engines.vllm import start_llm, stop_llm
 
 CHUNK = 256  # embedded: prompts handed to LLM.generate at a time (progress and commits are polled in between)
 

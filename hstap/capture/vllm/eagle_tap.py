@@ -1,5 +1,5 @@
 """The vLLM tap beside EAGLE-3: a server that drafts with an EAGLE-3 drafter also stores the requests it serves, so that
-a drafter can be trained on the traffic it drafts for while it serves (`hstap serve-loop`, hstap/serve_loop.py).
+a drafter can be trained on the traffic it drafts for while it serves (`hstap serve-loop`, hstap/serve_loop/stage.py).
 
 Why not the connector's own tap mode (capture/vllm/connector.py): it reads the states vLLM's `extract_hidden_states`
 method writes into a cache-only KV group, and that method occupies vLLM's one speculative slot: such a server cannot
@@ -7,7 +7,7 @@ draft. Under EAGLE-3, vLLM's target model already computes the same states for t
 `eagle_aux_hidden_state_layer_ids` set it returns (final-norm output (T, H), [the inputs of the aux layers (T, H)]).
 This module keeps them, per request and position, and stores each finished request:
 
-- Worker side (`install`, called once in vLLM's worker through `hstap.vllm_worker.HstapWorker.hstap_tap_start`):
+- Worker side (`install`, called once in vLLM's worker through `hstap.serve_loop.worker.HstapWorker.hstap_tap_start`):
   `model_runner._model_forward` (vLLM's designated override point for the model call; also the output of a CUDA
   graph replay) is wrapped during `execute_model` calls only (not warm-up or dummy runs). After each target forward
   the rows of the step (input batch order, `query_start_loc`) are written into `BOOK` by request and by the
@@ -28,7 +28,7 @@ What is stored equals the connector's tap mode sample for sample (sample id, inp
 (vLLM's `eagle_aux_hidden_state_layer_ids` of the served drafter, canonical ids in the store), so a drafter trained
 on the store has the served drafter's shape. Settings refused at start-up: another speculative method than eagle3,
 prefix caching (a cached prefix is never computed), pipeline or data parallelism; `"tap": true` is required.
-Launch: hstap.serve_loop.server_args (docs/engines.md).
+Launch: hstap.serve_loop.stage.server_args (docs/engines.md).
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def validate_checkpoint(d: Path, meta: dict, state: dict[str, torch.Tensor], sto
     recorded, actual = meta.get("vocab_map_sha256"), vocab_map_sha256(state["d2t"], state["t2d"])
     if recorded is None:
         raise HstapError(f"{jpath}: vocab_map_sha256: missing, so the d2t/t2d cannot be checked against the map the "
-                         "lm_head was trained with (save checkpoints with hstap.export.drafter_dir.save_drafter)")
+                         "lm_head was trained with (save checkpoints with hstap.drafter_dir.save_drafter)")
     if recorded != actual:
         raise HstapError(f"{jpath}: vocab_map_sha256: the checkpoint's d2t/t2d (sha256 {actual[:12]}) differ from the "
                          f"vocab map its lm_head rows were trained with ({str(recorded)[:12]}); its drafts would map to "

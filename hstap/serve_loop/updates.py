@@ -1,9 +1,9 @@
-"""What `hstap serve-loop` (hstap/serve_loop.py) does between answers, and what it reports at the end.
+"""What `hstap serve-loop` (hstap/serve_loop/stage.py) does between answers, and what it reports at the end.
 
 - `Updater.on_answer`: after every answered request, the store's size is sampled (its peak is reported); every
   --update-every answers, the trainer's newest checkpoint (RUN/checkpoints/step_*), when newer than the one served,
   is exported for vLLM (OUT/exports/vNNNN) and taken up by the server (`hstap_load_drafter` through vLLM's
-  /collective_rpc: hstap/vllm_worker.py); each update is a line of OUT/updates.jsonl (answers served at that moment,
+  /collective_rpc: hstap/serve_loop/worker.py); each update is a line of OUT/updates.jsonl (answers served at that moment,
   trainer step, seconds, the server's check that its fc computes with the new weights). A failed update is recorded
   and serving goes on with the drafter it has. Each answer is tagged with the drafter version serving when it ended.
 - `summarize`: requests sent / answered / lost / duplicated, outputs against --reference (lossless), vLLM's acceptance
@@ -74,7 +74,7 @@ class Updater:
         (out / "updates.jsonl").write_text("")
 
     def status(self) -> str:
-        from hstap.serve_client import store_usage
+        from hstap.serve_loop.requests import store_usage
 
         b, n = store_usage(self.out / "store")
         if self.cfg.mode != "loop":
@@ -85,7 +85,7 @@ class Updater:
                 + ("" if alive else f" EXITED {self.trainer.returncode} (train.log)"))
 
     def on_answer(self, rec: dict, done: int) -> None:
-        from hstap.serve_client import store_usage
+        from hstap.serve_loop.requests import store_usage
 
         rec["drafter"] = self.version
         b, n = store_usage(self.out / "store")
@@ -94,7 +94,7 @@ class Updater:
             self.update(done)
 
     def update(self, done: int) -> None:
-        from hstap.serve_client import post
+        from hstap.serve_loop.requests import post
         ck = newest_checkpoint(self.out / "run")
         if ck is None or ck[0] <= self.step:
             return
@@ -122,7 +122,7 @@ class Updater:
 
 def _windows(ok: list[dict], size: int) -> list[dict]:
     """vLLM's acceptance over consecutive windows of `size` answers (finishing order): the plot's points."""
-    from hstap.serve_client import acceptance
+    from hstap.serve_loop.requests import acceptance
 
     out = []
     for a in range(0, len(ok), size):
@@ -158,7 +158,7 @@ def _store_block(cfg, out: Path, up: Updater) -> dict:
 
 def summarize(cfg, out: Path, prompts: list, records: list[dict], wall: float, up: Updater, before: dict, after: dict,
               ref: dict | None, started_s: float) -> dict:
-    from hstap.serve_client import acceptance
+    from hstap.serve_loop.requests import acceptance
 
     ok = [r for r in records if "tokens" in r]
     idx = [r["i"] for r in records]

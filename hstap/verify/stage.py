@@ -6,7 +6,7 @@ Three modes (exit status 2 with a one-line reason on failure; the per-layer tabl
     hstap verify --store S --target DIR           recompute --samples samples with the embedded HF engine and compare
     hstap verify --a S1 --b S2                    two captures of the same data (engines, dtypes, fp8 vs bf16), by id
 
-Metrics and pass/fail tolerances (by the coarsest stored dtype and the compute dtypes involved) are `hstap/parity.py`'s.
+Metrics and pass/fail tolerances (by the coarsest stored dtype and the compute dtypes involved) are `hstap/verify/parity.py`'s.
 
 Layer-offset detection (recompute mode): one forward pass per sample keeps every decoder layer's output (hooks on all
 layers, `Target.capture`), plus the embeddings and the final-norm output. Each stored layer is matched to the candidate
@@ -24,7 +24,7 @@ import torch
 
 from hstap.common import HstapError, atomic_write_json
 from hstap.layers import EMBEDDINGS, last_layer, reference_ids, reference_index
-from hstap.parity import compute_class, finish_stats, layer_stats, merge_stats, tolerance, violations
+from hstap.verify.parity import compute_class, finish_stats, layer_stats, merge_stats, tolerance, violations
 
 
 @dataclass

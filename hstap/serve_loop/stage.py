@@ -1,21 +1,21 @@
 """`hstap serve-loop`: train as you serve, closed, on a live vLLM server. The server drafts with an EAGLE-3 drafter and
 taps the requests it serves into a store; `hstap train --follow --consume` trains on that store beside it; every
 --update-every answered requests the drafter the trainer has reached (its newest checkpoint) is exported and taken up
-by the running server, in place. Composes the stages (capture's tap, train, export) like hstap/demo.py.
+by the running server, in place. Composes the stages (capture's tap, train, export) like hstap/demo/stage.py.
 
     hstap serve-loop --target T --prompts heldout.jsonl --out W                       # from no drafter (below)
     hstap serve-loop --target T --prompts heldout.jsonl --out W --drafter RUN          # from a drafter trained offline
     hstap serve-loop ... --mode fixed --drafter RUN       # the loop off: that drafter, no tap, no trainer (baseline)
     hstap serve-loop ... --mode target                    # no speculation: target-only outputs (--reference for others)
 
-What runs (processes): `vllm serve` (hstap.vllm_engine.vllm_server) with `--speculative-config` eagle3 + the served
+What runs (processes): `vllm serve` (hstap.engines.vllm.vllm_server) with `--speculative-config` eagle3 + the served
 drafter, the tap beside EAGLE-3 (hstap/capture/vllm/eagle_tap.py, `--kv-transfer-config`), hstap's worker extension
-(hstap/vllm_worker.py, `--worker-extension-cls`) and VLLM_SERVER_DEV_MODE=1 (for vLLM's /collective_rpc endpoint);
+(hstap/serve_loop/worker.py, `--worker-extension-cls`) and VLLM_SERVER_DEV_MODE=1 (for vLLM's /collective_rpc endpoint);
 the trainer (`python -m hstap.cli train ... --follow --consume --keep-shards N --init-from DRAFTER0`); this process,
-the client (hstap/serve_client.py: the prompts of --prompts in order, --concurrency in flight, greedy, each sent once).
+the client (hstap/serve_loop/requests.py: the prompts of --prompts in order, --concurrency in flight, greedy, each sent once).
 
 - How the server takes a new drafter up: `hstap_load_drafter(DIR)` through /collective_rpc, i.e. vLLM's own
-  `reload_weights` on the draft model, between two engine steps (hstap/vllm_worker.py says why this one among vLLM
+  `reload_weights` on the draft model, between two engine steps (hstap/serve_loop/worker.py says why this one among vLLM
   0.32's ways, and docs/engines.md where each is in vLLM). No restart, no request paused or dropped; the drafter's KV
   of requests in flight was computed by the previous weights (their next drafts may be a little worse); outputs are
   the target's either way (`--reference` checks them token for token).
@@ -182,7 +182,7 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from hstap.export.drafter_dir import resolve_drafter_dir, save_drafter
+    from hstap.drafter_dir import resolve_drafter_dir, save_drafter
 
     if cfg.drafter:
         d = resolve_drafter_dir(cfg.drafter)
@@ -217,7 +217,7 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
 def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path | None, store: Path) -> list[str]:
     """`vllm serve` arguments of a --mode run (module docstring)."""
     from hstap.capture.vllm.eagle_tap import CONNECTOR, CONNECTOR_MODULE
-    from hstap.vllm_engine import VLLM_DTYPES
+    from hstap.engines.vllm import VLLM_DTYPES
 
     args = ["--dtype", VLLM_DTYPES[dtype], "--max-model-len", str(cfg.max_model_len), "--no-enable-prefix-caching",
             "--seed", str(cfg.seed)] + (["--enforce-eager"] if device == "cpu" else [])
@@ -232,7 +232,7 @@ def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path
         args += ["--kv-transfer-config", json.dumps({"kv_connector": CONNECTOR, "kv_connector_module_path":
                                                      CONNECTOR_MODULE, "kv_role": "kv_producer",
                                                      "kv_connector_extra_config": extra}),
-                 "--worker-extension-cls", "hstap.vllm_worker.HstapWorker"]
+                 "--worker-extension-cls", "hstap.serve_loop.worker.HstapWorker"]
     return args
 
 
@@ -293,9 +293,9 @@ def stop_process(p: subprocess.Popen | None) -> None:
 def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     """Run one serve-loop (module docstring); returns the summary (also OUT/summary.json). `probe(url, out)`, when
     given (tests), runs against the server after the stream, the trainer stopped, before the server stops."""
-    from hstap.serve_client import Client, Stream, post, server_counters
-    from hstap.serve_updates import Updater, export_vllm, summarize
-    from hstap.vllm_engine import vllm_server
+    from hstap.serve_loop.requests import Client, Stream, post, server_counters
+    from hstap.serve_loop.updates import Updater, export_vllm, summarize
+    from hstap.engines.vllm import vllm_server
 
     out = Path(cfg.out)
     if out.exists() and any(out.iterdir()):

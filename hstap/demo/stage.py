@@ -104,7 +104,7 @@ def _rel(p: Path | str) -> str:
 
 def build_toy_target(out: Path, records: list[dict], steps: int, seed: int) -> dict:
     """Tokenizer + small Llama trained on the chat-rendered records for `steps` steps; saved to `out`."""
-    from hstap.toy import build_tokenizer, train_toy_target
+    from hstap.demo.toy import build_tokenizer, train_toy_target
 
     texts = [m["content"] for r in records for m in r["conversations"]]
     tok = build_tokenizer(texts, vocab_size=1024)
@@ -119,7 +119,7 @@ def check_toy_target(target: str, records: list[dict]) -> dict:
     """The toy target's greedy next-token accuracy on the held-out conversations (chat-rendered), printed with what
     it means; `weak` when it is below MIN_TOY_ACCURACY."""
     from hstap.model_dir import load_target
-    from hstap.toy import next_token_accuracy
+    from hstap.demo.toy import next_token_accuracy
 
     tgt, tok = load_target(target, device="cpu", dtype="fp32")
     chats = [tok.apply_chat_template(r["conversations"], tokenize=False) for r in records]
@@ -142,7 +142,7 @@ def split_records(cfg: DemoConfig) -> tuple[list[dict], list[dict]]:
     if cfg.data:
         records = [{"id": i, "conversations": m} for i, m in read_conversations(cfg.data)]
     else:
-        from hstap.toy import stdlib_conversations
+        from hstap.demo.toy import stdlib_conversations
         records = stdlib_conversations(max_chars=700, extended=True)
     random.Random(cfg.seed).shuffle(records)
     records = records[: cfg.max_samples]

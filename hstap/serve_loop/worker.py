@@ -1,4 +1,4 @@
-"""hstap's methods inside vLLM's workers: `--worker-extension-cls hstap.vllm_worker.HstapWorker` mixes them into the
+"""hstap's methods inside vLLM's workers: `--worker-extension-cls hstap.serve_loop.worker.HstapWorker` mixes them into the
 worker class (vLLM's documented extension point, as RLHF weight syncs use it); a client calls them between engine steps
 through `collective_rpc`: `LLM.collective_rpc("hstap_load_drafter", args=(DIR,))` in-process, or, against `vllm
 serve` started with VLLM_SERVER_DEV_MODE=1, `POST /collective_rpc {"method": "hstap_load_drafter", "args": [DIR]}`.

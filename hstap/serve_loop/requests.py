@@ -1,4 +1,4 @@
-"""The client side of `hstap serve-loop` (hstap/serve_loop.py): a bounded stream of requests against a vLLM server
+"""The client side of `hstap serve-loop` (hstap/serve_loop/stage.py): a bounded stream of requests against a vLLM server
 (`/v1/completions`, prompts as token ids, greedy), the per-request acceptance vLLM reports, the server's counters, the
 store's size on disk, and the progress line.
 

@@ -1,0 +1,4 @@
+"""The serving engines as hstap starts them: `vllm.py` an embedded `vllm.LLM` or a `vllm serve` process, `sglang.py`
+SGLang servers from their own venv (.venv-sglang). What runs inside them (hooks, connectors, writers) lives with the
+stage that uses it (`hstap.capture.sglang`, `hstap.capture.vllm`, `hstap.serve_loop.worker`).
+"""
