@@ -14,8 +14,9 @@ Each engine speaks its own dialect; converting is where silent off-by-ones come 
 | SGLang draft config, DeepSeek family | +1 applied only when the first id is 1; otherwise j is the input of layer j | j or j-1 |
 | vLLM `extract_hidden_states` / speculators | input to layer j (= output of layer j-1); j = N is the last layer's pre-norm output | j-1 |
 
-Example (Kimi-K2.5, DeepSeek-V3 architecture, N=61): canonical [2, 30, 58] = SGLang captures the inputs of layers
-[3, 31, 59] = vLLM ids [3, 31, 59].
+Example: Kimi-K2.5 and DeepSeek-V3 (N=61), EAGLE-3's default taps: canonical [1, 29, 57] = SGLang draft-config ids
+[1, 29, 57] (DeepSeek's +1 rule fires on the leading 1: SGLang captures the inputs of layers [2, 30, 58]) = vLLM ids
+[2, 30, 58] = HF `hidden_states[2, 30, 58]`. docs/engines.md has the same table.
 """
 
 from __future__ import annotations
@@ -45,11 +46,17 @@ def fc_slots(aux_layers: Sequence[int]) -> int:
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default low/mid/high taps for an N-layer target: outputs of layers [1, N//2-1, N-4]."""
-    if num_layers < 7:  # below 7 layers the three taps collide ([1, 2, 2] for N=6)
-        raise HstapError(f"default aux layers [1, N//2-1, N-4] need a target with >= 7 layers (got {num_layers}); "
-                         "pass --layers")
-    return [1, num_layers // 2 - 1, num_layers - 4]
+    """EAGLE-3's default low/mid/high taps for an N-layer target: outputs of layers [1, N//2-1, N-4] (vLLM's and
+    SGLang's own defaults when a drafter names none). Below 7 layers those collide ([1, 2, 2] for N=6): 5 and 6 layers
+    take [1, N//2, N-2] ([1, 3, 4] for N=6), distinct and below the last layer, whose output SGLang cannot capture;
+    fewer layers have no three such taps that every engine takes."""
+    if num_layers >= 7:
+        return [1, num_layers // 2 - 1, num_layers - 4]
+    if num_layers >= 5:
+        return [1, num_layers // 2, num_layers - 2]
+    raise HstapError(f"a {num_layers}-layer target has no default aux layers (three distinct taps below its last layer "
+                     "need >= 5 layers): pass --layers, e.g. --layers "
+                     f"{','.join(str(i) for i in range(max(1, num_layers - 1)))}")
 
 
 def parse_layers(spec: str | Sequence[int] | None, num_layers: int) -> list[int]:

@@ -4,6 +4,10 @@ their hashes), the target model, its embedding and lm_head, and the fingerprint 
 Every stage that touches a target goes through here (capture, train, verify, eval, generate, the engines), so "which
 model is this" is decided in one place. No model hub: paths are local directories only.
 
+A multimodal wrapper (Kimi-K2.5: `KimiK25ForConditionalGeneration`, its language model's config under `text_config`, its
+tensors under `language_model.` beside a vision tower) is, to hstap, its language model: that is what is loaded, sized,
+fingerprinted, captured and drafted for, and where the embedding and lm_head are read (`text_weights`).
+
     from hstap.model_dir import load_target, target_fingerprint
     target, tok = load_target("models/Llama-3.1-8B-Instruct", device="cuda", dtype="bf16")
 """
@@ -13,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -67,16 +73,33 @@ def check_model_dir(path: str | os.PathLike) -> Path:
     return p
 
 
-def load_config(path: str | os.PathLike):
-    """The model's HF config; for multimodal wrappers the language model's (`text_config`), which has its shape."""
+def read_config(path: str | os.PathLike):
+    """The HF config of the model class config.json names: for a multimodal wrapper (Kimi-K2.5's
+    `KimiK25ForConditionalGeneration`, Llava, ...) the wrapper's, whose `text_config` is the language model hstap runs."""
     from transformers import AutoConfig
 
     p = check_model_dir(path)  # a missing directory: our line, not the hub's "Repo id must be in the form ..."
     try:
-        cfg = AutoConfig.from_pretrained(str(p))
+        return AutoConfig.from_pretrained(str(p))
     except (OSError, ValueError, KeyError) as e:
         raise HstapError(f"{p / 'config.json'}: cannot read the model config: {type(e).__name__}: {e}") from None
+
+
+def text_config(cfg):
+    """The language model's config: a wrapper's `text_config`, else the config itself."""
     return getattr(cfg, "text_config", None) or cfg
+
+
+def load_config(path: str | os.PathLike):
+    """The model's HF config; for multimodal wrappers the language model's (`text_config`), which has its shape."""
+    return text_config(read_config(path))
+
+
+def tied_embeddings(cfg) -> bool:
+    """Whether the lm_head is the embedding, read as transformers reads it when it loads the class config.json names:
+    that config's own `tie_word_embeddings` (a wrapper's, not its text_config's), its class default when config.json
+    leaves it out. Kimi-K2.5 writes false at both levels."""
+    return bool(getattr(cfg, "tie_word_embeddings", False))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -164,30 +187,45 @@ def tokenizer_sha256(tokenizer) -> str:
 def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: str = "fp32"):
     """Load a local HF causal LM directory -> (Target in eval mode with frozen weights, tokenizer or None).
 
+    A multimodal wrapper (Kimi-K2.5's `KimiK25ForConditionalGeneration`, ...) loads as its language model alone, a
+    causal LM of its `text_config`, from the tensors `text_weights` finds (no vision tower). A tensor of the model
+    missing from the checkpoint is an error, never a random initialisation.
+
     dtype: "fp32" | "bf16" | "auto" (fp32 on CPU, bf16 on CUDA). Attention is SDPA, or eager for architectures without
     it."""
     p = check_model_dir(path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    try:
+        cfg = read_config(p)
+    except HstapError as e:
+        raise HstapError(f"{p}: cannot load the target model: {e}") from None
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
     from transformers.utils import is_accelerate_available
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
     kw: dict = {"dtype": dt}
+    wrapper = text_config(cfg) is not cfg
+    if wrapper:
+        kw.update(text_model_kwargs(p, cfg))
     if dev.type == "cuda" and is_accelerate_available():  # transformers needs accelerate for device_map
         kw["device_map"] = {"": dev.index}  # load straight into GPU memory, not through a full CPU copy
+    verbosity = hf_logging.get_verbosity()
+    # transformers' load report: a missing tensor is our error below; unexpected ones (a wrapper's vision tower, a
+    # DeepSeek MTP layer) are left out on purpose
+    hf_logging.set_verbosity_error()
     try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(p), attn_implementation="sdpa", **kw)
-        except ValueError as e:
-            if "attention" not in str(e).lower() and "sdpa" not in str(e).lower():
-                raise
-            model = AutoModelForCausalLM.from_pretrained(str(p), attn_implementation="eager", **kw)
+        model, info = _from_pretrained(p, kw)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a damaged or incomplete directory
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise HstapError(f"{p}: cannot load the target model: {type(e).__name__}: {first}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:  # transformers would run them randomly initialised
+        raise HstapError(f"{p}: cannot load the target model: {len(missing)} of its tensors are not in the checkpoint "
+                         f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): an incomplete checkpoint")
     if "device_map" not in kw:
         model.to(dev)
     model.eval()
@@ -195,31 +233,137 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
     return Target(model), load_tokenizer(p, optional=True)
 
 
+def _from_pretrained(p: Path, kw: dict):
+    """(model, loading info) of AutoModelForCausalLM with SDPA attention, or eager where the architecture has no SDPA."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(p), attn_implementation="sdpa", output_loading_info=True, **kw)
+    except ValueError as e:
+        if "attention" not in str(e).lower() and "sdpa" not in str(e).lower():
+            raise
+        return AutoModelForCausalLM.from_pretrained(str(p), attn_implementation="eager", output_loading_info=True, **kw)
+
+
+def text_model_kwargs(path: str | os.PathLike, cfg) -> dict:
+    """from_pretrained arguments that load a wrapper's language model as a causal LM of its own: its text config (the
+    wrapper's tie flag, its quantization when only the wrapper states one) and the renames of `text_weights`."""
+    import copy
+
+    weights = text_weights(path, cfg)
+    text = copy.deepcopy(text_config(cfg))
+    # Kimi-K2.5's text_config says model_type "kimi_k2"; transformers builds a DeepseekV3Config from it but keeps the
+    # name, and picks a model's weight conversions (per-expert tensors -> fused experts) by model_type: the class's own.
+    text.model_type = type(text).model_type
+    text.tie_word_embeddings = weights.tied
+    if getattr(text, "quantization_config", None) is None and getattr(cfg, "quantization_config", None) is not None:
+        text.quantization_config = cfg.quantization_config
+    return {"config": text, "key_mapping": weights.key_mapping()}
+
+
 def target_head(target_dir: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding (V, H), lm_head (V, H)) read from the target's safetensors; lm_head = embedding when tied."""
+    """(embedding (V, H), lm_head (V, H)) of the target's language model, read from its safetensors (`text_weights`);
+    the lm_head is the embedding only where the config ties them and the checkpoint stores no head."""
+    w = text_weights(target_dir)
+    e = w.tensor(w.embed)
+    return e, (e if w.head is None else w.tensor(w.head))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Where the language model's tensors are
+
+
+EMBED = "embed_tokens.weight"
+HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class TextWeights:
+    """Where a checkpoint keeps its language model. A causal LM: `model.*` and `lm_head.weight`; Kimi-K2.5:
+    `language_model.model.*` and `language_model.lm_head.weight` beside `vision_tower.*` and `mm_projector.*`; a wrapper
+    saved by transformers 4.5x: `model.language_model.*` and `lm_head.weight`."""
+
+    source: Path
+    """The file that lists the tensors: the safetensors index, the one safetensors file, or the directory."""
+    files: dict = field(repr=False)
+    """Tensor name -> the safetensors file holding it."""
+    base: str
+    """Prefix of the decoder's tensors (embed_tokens, layers, norm): "model.", "language_model.model.", ..."""
+    head: str | None
+    """The lm_head's tensor; None: tied to the embedding and not stored."""
+    tied: bool
+    """The config ties the lm_head to the embedding (`tied_embeddings`)."""
+
+    @property
+    def embed(self) -> str:
+        return self.base + EMBED
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as h:
+            return h.get_tensor(name)
+
+    def key_mapping(self) -> dict[str, str]:
+        """Regex renames from these names to a causal LM's (`model.*`, `lm_head.*`), for from_pretrained."""
+        renames = {}
+        if self.base != "model.":
+            renames["^" + re.escape(self.base)] = "model."
+        if self.head is not None and self.head != HEAD:
+            renames["^" + re.escape(self.head[: -len("weight")])] = "lm_head."
+        return renames
+
+
+def head_names(base: str) -> list[str]:
+    """Where a causal LM whose decoder sits under `base` keeps its lm_head, nearest first: beside the decoder's module
+    ("language_model.model." -> "language_model.lm_head.weight"), then each level up to the top ("lm_head.weight")."""
+    parts = base.rstrip(".").split(".")[:-1]  # the decoder module's parents
+    return [".".join(parts[:i]) + "." + HEAD for i in range(len(parts), 0, -1)] + [HEAD]
+
+
+def text_weights(path: str | os.PathLike, cfg=None) -> TextWeights:
+    """Find the language model's embedding and lm_head among the target's safetensors (`cfg`: `read_config`'s, read
+    when not given). The embedding is the one `*embed_tokens.weight` outside the decoder layers (a DeepSeek MTP layer
+    has its own); the head is looked up beside it (`head_names`). A head that is not there is an error unless the
+    config ties it to the embedding."""
+    p = Path(path)
+    cfg = read_config(p) if cfg is None else cfg
+    source, files = tensor_files(p)
+    embeds = sorted(k for k in files if k.endswith(EMBED) and ".layers." not in "." + k)
+    if not embeds:
+        raise HstapError(f"{source}: no *{EMBED} among the target's tensors (the drafter reuses the embedding)")
+    if len(embeds) > 1:
+        raise HstapError(f"{source}: several embeddings ({', '.join(embeds)}): cannot tell which is the language "
+                         "model's")
+    base = embeds[0][: -len(EMBED)]
+    tried = head_names(base)
+    head = next((k for k in tried if k in files), None)
+    tied = tied_embeddings(cfg)
+    if head is None and not tied:
+        raise HstapError(f"{source}: no lm_head among the target's tensors (tried {', '.join(tried)}) and "
+                         f"{p / 'config.json'} does not tie it to the embedding (tie_word_embeddings false): an "
+                         "incomplete checkpoint")
+    return TextWeights(source, files, base, head, tied)
+
+
+def tensor_files(path: Path) -> tuple[Path, dict]:
+    """(the file that lists them, tensor name -> safetensors file) of a model directory."""
     from safetensors import safe_open
 
-    p = Path(target_dir)
-    index = p / "model.safetensors.index.json"
+    index = path / "model.safetensors.index.json"
     if index.is_file():
-        where = {k: p / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    else:
-        where = {}
-        for f in sorted(p.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as h:
-                where.update({k: f for k in h.keys()})
-    embed = "model.embed_tokens.weight" if "model.embed_tokens.weight" in where else next(
-        (k for k in sorted(where) if k.endswith("embed_tokens.weight")), None)
-    if embed is None:
-        raise HstapError(f"{p}: no *embed_tokens.weight in the target's safetensors (the drafter reuses the embedding)")
-    head = "lm_head.weight" if "lm_head.weight" in where else embed  # absent = tied to the embedding
-
-    def get(k):
-        with safe_open(str(where[k]), framework="pt") as h:
-            return h.get_tensor(k)
-
-    e = get(embed)
-    return e, (e if head == embed else get(head))
+        try:
+            return index, {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise HstapError(f"{index}: cannot read the weight map: {type(e).__name__}: {e}") from None
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise HstapError(f"{path}: no *.safetensors weights (hstap reads the target's embedding and lm_head from them)")
+    files = {}
+    for f in shards:
+        with safe_open(str(f), framework="pt") as h:
+            files.update({k: f for k in h.keys()})
+    return (shards[0] if len(shards) == 1 else path), files
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_kimi_k25_vector():
-    # DeepSeek-V3 architecture, N=61, H=7168: canonical outputs [2, 30, 58] = SGLang captures inputs of [3, 31, 59]
-    # = vLLM ids [3, 31, 59].
+    # DeepSeek-V3 architecture, N=61, H=7168. The default taps (docs/engines.md's table): canonical [1, 29, 57] = SGLang
+    # ids [1, 29, 57] (the +1 rule fires: inputs of [2, 30, 58]) = vLLM ids [2, 30, 58] = HF hidden_states[2, 30, 58].
+    assert L.default_aux_layers(61) == [1, 29, 57] == L.to_sglang([1, 29, 57], "kimi_k2")
+    assert L.to_vllm([1, 29, 57]) == [2, 30, 58] == [L.to_hf_index(i, 61) for i in (1, 29, 57)]
+    # Other taps: canonical outputs [2, 30, 58] = SGLang captures inputs of [3, 31, 59] = vLLM ids [3, 31, 59].
     canon = [2, 30, 58]
     assert L.to_vllm(canon) == [3, 31, 59]
     assert L.from_vllm([3, 31, 59], 61) == canon
@@ -40,6 +43,25 @@ def test_default_aux_layers(n, expected):
     assert L.to_sglang(expected, "deepseek_v3") == expected
     assert L.from_sglang(expected, "llama") == expected == L.from_sglang(expected, "deepseek_v3")
     assert L.from_vllm(L.to_vllm(expected), n) == expected
+
+
+def test_small_targets_get_a_default_that_works_or_one_named():
+    # [1, N//2-1, N-4] collides below 7 layers ([1, 2, 2] for N=6): 5 and 6 layers take [1, N//2, N-2]
+    assert L.default_aux_layers(7) == [1, 2, 3]
+    assert L.default_aux_layers(6) == [1, 3, 4] == L.parse_layers("", 6) and L.default_aux_layers(5) == [1, 2, 3]
+    for n in (5, 6):
+        ids = L.default_aux_layers(n)
+        L.check_layers(ids, n)
+        L.check_sglang_capturable(ids, n)  # never the last layer, whose output SGLang cannot capture
+        for family in ("llama", "deepseek_v3", "kimi_k2"):
+            assert L.from_sglang(L.to_sglang(ids, family), family) == ids
+        assert L.from_vllm(L.to_vllm(ids), n) == ids
+    with pytest.raises(HstapError, match=r"a 4-layer target has no default aux layers .*: pass --layers, e\.g\. "
+                                         r"--layers 0,1,2$"):
+        L.default_aux_layers(4)
+    assert L.parse_layers("0,1,2", 4) == [0, 1, 2]  # the one named is accepted
+    with pytest.raises(HstapError, match="--layers 0$"):
+        L.default_aux_layers(2)
 
 
 def test_vllm_last_layer_is_pre_norm_output():

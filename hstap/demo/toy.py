@@ -47,10 +47,16 @@ def sample_texts() -> list[str]:
 def build_random_target(out_dir: str | Path, tokenizer=None, *, model_type: str = "llama", num_layers: int = 6,
                         hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                         vocab_size: int | None = None, seed: int = 0, dtype: str = "float32", **extra):
-    """Save a random-weight HF causal LM (llama | qwen2 | qwen3 | mistral | deepseek_v3) and the tokenizer to `out_dir`."""
+    """Save a random-weight HF causal LM (llama | qwen2 | qwen3 | mistral | deepseek_v3 | kimi_k25) and the tokenizer
+    to `out_dir`; returns the causal LM.
+
+    deepseek_v3 is MLA + MoE (DeepSeek-V3's and Kimi-K2's architecture). kimi_k25 is the same DeepseekV3 model, built
+    from the same arguments (so the same weights), saved in Kimi-K2.5's layout (`save_kimi_k25_layout`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    wrapped = model_type == "kimi_k25"
+    model_type = "deepseek_v3" if wrapped else model_type
     if vocab_size is None:
         vocab_size = len(tokenizer) if tokenizer is not None else 512
     kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
@@ -60,7 +66,9 @@ def build_random_target(out_dir: str | Path, tokenizer=None, *, model_type: str 
         kw["num_key_value_heads"] = num_heads  # MLA: one latent KV per head
         kw.update(moe_intermediate_size=intermediate_size // 2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                   first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=32,
-                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, qk_head_dim=24)
+                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, qk_head_dim=24,
+                  # what real checkpoints state and the engines read (transformers hard-codes them)
+                  scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
     elif model_type in ("llama", "qwen2", "qwen3", "mistral"):
         kw["head_dim"] = hidden_size // num_heads
     kw.update(extra)
@@ -75,9 +83,71 @@ def build_random_target(out_dir: str | Path, tokenizer=None, *, model_type: str 
     model.eval()
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
+    if wrapped:
+        save_kimi_k25_layout(out_dir, seed)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     return model
+
+
+KIMI_VISION = {"hidden": 16, "heads": 2, "layers": 1, "pos_emb": 4, "merge": 2}  # a tiny MoonViT (real: 1152, 16, 27, 64)
+
+
+def save_kimi_k25_layout(out_dir: str | Path, seed: int = 0) -> None:
+    """Turn the DeepseekV3 causal LM saved in `out_dir` into a Kimi-K2.5 checkpoint of it, the layout of
+    moonshotai/Kimi-K2.5: config.json `KimiK25ForConditionalGeneration` (model_type kimi_k25) with the language model's
+    config under `text_config` (model_type kimi_k2), its tensors renamed `language_model.*` (`language_model.model.*`,
+    `language_model.lm_head.weight`), beside a tiny random vision tower (`vision_tower.*`, the real checkpoint's names)
+    and projector (`mm_projector.*`). transformers' Kimi_K25ForConditionalGeneration loads it with no tensor missing or
+    left over, and computes the causal LM's logits on text."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = Path(out_dir)
+    text = json.loads((d / "config.json").read_text())
+    state = {"language_model." + k: v for k, v in load_file(str(d / "model.safetensors")).items()}
+    state.update(_kimi_vision_tensors(text["hidden_size"], seed, getattr(torch, text.get("dtype") or "float32")))
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    v = KIMI_VISION
+    text["model_type"] = "kimi_k2"
+    vision = {  # the real checkpoint's names, then the ones transformers' Kimi_K25VisionConfig reads
+        "patch_size": 14, "init_pos_emb_height": v["pos_emb"], "init_pos_emb_width": v["pos_emb"], "init_pos_emb_time": 4,
+        "merge_kernel_size": [v["merge"], v["merge"]], "merge_type": "sd2_tpool", "mm_projector_type": "patchmerger",
+        "pos_emb_type": "divided_fixed", "vt_hidden_size": v["hidden"], "vt_intermediate_size": 2 * v["hidden"],
+        "vt_num_attention_heads": v["heads"], "vt_num_hidden_layers": v["layers"], "mm_hidden_size": v["hidden"],
+        "text_hidden_size": text["hidden_size"],
+        "hidden_size": v["hidden"], "intermediate_size": 2 * v["hidden"], "num_attention_heads": v["heads"],
+        "num_hidden_layers": v["layers"], "pos_emb_height": v["pos_emb"], "pos_emb_width": v["pos_emb"], "pos_emb_time": 4}
+    conf = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            **{k: text[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "dtype")
+               if k in text},
+            "projection_hidden_size": v["hidden"], "text_config": text, "vision_config": vision,
+            "transformers_version": text.get("transformers_version")}
+    (d / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+
+
+def _kimi_vision_tensors(text_hidden: int, seed: int, dtype) -> dict:
+    """The vision tower and projector of `KIMI_VISION`'s size, in moonshotai/Kimi-K2.5's tensor names."""
+    import torch
+
+    v = KIMI_VISION
+    h, m = v["hidden"], v["hidden"] * v["merge"] ** 2  # the projector takes merge x merge patches at once
+    g = torch.Generator().manual_seed(seed + 1)
+    shapes = {"vision_tower.patch_embed.proj.weight": (h, 3, 14, 14), "vision_tower.patch_embed.proj.bias": (h,),
+              "vision_tower.patch_embed.pos_emb.weight": (v["pos_emb"], v["pos_emb"], h),
+              "vision_tower.encoder.final_layernorm.weight": (h,), "vision_tower.encoder.final_layernorm.bias": (h,),
+              "mm_projector.pre_norm.weight": (h,), "mm_projector.pre_norm.bias": (h,),
+              "mm_projector.proj.0.weight": (m, m), "mm_projector.proj.0.bias": (m,),
+              "mm_projector.proj.2.weight": (text_hidden, m), "mm_projector.proj.2.bias": (text_hidden,)}
+    for i in range(v["layers"]):
+        b = f"vision_tower.encoder.blocks.{i}."
+        shapes.update({b + "norm0.weight": (h,), b + "norm0.bias": (h,), b + "norm1.weight": (h,), b + "norm1.bias": (h,),
+                       b + "wqkv.weight": (3 * h, h), b + "wqkv.bias": (3 * h,), b + "wo.weight": (h, h), b + "wo.bias": (h,),
+                       b + "mlp.fc0.weight": (2 * h, h), b + "mlp.fc0.bias": (2 * h,), b + "mlp.fc1.weight": (h, 2 * h),
+                       b + "mlp.fc1.bias": (h,)})
+    return {k: (torch.randn(s, generator=g) * 0.1).to(dtype) for k, s in shapes.items()}
 
 
 # --- the demo's toy target: Python's own documentation as chat data ----------------------------------------------
