@@ -44,6 +44,15 @@ def sample_texts() -> list[str]:
     return [textwrap.dedent(inspect.getsource(m)) for m in (json.decoder, json.encoder, textwrap)]
 
 
+# The router and rope fields of DeepSeek-V3's and Kimi-K2's config.json. HF's modeling hard-codes sigmoid + noaux_tc;
+# SGLang reads moe_layer_freq; vLLM reads the router's (without topk_method it refuses the checkpoint's e_score_correction_bias), and its CPU rotary kernel
+# rotates MLA's (tokens, heads, 64) query wrongly unless the rope is DeepSeek's yarn, as here (docs/engines.md).
+DEEPSEEK_V3_FIELDS = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
+                      "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                          "original_max_position_embeddings": 4096}}
+
+
 def build_random_target(out_dir: str | Path, tokenizer=None, *, model_type: str = "llama", num_layers: int = 6,
                         hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                         vocab_size: int | None = None, seed: int = 0, dtype: str = "float32", **extra):
@@ -52,6 +61,8 @@ def build_random_target(out_dir: str | Path, tokenizer=None, *, model_type: str 
 
     deepseek_v3 is MLA + MoE (DeepSeek-V3's and Kimi-K2's architecture). kimi_k25 is the same DeepseekV3 model, built
     from the same arguments (so the same weights), saved in Kimi-K2.5's layout (`save_kimi_k25_layout`)."""
+    import copy
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -67,8 +78,7 @@ def build_random_target(out_dir: str | Path, tokenizer=None, *, model_type: str 
         kw.update(moe_intermediate_size=intermediate_size // 2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                   first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=32,
                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, qk_head_dim=24,
-                  # what real checkpoints state and the engines read (transformers hard-codes them)
-                  scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
+                  **copy.deepcopy(DEEPSEEK_V3_FIELDS))
     elif model_type in ("llama", "qwen2", "qwen3", "mistral"):
         kw["head_dim"] = hidden_size // num_heads
     kw.update(extra)
