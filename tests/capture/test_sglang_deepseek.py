@@ -9,8 +9,8 @@ config loader and parallel groups: gloo, one rank), hstap's plugin runs through 
 model's own LogitsProcessor, and batches go through it as `DeepseekV2ForCausalLM.forward` hands them over.
 
 The one step taken from SGLang's source rather than run: a DeepSeek decoder layer i in `layers_to_capture` appends the
-residual stream entering it (deepseek_v2.py:3186-3196 passes the packer to layer i, whose attention boundary captures
-its input rows before the layer computes, layer_boundary/stage.py:461-478). The HF model's layer i sees the same
+residual stream entering it (deepseek_v2.py:3176-3196 passes the packer to layer i, whose attention boundary captures
+its input rows before the layer computes, layer_boundary/stage.py:461-482). The HF model's layer i sees the same
 stream as its `hidden_states` input, taken here with a forward pre-hook."""
 
 from __future__ import annotations

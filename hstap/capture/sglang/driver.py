@@ -112,7 +112,7 @@ def scatter_problems(info: dict) -> list[str]:
 
     Handled, no refusal: expert parallelism (--ep-size, --moe-a2a-backend) and DP attention. Their MoE layers leave
     the residual stream scattered over the attention-TP ranks, and SGLang captures aux states on the attention's
-    compute-input rows, gathered over attention TP (0.5.23: srt/layers/layer_boundary/stage.py:461-478 with the gather
+    compute-input rows, gathered over attention TP (0.5.23: srt/layers/layer_boundary/stage.py:461-482 with the gather
     boundary.py:582-615 binds; what sglang PR #14280 and #20492 did inside deepseek_v2.py before), so each DP
     scheduler's hook sees its own batch and writes its own store rank (`store_world`). The hook refuses a batch whose
     aux rows do not cover it (a version or a layout without that gather). Refused here: settings under which the
@@ -121,7 +121,7 @@ def scatter_problems(info: dict) -> list[str]:
     if info.get("enable_attn_tp_input_scattered") and int(info.get("tp_size") or 1) > 1:
         p.append("--enable-attn-tp-input-scattered hands each attention-TP rank a slice of the prefill's tokens, and "
                  "the aux states SGLang captures are that slice (SGLang itself turns it off under EAGLE3, "
-                 "srt/layers/layer_boundary/adapters/attention.py:81-89): drop it")
+                 "srt/layers/layer_boundary/adapters/attention.py:84-92): drop it")
     if info.get("enable_prefill_cp"):
         p.append("--enable-prefill-cp splits each prompt's tokens over the context-parallel ranks, and each captures "
                  "its own chunk of them (srt/layers/layer_boundary/boundary.py:563-581 gathers the attention's input, "
