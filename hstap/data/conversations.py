@@ -7,6 +7,8 @@ ShareGPT {"conversations": [{"from": "system|human|gpt", "value"}]}, OpenAI {"me
 `conversation_id(messages)`: sha256 of the normalised conversation as compact key-sorted JSON, 16 hex digits.
 An assistant message may carry `"finish_reason"` (what `hstap generate` writes per answer): "length" (cut at the token
 limit) is kept on the normalised message, so that prepare never trains on a closing token the target did not produce.
+An assistant message's `"reasoning_content"` (a reasoning model's thinking, as servers return it and `hstap generate`
+writes it) is kept too: chat templates that read it render it (hstap/data/reasoning.py).
 An assistant content of null is a turn left open for `hstap generate` to fill (MT-bench's second turns follow the
 target's own first answer, `hstap data --source mtbench --turn 2`); every other reader refuses it.
 """
@@ -194,6 +196,12 @@ def _messages(rec: Any, open_turns: bool = False) -> tuple[str | None, list[dict
             raise BadRecord("bad_record", f"{where}.finish_reason: expected a string, got {type(fin).__name__}")
         if fin == "length" and msg["role"] == "assistant":
             msg["finish_reason"] = "length"  # cut at the token limit: prepare trains on no closing token after it
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and msg["role"] == "assistant":  # a reasoning model's thinking (data/reasoning.py)
+            if not isinstance(reasoning, str):
+                raise BadRecord("bad_record", f"{where}.reasoning_content: expected a string, got "
+                                              f"{type(reasoning).__name__}")
+            msg["reasoning_content"] = reasoning
         out.append(msg)
     rid = rec.get("id")
     if rid is not None:

@@ -131,20 +131,37 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int | list[
 class EmbeddedEngine:
     """The target loaded in this process; `complete(batch)` answers a list of chat requests together."""
 
-    def __init__(self, path: str, device: str = "cpu", dtype: str = "auto"):
-        from hstap.data.prepare import render_prompt
+    def __init__(self, path: str, device: str = "cpu", dtype: str = "auto", template_kwargs: dict | None = None):
+        from hstap.data.chat import render_prompt
+        from hstap.data.reasoning import reads_reasoning
         from hstap.model_dir import load_target
 
         self.target, self.tokenizer = load_target(path, device=device, dtype=dtype)
         if self.tokenizer is None:
             raise HstapError(f"{path}: no tokenizer next to the model (the chat template is needed)")
         self._render = render_prompt
+        self.template_kwargs = template_kwargs or {}
+        # a template that renders `reasoning_content` gets an answer's thinking there (hstap/data/reasoning.py)
+        self.reasoning_field = reads_reasoning(self.tokenizer.chat_template)
         self.stop_ids = stop_token_ids(self.target.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.max_len = getattr(self.target.config, "max_position_embeddings", None)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return list(self._render(self.tokenizer, messages))
+        return self.render(messages, self.template_kwargs)
+
+    def render(self, messages: list[dict], kwargs: dict) -> list[int]:
+        """Prompt ids of `messages` with the generation prompt, under these chat-template kwargs."""
+        return list(self._render(self.tokenizer, messages, kwargs))
+
+    def message(self, prompt: list[int], new_ids: list[int], finish: str) -> dict:
+        """The assistant message of an answer: its thinking in `reasoning_content` where the template reads that
+        field, else the decoded text as it came (hstap/data/reasoning.py)."""
+        from hstap.data.reasoning import answer_message, split_answer
+
+        if self.reasoning_field:
+            return answer_message(*split_answer(self.tokenizer, prompt, new_ids), finish)
+        return answer_message(None, self.tokenizer.decode(new_ids, skip_special_tokens=True), finish)
 
     def complete(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: list[float],
                  top_p: list[float], seeds: list[int], layers: list[int] | None = None) -> list[tuple]:

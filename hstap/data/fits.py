@@ -4,7 +4,8 @@ A prepared set's meta.json records the hashes of what made it (`tokenizer_sha256
 `hstap.model_dir` computes them), and a target's fingerprint (`hstap.model_dir.target_fingerprint`, the block a store
 header records) the same hashes of the target directory. Every stage that runs a target over a prepared set checks
 them before it spends any time: capture (`hstap.capture.stage.open_inputs`), train and eval
-(`hstap.speculative.inputs`).
+(`hstap.speculative.inputs`). The chat-template kwargs (a reasoning model's `enable_thinking`) a prepared set records
+must equal those `hstap generate` made its answers with (`check_template_kwargs`, run by prepare).
 
     from hstap.data.fits import check_tokenizer
     check_tokenizer(PREPARED, read_meta(PREPARED), target_fingerprint(TARGET))
@@ -59,3 +60,18 @@ def check_template(data: str, meta: dict, target_block: dict, allow: bool = Fals
     raise HstapError(f"{where}: the data was rendered with chat template {got[:12]} ({meta.get('chat_template')}), the "
                      f"target's is {want[:12]} ({target_block['path']}); re-run hstap prepare without --chat-template, "
                      f"or pass --allow-template-mismatch")
+
+
+def check_template_kwargs(what: str, recorded: dict | None, used: dict, flag: str = "--chat-template-kwargs",
+                          allow: bool = False) -> None:
+    """Refuse rendering with other chat-template kwargs than `what` was made with (`recorded`; None: not recorded,
+    passes), unless `allow`: a reasoning model with `enable_thinking` on for one and off for the other renders other
+    prompts and other answers than the server runs."""
+    import json
+
+    if recorded is None or dict(recorded) == dict(used) or allow:
+        return
+    made = json.dumps(recorded, sort_keys=True) if recorded else "none"
+    now = json.dumps(used, sort_keys=True) if used else "none"
+    fix = f"pass {flag} '{made}', as the server runs" if recorded else f"drop {flag}"
+    raise HstapError(f"{what}: chat_template_kwargs: made with {made}, this run renders with {now}; {fix}")

@@ -28,6 +28,12 @@ Engines:
   (finished records are kept). Each turn sends the whole history; the reuse across turns is the server's own prefix
   cache (SGLang's radix cache, vLLM's automatic prefix caching: both on by default), which recognises it.
 
+Reasoning models (hstap/data/reasoning.py): an answer's thinking goes where the target's chat template reads it back,
+so that each later turn's prompt renders as the server renders it: into the message's `reasoning_content` when the
+template reads that field (Kimi-K2.5, Qwen3; the embedded engine splits the answer at `</think>`, a server's reasoning
+parser does it for `--server`, and the field is sent back with the history), else it stays in `content`.
+`--chat-template-kwargs` (e.g. '{"enable_thinking": false}') goes to the template with every turn.
+
 Sampling is reproducible per turn: the seed of each turn is derived from (`seed`, conversation id, turn index), so a
 conversation's output doesn't depend on which batch or thread it landed in, nor on a resume.
 
@@ -60,10 +66,12 @@ from hstap.data.answers import Appender, check_resume, recover_output
 from hstap.data.continuous import ContinuousEngine, Dialogue, Turn
 from hstap.data.decode import EmbeddedEngine
 from hstap.data.openai_client import ChatClient, RequestRejected
+from hstap.data.reasoning import canonical_kwargs, template_kwargs
 
 STAGE = "generate"
 # Settings that change what is generated: a resume with any of them changed would mix two distributions in one file.
-_RESUME_KEYS = ("target", "server", "model", "max_new_tokens", "max_len", "temperature", "top_p", "seed", "capture")
+_RESUME_KEYS = ("target", "server", "model", "max_new_tokens", "max_len", "temperature", "top_p", "seed", "capture",
+                "chat_template_kwargs")
 
 
 @dataclass
@@ -123,6 +131,10 @@ class GenerateConfig:
     """Embedded engine: keep each conversation's KV cache across its turns and prefill only what a turn adds (cost
     linear in the turns); false prefills the whole history at every turn (quadratic; the reference path). Same
     answers either way."""
+    chat_template_kwargs: str | None = None
+    """JSON object passed to the chat template with every turn, as the server will run the target (a reasoning
+    model's switch: '{"enable_thinking": false}' for Qwen3, '{"thinking": false}' for Kimi-K2.5): sent as the
+    request's chat_template_kwargs, or given to the embedded engine's template. Give `hstap prepare` the same."""
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -151,6 +163,7 @@ class GenerateConfig:
         self.out = os.path.abspath(self.out)
         if self.target is not None:
             self.target = os.path.abspath(self.target)
+        self.chat_template_kwargs = canonical_kwargs(self.chat_template_kwargs, "generate: chat_template_kwargs")
         if self.out in self.data:
             raise HstapError(f"generate: out: {self.out} is also an input file")
         if self.capture is not None:
@@ -236,8 +249,7 @@ class _Conversation(Dialogue):
         return self._turn()
 
     def answered(self, new_ids: list[int], finish: str) -> Turn | None:
-        text = self.eng.tokenizer.decode(new_ids, skip_special_tokens=True)
-        self.msgs[self.slots[self.k]] = {"role": "assistant", "content": text, "finish_reason": finish}
+        self.msgs[self.slots[self.k]] = self.eng.message(self.prompt, new_ids, finish)  # its thinking kept apart
         self.finishes.append(finish)
         self.row_cuts += finish == "length" and len(new_ids) < self.cfg.max_new_tokens  # cut by --max-len instead
         self.tokens += len(new_ids)
@@ -252,7 +264,7 @@ def _run_embedded(cfg: GenerateConfig, todo, emit, stats: dict, tap=None) -> Non
     # row to the next. With a tap (--capture), the last turn's prompt and answer come with their states. Targets the
     # slot model does not cover (hstap/models/slots.py: not a Llama-family layer, a sliding window shorter than a
     # row) run in lockstep batches instead, every turn's prompt prefilled whole (one line says so).
-    eng = EmbeddedEngine(cfg.target, cfg.device, cfg.dtype)
+    eng = EmbeddedEngine(cfg.target, cfg.device, cfg.dtype, template_kwargs(cfg.chat_template_kwargs))
     limit = min(cfg.max_len, eng.max_len or cfg.max_len)
     try:
         engine = ContinuousEngine(eng.target, eng.stop_ids, rows=cfg.batch_size, max_len=limit,
@@ -319,10 +331,10 @@ def _lockstep_batch(cfg: GenerateConfig, eng: EmbeddedEngine, batch, emit, stats
                            [turn_seed(cfg.seed, batch[c][0], k) for c, _ in rows],
                            tap.layers if tap is not None else None)
         stats["gen_seconds"] += time.perf_counter() - t0
-        for j, ((c, i), (text, toks, fin, *st)) in enumerate(zip(rows, res)):
+        for j, ((c, i), (_, toks, fin, *st)) in enumerate(zip(rows, res)):
             if st:  # a sample is the last answered turn: its prompt holds every earlier one
                 tapped[c] = (prompts[j], toks, st[0])
-            convs[c][i] = {"role": "assistant", "content": text, "finish_reason": fin}
+            convs[c][i] = eng.message(prompts[j], toks, fin)
             stats["prompt_tokens"] += len(prompts[j])
             stats["prefilled_tokens"] += len(prompts[j])
             stats["assistant_turns"] += 1
@@ -345,19 +357,19 @@ def _run_server(cfg: GenerateConfig, todo, emit, stats: dict) -> None:
     client = ChatClient(cfg.server, cfg.retries, cfg.backoff, cfg.timeout)
     model = cfg.model or client.first_model()
     stats["model"] = model
+    kwargs = template_kwargs(cfg.chat_template_kwargs)
 
     def one(sid: str, msgs: list[dict]):
         slots = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         toks, fins = 0, []
         for k, i in enumerate(slots):
-            try:
-                text, fin, n = client.chat(model, msgs[:i], cfg.max_new_tokens, cfg.temperature, cfg.top_p,
-                                           turn_seed(cfg.seed, sid, k))
+            try:  # the server's reasoning parser splits the thinking off: it goes back as reasoning_content
+                msgs[i], n = client.reply(model, msgs[:i], cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+                                          turn_seed(cfg.seed, sid, k), kwargs)
             except RequestRejected as e:
                 return sid, msgs, slots, toks, fins, e
-            msgs[i] = {"role": "assistant", "content": text, "finish_reason": fin}
             toks += n
-            fins.append(fin)
+            fins.append(msgs[i]["finish_reason"])
         return sid, msgs, slots, toks, fins, None
 
     def collect(fut: Future):

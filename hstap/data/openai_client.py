@@ -78,16 +78,37 @@ class ChatClient:
     def chat(self, model: str, messages: list[dict], max_tokens: int, temperature: float, top_p: float,
              seed: int | None) -> tuple[str, str, int]:
         """-> (assistant text, finish_reason, completion tokens or 0 when the server reports no usage)."""
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # no finish_reason: not a request field
-        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+        msg, n = self.reply(model, messages, max_tokens, temperature, top_p, seed)
+        return msg["content"], msg["finish_reason"], n
+
+    def reply(self, model: str, messages: list[dict], max_tokens: int, temperature: float, top_p: float,
+              seed: int | None, template_kwargs: dict | None = None) -> tuple[dict, int]:
+        """-> (the assistant message: content, the reasoning the server's reasoning parser split off as
+        `reasoning_content` (SGLang, older vLLM) or `reasoning` (newer vLLM), finish_reason; completion tokens or 0).
+        An assistant message's `reasoning_content` is sent back as it came (servers hand it to the chat template,
+        which decides whether to render it: hstap/data/reasoning.py); `template_kwargs` go as `chat_template_kwargs`."""
+        from hstap.data.reasoning import answer_message
+
+        sent = []
+        for m in messages:  # no finish_reason: not a request field
+            msg = {"role": m["role"], "content": m["content"]}
+            if m.get("reasoning_content") is not None:
+                msg["reasoning_content"] = m["reasoning_content"]
+            sent.append(msg)
+        body = {"model": model, "messages": sent, "max_tokens": max_tokens, "temperature": temperature,
                 "top_p": top_p, "n": 1, "stream": False}
         if temperature > 0 and seed is not None:
             body["seed"] = seed
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
         r = self._call("/v1/chat/completions", body)
         try:
             choice = r["choices"][0]
             text = choice["message"].get("content") or ""
+            reasoning = choice["message"].get("reasoning_content") or choice["message"].get("reasoning")
         except (KeyError, IndexError, TypeError, AttributeError):
             raise HstapError(f"{self.base}/v1/chat/completions: unexpected response: {json.dumps(r)[:300]}") from None
         usage = r.get("usage") or {}
-        return text, choice.get("finish_reason") or "stop", int(usage.get("completion_tokens") or 0)
+        reasoning = reasoning if isinstance(reasoning, str) and reasoning else None
+        return (answer_message(reasoning, text, choice.get("finish_reason") or "stop"),
+                int(usage.get("completion_tokens") or 0))

@@ -27,15 +27,19 @@ works for templates without `{% generation %}` markers):
      So a BPE token straddling header and content (`Ġanswer` in `Assistant: answer`, the space being the header's)
      is 1: the assistant emits it. A token only partly inside the end-of-turn text is 0: its text is not common to
      both renderings (e.g. `<|user|>` when the common text ends in `<|`).
-The ids equal `tokenizer.apply_chat_template(messages, tokenize=True)`; `render_prompt` renders the same way with the
-generation prompt, so eval prompts are a prefix of the training sequences. Rejected: per-template regexes over the
+  5. Reasoning (`reasoning_content` on an assistant message, which the template may print or drop): a turn whose
+     reasoning is printed counts from the end of its generation prompt on, thinking tokens included (hstap/data/chat.py,
+     where the rendering and this rule live).
+The ids equal `tokenizer.apply_chat_template(messages, tokenize=True, **chat_template_kwargs)`; `render_prompt` renders
+the same way with the generation prompt, so eval prompts are a prefix of the training sequences. Rejected: per-template regexes over the
 rendered text (SpecForge: one registry entry per model family) and `{% generation %}` markers (few templates have them).
 
 Output directory PREPARED (built in a hidden temp sibling, fsynced, renamed at the end; an existing one is refused):
   Arrow dataset (`datasets.save_to_disk`; `load_prepared`): id (str), input_ids (list[int32]), loss_mask (list[int8])
   token_freq.safetensors  token_freq int64 [V]: counts of loss-masked tokens (V = len(tokenizer))
   vocab_map.safetensors   d2t int64 [N] (hot id - draft index), t2d bool [V] (the draft vocabulary map: hstap/data/vocab.py)
-  meta.json               tokenizer/chat-template sha256, vocab_size, max_len, counts, draft vocab size and coverage
+  meta.json               tokenizer/chat-template sha256, chat_template_kwargs, vocab_size, max_len, counts, draft
+                          vocab size and coverage
   config.json             the resolved PrepareConfig (replay: `hstap prepare --config PREPARED/config.json --out NEW`)
 
 Tokenization runs in `--num-proc` forked workers over chunks of records, collected in input order, so the output does
@@ -53,14 +57,16 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import chain, islice
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
 from hstap.common import (
     HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, one_line, temp_dir_beside, write_run_config)
+from hstap.data.chat import assistant_spans, render_prompt, tokenize_conversation  # noqa: F401 - prepare's names
 from hstap.data.conversations import BadRecord, count_skip, expand_paths, iter_records
+from hstap.data.reasoning import canonical_kwargs, template_kwargs
 from hstap.data.vocab import build_vocab_map, check_vocab_map
 from hstap.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
 
@@ -85,6 +91,10 @@ class PrepareConfig:
     """Jinja chat template file to use instead of the tokenizer's own."""
     on_error: str = field(default="fail", metadata={"choices": ["fail", "skip"]})
     """Bad records: 'fail' stops with one error naming file:line; 'skip' skips them and counts them in meta.json."""
+    chat_template_kwargs: str | None = None
+    """JSON object passed to the chat template, as the server that will serve the drafter passes it (a reasoning
+    model's switch: '{"enable_thinking": false}' for Qwen3, '{"thinking": false}' for Kimi-K2.5); recorded in
+    meta.json, and it must equal the kwargs `hstap generate` made the answers with (their <out>.config.json)."""
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -103,96 +113,8 @@ class PrepareConfig:
         self.out = os.path.abspath(self.out)
         if self.chat_template is not None:
             self.chat_template = os.path.abspath(self.chat_template)
+        self.chat_template_kwargs = canonical_kwargs(self.chat_template_kwargs)
 
-
-
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]  # what a template sees: no finish_reason
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # noqa: BLE001 - template code can raise anything (raise_exception, TypeError, ...)
-        raise BadRecord("template_error", f"chat template: {one_line(e)}") from None
-
-
-def _sentinel(text: str) -> str:
-    s = "\ue000hstap\ue001"  # private-use characters: survive trim/strip and never occur in real text
-    while s in text:
-        s += "\ue001"
-    return s
-
-
-def _find_once(text: str, s: str, k: int) -> int:
-    i = text.find(s)
-    if i < 0 or text.find(s, i + 1) >= 0:
-        raise BadRecord("template_error", f"messages[{k}]: the chat template does not print the assistant content "
-                                          "exactly once, so it cannot be located")
-    return i
-
-
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int, int]]]:
-    """The rendered conversation and, per assistant message, (content start, content end, end-of-turn end) character
-    offsets in it (see the module docstring for the rule; an answer cut at the token limit has no end-of-turn:
-    end-of-turn end = content end). Raises BadRecord when the template defeats the rule."""
-    full = _render(tokenizer, messages)
-    sent = _sentinel(full)
-    spans = []
-    for k, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        alt = [*messages[:k], {**m, "content": sent}, *messages[k + 1:]]
-        marked = _render(tokenizer, alt)
-        i = _find_once(marked, sent, k)
-        before, after = marked[:i], marked[i + len(sent):]
-        if len(before) + len(after) > len(full) or not full.startswith(before) or not full.endswith(after):
-            raise BadRecord("template_error", f"messages[{k}]: the chat template prints the rest of the conversation "
-                                              "differently when this assistant content changes; cannot locate it")
-        start, end = len(before), len(full) - len(after)
-        if k + 1 < len(messages):
-            cut = _render(tokenizer, alt[:k + 1])
-            closing = cut[_find_once(cut, sent, k) + len(sent):].rstrip()
-        else:
-            closing = after.rstrip()
-        eot = os.path.commonprefix([after, closing]).rstrip() if m.get("finish_reason") != "length" else ""
-        spans.append((start, end, end + len(eot)))
-    return full, spans
-
-
-def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """(input_ids (T,) int32, loss_mask (T,) int8) of a normalised conversation, untruncated. An answer cut at the
-    token limit (`finish_reason` "length") is trained up to its cut and no further: no end-of-turn, and no token that
-    reaches past its content (a BPE merge of its last characters with the template's closing text is not a token the
-    target produced); when it is the conversation's last message the sample ends there, else the template's closing
-    stays in context, untrained, since the next turn follows it."""
-    text, spans = assistant_spans(tokenizer, messages)
-    # The backend directly: same ids as tokenizer(text, add_special_tokens=False) (what apply_chat_template does),
-    # without the Python-side overhead, and never the parallel batch path (workers are the parallelism).
-    enc = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
-    ids = np.asarray(enc.ids, dtype=np.int32)  # (T,)
-    offsets = np.fromiter(chain.from_iterable(enc.offsets), np.int64, 2 * len(ids)).reshape(-1, 2)  # (T, 2) char spans
-    starts = offsets[:, 0]  # (T,)
-    ends = np.maximum(offsets[:, 1], starts + 1)  # (T,) a zero-width token counts as one character wide
-    mask = np.zeros(len(ids), dtype=np.int8)  # (T,)
-    cut = [m.get("finish_reason") == "length" for m in messages if m["role"] == "assistant"]
-    for (start, end, eot_end), was_cut in zip(spans, cut):
-        if was_cut:
-            mask[(starts < end) & (ends > start) & (ends <= end)] = 1  # content up to the cut, nothing past it
-            continue
-        mask[(starts < end) & (ends > start)] = 1  # carries a content character
-        eot = np.flatnonzero((starts >= end) & (ends <= eot_end))  # entirely inside the end-of-turn text
-        while len(eot) and text[starts[eot[-1]]:ends[eot[-1]]].isspace():
-            eot = eot[:-1]
-        mask[eot] = 1
-    if spans and cut[-1] and messages[-1]["role"] == "assistant":  # the last message was cut: the sample ends there
-        n = int(np.searchsorted(ends, spans[-1][1], side="right"))  # tokens ending at or before the cut
-        ids, mask = ids[:n], mask[:n]
-    return ids, mask
-
-
-def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` under the chat template with the generation prompt (what eval/generate feed the target).
-    Tokenized exactly like prepare's training sequences."""
-    text = _render(tokenizer, messages, add_generation_prompt=True)
-    return tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
 
 # ------------------------------------------------------------------------------------------------ prepared output
@@ -249,14 +171,14 @@ def max_token_id(ds, n: int):
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer, max_len: int):
-    _WORKER.update(tokenizer=tokenizer, max_len=max_len)
+def _init_worker(tokenizer, max_len: int, kwargs: dict | None = None):
+    _WORKER.update(tokenizer=tokenizer, max_len=max_len, kwargs=kwargs)
 
 
 def _work(items: list[tuple]) -> list[tuple]:
     """Tokenize a chunk: ("rec", loc, id, messages) -> ("ok", id, ids, mask, truncated, cut answers) | ("skip"/"error", reason,
     message); other items pass through so that every outcome keeps its input position."""
-    tok, max_len = _WORKER["tokenizer"], _WORKER["max_len"]
+    tok, max_len, kwargs = _WORKER["tokenizer"], _WORKER["max_len"], _WORKER.get("kwargs")
     out = []
     for item in items:
         if item[0] != "rec":
@@ -264,7 +186,7 @@ def _work(items: list[tuple]) -> list[tuple]:
             continue
         _, loc, rid, messages = item
         try:
-            ids, mask = tokenize_conversation(tok, messages)
+            ids, mask = tokenize_conversation(tok, messages, kwargs)
         except BadRecord as e:
             out.append(("error", e.reason, f"{loc}: {e}"))
             continue
@@ -335,6 +257,23 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(dirpath)
 
 
+def check_answers_kwargs(files: list[Path], kwargs: dict) -> None:
+    """Refuse answers `hstap generate` made under other chat-template kwargs than this run renders with (their
+    `<file>.config.json`: a thinking target's answers rendered with thinking off, or the reverse, are not what the
+    server will run)."""
+    from hstap.data.fits import check_template_kwargs
+
+    for f in files:
+        run = f.with_name(f.name + ".config.json")
+        try:
+            meta = json.loads(run.read_text()) if run.is_file() else None
+        except (OSError, ValueError):
+            continue  # not readable: not a generate run's config
+        if isinstance(meta, dict) and meta.get("stage") == "generate" and isinstance(meta.get("config"), dict):
+            got = template_kwargs(meta["config"].get("chat_template_kwargs"), f"{run}: chat_template_kwargs")
+            check_template_kwargs(f"{f} (hstap generate, {run.name})", got, kwargs, "--chat-template-kwargs")
+
+
 def prepare(cfg: PrepareConfig) -> dict:
     """Tokenize cfg.data into cfg.out (see the module docstring); prints and returns a summary."""
     t0 = time.perf_counter()
@@ -342,10 +281,12 @@ def prepare(cfg: PrepareConfig) -> dict:
     if out.exists():
         raise HstapError(f"{out}: already exists (prepare never overwrites; remove it or choose another --out)")
     files = expand_paths(cfg.data)
+    kwargs = template_kwargs(cfg.chat_template_kwargs)
+    check_answers_kwargs(files, kwargs)
     tok = load_tokenizer(cfg.tokenizer, cfg.chat_template)
     template = chat_template_of(tok, cfg.chat_template or cfg.tokenizer)
     try:  # a template the mask rule cannot follow fails here once, not once per record
-        assistant_spans(tok, [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}])
+        assistant_spans(tok, [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}], kwargs)
     except BadRecord as e:
         raise HstapError(f"{cfg.chat_template or cfg.tokenizer}: {e}") from None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -397,12 +338,13 @@ def _prepare_into(cfg: PrepareConfig, files: list[Path], tok, template: str, tmp
     counts = Counter(read=0, written=0, truncated=0, total_tokens=0, cut_answers=0)
     items = _items(files)
     chunks = iter(lambda: list(islice(items, CHUNK)), [])
-    _init_worker(tok, cfg.max_len)
+    kwargs = template_kwargs(cfg.chat_template_kwargs)
+    _init_worker(tok, cfg.max_len, kwargs)
     pool = None
     if cfg.num_proc > 1:
         # fork: workers inherit the loaded tokenizer and imported modules (no per-worker import of transformers).
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        pool = ctx.Pool(cfg.num_proc, initializer=_init_worker, initargs=(tok, cfg.max_len))
+        pool = ctx.Pool(cfg.num_proc, initializer=_init_worker, initargs=(tok, cfg.max_len, kwargs))
     try:
         bar = tqdm(unit=" samples", disable=None, desc="prepare", file=sys.stderr)
         for results in _ordered_map(_work, chunks, pool, 4 * cfg.num_proc):
@@ -464,6 +406,7 @@ def _prepare_into(cfg: PrepareConfig, files: list[Path], tok, template: str, tmp
         "format": "hstap-prepared", "format_version": 1,
         "tokenizer": cfg.tokenizer, "tokenizer_sha256": tokenizer_sha256(tok),
         "chat_template": cfg.chat_template or "tokenizer", "chat_template_sha256": chat_template_sha256(template),
+        "chat_template_kwargs": kwargs,
         "vocab_size": V, "max_len": cfg.max_len, "data": [str(f) for f in files],
         "counts": {k: summary[k] for k in ("read", "written", "truncated", "skipped", "skipped_total",
                                            "masked_tokens", "total_tokens", "cut_answers")},

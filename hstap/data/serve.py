@@ -5,7 +5,10 @@
 Endpoints: `GET /health` (200 once the model is loaded, with request counters), `GET /v1/models`,
 `POST /v1/chat/completions` (non-streaming, n=1: messages -> chat template -> greedy or sampled generation ->
 `{"choices": [{"message": {"role": "assistant", "content": ...}, "finish_reason": "stop"|"length"}], "usage": {...}}`).
-Request fields used: messages, max_tokens (or max_completion_tokens), temperature (default 1, 0 = greedy), top_p, seed.
+Request fields used: messages (an assistant's `reasoning_content` too), max_tokens (or max_completion_tokens), temperature
+(default 1, 0 = greedy), top_p, seed, chat_template_kwargs. Like SGLang or vLLM run with a reasoning parser, an answer's
+thinking comes back as the message's `reasoning_content` where the target's chat template reads that field
+(hstap/data/reasoning.py).
 
 Handler threads only parse and queue; one worker thread owns the model and answers whatever requests are waiting
 together in one batch (`hstap.data.decode.generate_batch` takes per-row sampling settings), so concurrent clients share
@@ -137,6 +140,11 @@ class Server:
                     or not isinstance(m.get("content"), str):
                 raise _BadRequest(f"messages[{i}]: needs role system|user|assistant and string content")
             clean.append({"role": m["role"], "content": m["content"]})
+            if isinstance(m.get("reasoning_content"), str) and m["role"] == "assistant":
+                clean[-1]["reasoning_content"] = m["reasoning_content"]
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise _BadRequest("chat_template_kwargs: a JSON object is required")
         if body.get("stream"):
             raise _BadRequest("stream: not supported by hstap serve")
         if body.get("n", 1) != 1:
@@ -150,7 +158,10 @@ class Server:
             raise _BadRequest(f"bad sampling parameter: {e}") from None
         if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
             raise _BadRequest("need max_tokens >= 1, temperature >= 0, 0 < top_p <= 1")
-        prompt = self.engine.prompt_ids(clean)
+        try:
+            prompt = self.engine.render(clean, kwargs)
+        except HstapError as e:
+            raise _BadRequest(str(e)) from None
         if self.engine.max_len and len(prompt) >= self.engine.max_len:
             raise _BadRequest(f"prompt of {len(prompt)} tokens fills the model's context ({self.engine.max_len})")
         job = _Job(prompt, min(max_tokens, self.cfg.max_new_tokens), temperature, top_p, seed)
@@ -158,12 +169,14 @@ class Server:
         job.done.wait()
         if job.error is not None:
             raise RuntimeError(job.error)
-        text, toks, finish = job.result
+        _, toks, finish = job.result
         with self.lock:
             self.counts["completed"] += 1
+        message = self.engine.message(prompt, toks, finish)
+        message.pop("finish_reason")
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(toks),
                           "total_tokens": len(prompt) + len(toks)}}
 

@@ -18,7 +18,7 @@ import urllib.request
 import uuid
 
 from hstap.capture.session import RequestError, Requests, encode_rid, end_session, http_json, lock_events
-from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, hook_spec
+from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, LOGITS_MODULES, hook_spec
 from hstap.capture.stage import copy_vocab_map, open_inputs, store_header
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
@@ -52,9 +52,9 @@ def server_problems(info: dict, store: str, data: str, layers: list[int], model_
         p.append(f"the hstap forward hook is not configured: relaunch with --forward-hooks '[{spec}]'")
     for h in hooks:
         c = h.get("config") or {}
-        if not any(fnmatch.fnmatch("logits_processor", t) for t in h.get("target_modules") or []):
-            p.append("the hstap forward hook must target the module 'logits_processor' "
-                     "(\"target_modules\": [\"logits_processor\"])")
+        if not any(fnmatch.fnmatch(m, t) for m in LOGITS_MODULES for t in h.get("target_modules") or []):
+            p.append(f"the hstap forward hook must target the model's LogitsProcessor "
+                     f"(\"target_modules\": {json.dumps(list(LOGITS_MODULES))})")
         for k, want in (("store", os.path.abspath(store)), ("data", os.path.abspath(data)), ("layers", list(layers))):
             got = c.get(k)
             if (os.path.abspath(got) if k != "layers" and isinstance(got, str) else got) != want:
@@ -87,12 +87,48 @@ def server_problems(info: dict, store: str, data: str, layers: list[int], model_
     if info.get("speculative_algorithm"):
         p.append(f"speculative decoding ({info['speculative_algorithm']}) is on: capture needs no draft and "
                  "prefill-only requests are not available under it; drop --speculative-algorithm and the draft model")
+    p += scatter_problems(info)
     if info.get("enable_return_aux_hidden_states"):
         want = to_sglang(layers, model_type)
         got = info.get("return_aux_hidden_state_layer_ids")
         if got is not None and list(got) != list(want):
             p.append(f"--return-aux-hidden-state-layer-ids is {got}, canonical layers {layers} need {want} "
                      f"(or drop --enable-return-aux-hidden-states and set {ENV_LAYERS}={','.join(map(str, layers))})")
+    return p
+
+
+def store_world(info: dict) -> int:
+    """Store ranks the server's hooks write: one per data-parallel scheduler, i.e. attention-DP groups times DP
+    replicas. SGLang 0.5.2x reports both widths (`--dp-size N --enable-dp-attention` resolves to attn_dp_size N,
+    dp_size 1); older versions only dp_size, which is the attention-DP width under --enable-dp-attention."""
+    dp = int(info.get("dp_size") or 1)
+    if info.get("attn_dp_size") is not None:
+        return dp * int(info["attn_dp_size"] or 1)
+    return dp if info.get("enable_dp_attention") else 1
+
+
+def scatter_problems(info: dict) -> list[str]:
+    """Settings under which a rank's aux hidden states are not the rows of its batch, each with its fix.
+
+    Handled, no refusal: expert parallelism (--ep-size, --moe-a2a-backend) and DP attention. Their MoE layers leave
+    the residual stream scattered over the attention-TP ranks, and SGLang captures aux states on the attention's
+    compute-input rows, gathered over attention TP (0.5.23: srt/layers/layer_boundary/stage.py:461-482 with the gather
+    boundary.py:582-615 binds; what sglang PR #14280 and #20492 did inside deepseek_v2.py before), so each DP
+    scheduler's hook sees its own batch and writes its own store rank (`store_world`). The hook refuses a batch whose
+    aux rows do not cover it (a version or a layout without that gather). Refused here: settings under which the
+    captured rows are a rank's slice of the batch."""
+    p: list[str] = []
+    if info.get("enable_attn_tp_input_scattered") and int(info.get("tp_size") or 1) > 1:
+        p.append("--enable-attn-tp-input-scattered hands each attention-TP rank a slice of the prefill's tokens, and "
+                 "the aux states SGLang captures are that slice (SGLang itself turns it off under EAGLE3, "
+                 "srt/layers/layer_boundary/adapters/attention.py:84-92): drop it")
+    if info.get("enable_prefill_cp"):
+        p.append("--enable-prefill-cp splits each prompt's tokens over the context-parallel ranks, and each captures "
+                 "its own chunk of them (srt/layers/layer_boundary/boundary.py:563-581 gathers the attention's input, "
+                 "not the capture): capture without it")
+    if info.get("attn_dp_size") is None and not info.get("enable_dp_attention") and int(info.get("dp_size") or 1) > 1:
+        p.append(f"--dp-size {info.get('dp_size')} runs data-parallel replicas this SGLang version does not number "
+                 "for the hook (each would write store rank 0): use --dp-size 1, one server per replica")
     return p
 
 
@@ -115,8 +151,8 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     engine = {"name": "sglang", "version": str(info.get("version")), "device": f"server {server}",
               "compute_dtype": str(info.get("dtype")), "model_path": info.get("model_path")}
     header = store_header(target_block, engine, cfg.dtype, layers, cfg, meta)
-    # create / check only: the hook's writers own the ranks (one per attention-DP rank) and write the shards
-    writers = int(info.get("dp_size") or 1) if info.get("enable_dp_attention") else 1
+    # create / check only: the hooks own the ranks (one per data-parallel scheduler) and write the shards
+    writers = store_world(info)
     StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens, world_size=writers, claim=False).close()
     copy_vocab_map(cfg.data, cfg.out)
     lock = lock_events(cfg.out, EVENTS_DIR, cfg.new)

@@ -26,7 +26,8 @@ Demultiplexing uses only host-side lists (never a GPU sync):
    a prefill-only request, which 0.5.23 keeps only on the GPU); rows at positions >= T (MIXED decode rows) are ignored;
  - a first chunk that starts after position 0 got its prefix from the radix cache (never computed here): the request is
    dropped with an event in `STORE/sglang-events/`, never stored truncated;
- - only attention-TP rank 0 of each DP group writes (DP group d writes store rank d).
+ - only attention-TP rank 0 of each data-parallel scheduler writes, its own store rank (`parallel_ranks`); a batch
+   whose aux states do not cover its tokens (captured on token-scattered ranks) is refused with an event.
 
 Request ids: `hstap:<session>:<row>:<sha256(id)[:16]>:<attempt>`, ASCII and validated against the prepared set; sample
 ids (any string) are only stored as ids, never used in paths. input_ids and loss_mask come from the prepared set
@@ -53,6 +54,7 @@ import torch
 from hstap.capture.served import Prepared
 from hstap.capture.session import RID_PREFIX, decode_rid, sample_digest
 from hstap.capture.sglang.protocol import ENV_LAYERS
+from hstap.capture.sglang.ranks import parallel_ranks
 from hstap.capture.sglang.tap import FINISH_SINKS, TapDemux, decode_graphs_on, install_finish_hooks, tap_target
 from hstap.capture.sglang.writer import HookWriter
 from hstap.capture.staging import PinnedPool, staging_layout, staging_pack
@@ -100,9 +102,9 @@ class HookConfig:
     attn_tp_rank: int | None = None
     """Override the attention-TP rank (tests); default: read from SGLang."""
     dp_rank: int | None = None
-    """Override the attention-DP rank (= store rank); default: read from SGLang."""
+    """Override the store rank (the data-parallel scheduler's: `parallel_ranks`); default: read from SGLang."""
     dp_size: int | None = None
-    """Override the attention-DP size (= store world size); default: read from SGLang."""
+    """Override the store's rank count (data-parallel schedulers); default: read from SGLang."""
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "HookConfig":
@@ -120,32 +122,6 @@ class HookConfig:
         if not 0.0 < float(c.tap_fraction) <= 1.0 or c.tap_dtype not in ("bf16", "fp8", "fp32"):
             raise HstapError("--forward-hooks: hstap: config: tap_fraction must be in (0, 1], tap_dtype bf16|fp8|fp32")
         return c
-
-
-def parallel_ranks() -> tuple[int, int, int]:
-    """(attn_tp_rank, attn_dp_rank, attn_dp_size) of this process: SGLang >= 0.5.2x `runtime_context.get_parallel()`,
-    then `layers/dp_attention` (0.5.10-era), then torch.distributed's rank (plain TP), then (0, 0, 1)."""
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        p = get_parallel()
-        tp = int(p.attn_tp_rank)
-        try:
-            dp, dps = int(p.attn_dp_rank), int(p.attn_dp_size)
-        except (RuntimeError, ValueError, AttributeError):
-            dp, dps = 0, 1
-        return tp, dp, dps
-    except (ImportError, RuntimeError, ValueError, AttributeError):
-        pass
-    try:
-        from sglang.srt.layers.dp_attention import get_attention_dp_rank, get_attention_dp_size, get_attention_tp_rank
-
-        return int(get_attention_tp_rank()), int(get_attention_dp_rank()), int(get_attention_dp_size())
-    except (ImportError, RuntimeError, ValueError, AttributeError, AssertionError, TypeError):
-        pass
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return int(torch.distributed.get_rank()), 0, 1
-    return 0, 0, 1
 
 
 @dataclasses.dataclass
@@ -272,6 +248,12 @@ class CaptureHook:
         total = sum(int(n) for n in ext)
         if int(hidden.shape[0]) < total:
             self._note("rows", f"hidden_states has {hidden.shape[0]} rows for {total} extend tokens")
+            return
+        aux_rows = min(int(a.shape[0]) for a in aux) if isinstance(aux, (list, tuple)) else int(aux.shape[0])
+        if aux_rows < total:  # each rank captured its slice of the tokens: no sample can be stitched from it
+            self._note("aux_rows", f"the aux hidden states have {aux_rows} rows for {total} extend tokens: this "
+                                   "server scatters a batch's tokens over its ranks where SGLang does not gather the "
+                                   "aux capture (attention-TP input scattering, context or sequence parallelism)")
             return
         self.stats["batches"] += 1
         if self.compute_dtype is None:

@@ -3,9 +3,16 @@
 `plugin()` is the `sglang.srt.plugins` entry point (pyproject.toml); SGLang's `load_plugins()` calls it in every
 process. It is a no-op unless `HSTAP_CAPTURE_LAYERS` (canonical layer ids, comma-separated) is set; then it hooks the
 step that configures aux capture (before CUDA-graph capture; SGLang >= 0.5.11), or `ModelRunner.load_model` on
-versions without that step, and calls the model's `set_eagle3_layers_to_capture` with the SGLang ids of those layers
-(`hstap.layers.to_sglang`: the +1 rule). The variable's name is capture/sglang/protocol.py's; the capture hook itself
-is in capture/sglang/hook.py.
+versions without that step, and calls the model's `set_eagle3_layers_to_capture` with the SGLang ids of those layers.
+
+Which ids: SGLang captures layer *inputs*, and its model families turn the ids they are given into inputs differently
+(Llama: id + 1 always, srt/models/llama.py:941; DeepSeek-V2/V3, Kimi-K2.5's language model and every other class
+built on DeepseekV2ForCausalLM: id + 1 only when the first id is 1, else the ids as they are, deepseek_v2.py:3470-3473).
+So the plugin asks rather than assumes: it sets the ids `hstap.layers.to_sglang` gives for the model type, reads back
+the inputs the model now captures (`layers_to_capture` of its inner model) and, when they are not the inputs of
+layers canonical + 1, tries the other form; ids no form reaches (canonical layer 0 on a DeepSeek-family model: its
+input-of-layer-1 id triggers the +1) stop the server at start-up, saying why. The variable's name is
+capture/sglang/protocol.py's; the capture hook itself is in capture/sglang/hook.py.
 """
 
 from __future__ import annotations
@@ -31,8 +38,37 @@ def capture_layers_from_env() -> list[int] | None:
     return ids
 
 
+def capture_inputs_of(model) -> list[int] | None:
+    """The layer inputs `model` captures now: `layers_to_capture` of its inner model (`model.model`, or
+    `model.language_model.model` for a wrapper such as Kimi-K2.5's), None where none is found."""
+    m, seen = model, set()
+    while m is not None and id(m) not in seen:
+        seen.add(id(m))
+        got = getattr(m, "layers_to_capture", None)
+        if isinstance(got, (list, tuple)) and all(isinstance(i, int) for i in got):
+            return [int(i) for i in got]
+        inner = getattr(m, "language_model", None)
+        m = inner if inner is not None else getattr(m, "model", None)
+    return None
+
+
+def _candidates(layers: list[int], model_type: str) -> list[list[int]]:
+    """The id lists to try, most likely first: the model type's form, then ids as canonical (the Llama form) and ids as
+    layer inputs (the DeepSeek form without its +1); each is checked by reading back what the model captures."""
+    out: list[list[int]] = []
+    try:
+        out.append(to_sglang(layers, model_type))
+    except HstapError:  # a form the model type's rule cannot express; the others are still tried
+        pass
+    for ids in (list(layers), [i + 1 for i in layers]):
+        if ids not in out:
+            out.append(ids)
+    return out
+
+
 def set_capture_layers(model, layers: list[int]) -> list[int] | None:
-    """`model.set_eagle3_layers_to_capture(SGLang ids of canonical layers)`; returns the ids (None: no-op)."""
+    """Make `model` capture the canonical `layers` (the module docstring says how); returns the ids it was given
+    (None: a no-op, the model has no EAGLE-3 capture or this process holds no last pipeline stage)."""
     setter = getattr(model, "set_eagle3_layers_to_capture", None)
     if setter is None:
         return None  # a draft model or a model without EAGLE-3 support: nothing to do here
@@ -41,10 +77,23 @@ def set_capture_layers(model, layers: list[int]) -> list[int] | None:
     model_type = getattr(text, "model_type", "llama")
     if isinstance(getattr(text, "num_hidden_layers", None), int):  # the server stops at start-up, saying why
         check_sglang_capturable(layers, text.num_hidden_layers, ENV_LAYERS)
-    ids = to_sglang(layers, model_type)
-    setter(ids)
-    log.info("hstap: %s captures canonical layers %s (SGLang ids %s)", type(model).__name__, layers, ids)
-    return ids
+    want = [i + 1 for i in layers]  # SGLang captures the input of layer i + 1 for canonical i (the output of i)
+    tried = []
+    for ids in _candidates(list(layers), model_type):
+        setter(ids)
+        got = capture_inputs_of(model)
+        if got is None or got == []:  # nothing to read back (got []: not the last pipeline stage, the setter returned)
+            log.info("hstap: %s captures canonical layers %s (SGLang ids %s; not read back)", type(model).__name__,
+                     layers, ids)
+            return ids
+        if sorted(got) == want:
+            log.info("hstap: %s captures canonical layers %s (SGLang ids %s: the inputs of layers %s)",
+                     type(model).__name__, layers, ids, want)
+            return ids
+        tried.append(f"ids {ids} capture the inputs of layers {sorted(got)}")
+    raise HstapError(f"{ENV_LAYERS}: {type(model).__name__} cannot capture canonical layers {layers} (the inputs of "
+                     f"layers {want}): {'; '.join(tried)}; choose other --layers (on a DeepSeek-family model the "
+                     "first canonical id cannot be 0)")
 
 
 def _around_configure(original, *args, **kwargs):

@@ -3,7 +3,8 @@
 never each other.
 
 - `ENV_LAYERS`: the environment variable (canonical layer ids) that makes the plugin turn on aux capture;
-- `HOOK_FACTORY` and `hook_spec(...)`: the `--forward-hooks` entry that loads the hook;
+- `HOOK_FACTORY` and `hook_spec(...)`: the `--forward-hooks` entry that loads the hook, on the module names of
+  `LOGITS_MODULES`;
 - `EVENTS_DIR`: where in the store the hook writes the events (drops, errors) the driver reads, and the driver the end
   of its session.
 
@@ -17,6 +18,10 @@ import os
 HOOK_FACTORY = "hstap.capture.sglang.hook:make_hook"
 ENV_LAYERS = "HSTAP_CAPTURE_LAYERS"
 EVENTS_DIR = "sglang-events"  # inside the store; the store's reader ignores other files
+# Where SGLang's models keep their LogitsProcessor (`register_forward_hooks` matches these against named_modules(), one
+# per model): at the top (Llama, Qwen, DeepseekV3ForCausalLM, ...) or in the language model of a multimodal wrapper
+# (KimiK25ForConditionalGeneration: srt/models/kimi_k25.py builds `self.language_model = DeepseekV3ForCausalLM(...)`).
+LOGITS_MODULES = ("logits_processor", "language_model.logits_processor")
 
 
 def hook_spec(store: str, data: str | None, layers: list[int], name: str = "hstap", **extra) -> dict:
@@ -24,4 +29,4 @@ def hook_spec(store: str, data: str | None, layers: list[int], name: str = "hsta
     cfg = {"store": os.path.abspath(store), "layers": [int(i) for i in layers], **extra}
     if data is not None:
         cfg["data"] = os.path.abspath(data)
-    return {"name": name, "target_modules": ["logits_processor"], "hook_factory": HOOK_FACTORY, "config": cfg}
+    return {"name": name, "target_modules": list(LOGITS_MODULES), "hook_factory": HOOK_FACTORY, "config": cfg}

@@ -1,8 +1,8 @@
 """The writer thread of the SGLang capture hook (capture/sglang/hook.py): the pieces of requests the hook demultiplexed
 are stitched into samples and handed to a `ServedWriter` (hstap/capture/served.py: the store rank, the checks against
 the prepared set, events in STORE/sglang-events/ for the driver, the end of a session). The store rank is the
-attention-DP rank. In tap mode the pieces of tapped requests (capture/sglang/tap.py) become served-traffic samples when
-their request finishes; the first one creates the store when there is none.
+data-parallel scheduler's (capture/sglang/ranks.py). In tap mode the pieces of tapped requests (capture/sglang/tap.py)
+become served-traffic samples when their request finishes; the first one creates the store when there is none.
 """
 
 from __future__ import annotations
