@@ -64,7 +64,7 @@ import numpy as np
 
 from hstap.common import (
     HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, one_line, temp_dir_beside, write_run_config)
-from hstap.data.chat import assistant_spans, render_prompt, tokenize_conversation  # noqa: F401 - prepare's names
+from hstap.data.chat import assistant_spans, tokenize_conversation
 from hstap.data.conversations import BadRecord, count_skip, expand_paths, iter_records
 from hstap.data.reasoning import canonical_kwargs, template_kwargs
 from hstap.data.vocab import build_vocab_map, check_vocab_map

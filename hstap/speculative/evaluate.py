@@ -7,7 +7,7 @@ and the same hardware in the same process.
 
 Prompts: from a prepared dataset, each sample cut where its last assistant answer starts (the first token of the last
 run of loss_mask = 1); from a conversations JSONL, each conversation up to its last user turn, rendered with the chat
-template and the generation prompt (`hstap.data.prepare.render_prompt`); `{"id", "messages": [{"role": "user", ...}]}` works as
+template and the generation prompt (`hstap.data.chat.render_prompt`); `{"id", "messages": [{"role": "user", ...}]}` works as
 is. Generation stops at an eos / end-of-turn id (kept in the output) or after --max-new-tokens.
 
 Methods, run one after the other over all prompts after one warm-up prompt each: `target` (plain decoding with a KV
@@ -164,7 +164,7 @@ def load_prompts(data: str, tokenizer, num_prompts: int | None = None) -> list[t
                 break
     else:
         from hstap.data.conversations import read_conversations
-        from hstap.data.prepare import render_prompt
+        from hstap.data.chat import render_prompt
 
         if tokenizer is None:
             raise HstapError(f"{data}: conversations need the target's tokenizer, and the target directory has none")

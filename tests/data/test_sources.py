@@ -102,7 +102,7 @@ def test_mtbench_turns_and_the_open_answer(tmp_path, tiny_llama):
     from hstap.data.generate import GenerateConfig, generate
     from hstap.model_dir import load_tokenizer
     from hstap.speculative.evaluate import load_prompts
-    from hstap.data.prepare import render_prompt
+    from hstap.data.chat import render_prompt
 
     q = tmp_path / "question.jsonl"
     q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"first {i}", f"second {i}"]}) + "\n"
