@@ -28,7 +28,7 @@ chain (k = --k) for the comparison. Nothing is picked: every row is printed.
 Speculative runs are lossless-exact by default: target and drafter in fp32 (--spec-dtype, the eval's convention;
 TF32 stays off), every output compared token for token with target-only decoding; a mismatch is classified with
 hstap.speculative.evaluate.check_lossless (a near-tie when both tokens are within --tie-tol of the target's top logit).
-Latency models, per round from the measured costs: `model` = the issue's tau / (1 + D c_draft / c_verify) (D drafter
+Latency models, per round from the measured costs: `model` = the naive tau / (1 + D c_draft / c_verify) (D drafter
 forwards per round: a chain's k, a tree's depth; c_verify the verify forward of this method), `model+` =
 hstap.speculative.latency.round_model, tau c_token / (D c_draft + c_verify + c_host), c_token the target-only per-token cost; the
 latency_model_within_10pct check is on model+. Kernels per step: on CUDA the device kernels one run of the step
@@ -179,7 +179,7 @@ class Budget:
 
 
 def count_kernels(step, cuda: bool, into: dict | None = None, role: str = "") -> int | None:
-    """The step's kernel count; with `into`, also its summed kernel time (`{role}_kernel_us`, device time of one run
+    """The step's kernel count; with `into`, also its summed kernel time (`{role}_kernel_us`, GPU time of one run
     outside the graph: the part of a replay that is not launch gaps) and its 12 costliest kernels."""
     try:
         n = step.count_kernels(cuda)
@@ -436,7 +436,7 @@ def big(a, bw: float, budget: Budget, out: dict) -> None:
 
 
 def checks(out: dict) -> dict:
-    """The issue's targets (H200; meaningful with the reference target and its trained drafter), on the best target-only
+    """The goals (H200; meaningful with the reference target and its trained drafter), on the best target-only
     variant and on the first spec variant's headline rows (chain k=--k, the first tree)."""
     c: dict = {}
     big_rows = [t for t in out["targets"] if t["target"] == "llama-3.1-8b-shape"]
@@ -461,7 +461,7 @@ def checks(out: dict) -> dict:
             c["both_above_ngram"] = min(chain["speedup"], tree["speedup"]) > ngram["speedup"]
         rows = [r for n, r in s.items() if n != "target"]
         c["latency_model_within_10pct"] = all(abs(r.get("error_refined", 1.0)) <= 0.10 for r in rows)
-        c["issue_formula_within_10pct"] = all(abs(r.get("error_speedup", 1.0)) <= 0.10 for r in rows)
+        c["naive_formula_within_10pct"] = all(abs(r.get("error_speedup", 1.0)) <= 0.10 for r in rows)
     c["lossless"] = all(r["lossless"] for v in out["speculative"].values() for r in v.values())
     return c
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #8 on 2 GPUs (NCCL), in one call: capture scaling + exactly-once merge on a Llama-3.1-8B-shaped random target,
+# Multi-GPU on 2 GPUs (NCCL), in one command: capture scaling + exactly-once merge on a Llama-3.1-8B-shaped random target,
 # DDP / FSDP2 training equivalence on the reference target, drafter training scaling. Ends with ONE JSON line.
 #
 #   bash benchmarks/bench_multigpu.sh              # 2 GPUs (W=/dev/shm/mg); all stages need ~10 min on 2 H200s, so

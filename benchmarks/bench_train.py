@@ -29,7 +29,7 @@ top-15 ops by self CUDA time and by self CPU time over 3 more steps (to stderr, 
 $OUT/profile_<shape>_<config>.txt when $OUT is set; the JSON keeps the top 5 of each). The last line of stdout is
 one JSON object.
 
-The store's checksum check (issue 40: `hstap train` hashes every shard once against its recorded checksum before the
+The store's checksum check (`hstap train` hashes every shard once against its recorded checksum before the
 first step, `hstap.store.reader.Store.check`), on against off, through train's own data path:
 
     python benchmarks/bench_train.py --store-checks                 # H200: the ref shape, an 8 GB bf16 store

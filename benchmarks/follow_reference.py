@@ -24,7 +24,7 @@ The window's bound: the store never holds more than K shard files, so its bytes 
 Expected on one H200 with the defaults (4000 conversations, ~1.8 M tokens, ~5.6 GB of bf16 states in 128 MiB
 shards, window 4 = 512 MiB, 2 epochs): about 3 minutes (prepare ~15 s, the follow and the offline pipelines side by
 side ~60-90 s including flex-attention compilation, the two evals side by side ~60 s); not measured at these
-defaults. Measured (RESULTS.md, sixth session): --samples 2000 --num-prompts 24 in 271 s, the capture beside the
+defaults. Measured (RESULTS.md, "Train as you serve"): --samples 2000 --num-prompts 24 in 271 s, the capture beside the
 follower waiting on the window most of that time. It needs
 ~7 GB of disk for the work dir (the offline store). Ends with a table and one JSON line; with $OUT set, the logs, the
 store size series (store_size.jsonl), the metrics and id logs and the eval reports are copied there.

@@ -1,5 +1,5 @@
 """The peer trainer on hstap's data: speculators 0.9.0's EAGLE-3 trainer on an hstap store, at `hstap train`'s budget,
-selected on a validation split, converted for `hstap eval` and checked against speculators' own model (issue #37).
+selected on a validation split, converted for `hstap eval` and checked against speculators' own model.
 
     python benchmarks/peer_speculators.py --store STORE --target TARGET --out OUT --epochs 2     # CUDA, bf16
     python benchmarks/peer_speculators.py --tiny      # CPU: a tiny random target and store built here (~1-2 min)
@@ -162,8 +162,8 @@ def speculators_config(overrides: dict, a, save_path: Path, aux_vllm: list[int],
     if not cuda:  # eager flex_attention has no backward on the CPU, the fused loss is a Triton kernel
         flat.update(draft_attn_impl="sdpa", loss_implementation="eager")
     elif getattr(a, "loss_implementation", "fused") != "fused":
-        # the H200 image's torch 2.11: dynamo fails to trace the fused KL kernel's backward (RESULTS.md, fifteenth
-        # session: "ListVariable ... is already tracked for mutation"); eager materialises the logits (more memory)
+        # the H200 image's torch 2.11: dynamo fails to trace the fused KL kernel's backward (RESULTS.md, "Against
+        # peers": "ListVariable ... is already tracked for mutation"); eager materialises the logits (more memory)
         flat.update(loss_implementation=a.loss_implementation)
     return TrainConfig.from_flat({**flat, **overrides})
 

@@ -1,4 +1,4 @@
-"""MT-bench measurement of drafters side by side (issue #37's table): `hstap eval` over MT-bench's turn-1 prompts and
+"""MT-bench measurement of drafters side by side (the real-model protocol's table): `hstap eval` over MT-bench's turn-1 prompts and
 its turn-2 conversations (the target's own first answer in them), in parts run as parallel processes, merged.
 
     python benchmarks/protocol_eval.py --target M --work W --turn1 mtbench_turn1.jsonl --turn2 mtbench_turn2.jsonl \

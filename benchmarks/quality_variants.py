@@ -18,11 +18,11 @@ Stages.
 2. capture (side by side): train split in bf16 and in fp8, validation and eval prompts in bf16 (aux layers: the
    target's default [1, 3, 4]; fp32 compute).
 3. train every variant side by side (PAR at a time) at EQUAL budget: EPOCHS epochs of BT tokens per step (2 x 32768,
-   the issue's baseline), --eval-store = validation every EV steps; RUN/best = the checkpoint of the highest
+   the baseline's budget), --eval-store = validation every EV steps; RUN/best = the checkpoint of the highest
    validation sim_tau. The recipes by name are benchmarks/recipes.py's: base is train's defaults, every other
-   variant `OLD` (the defaults before the twelfth session) with the changes its name says. Speed knobs applied to
+   variant `OLD` (train's defaults before today's) with the changes its name says. Speed knobs applied to
    every variant alike: CE_CHUNK (rows per fused-CE chunk; empty: train's auto), COMPILE (empty: train's default,
-   compiled on CUDA; 0: --compile false, eager, as the fifth and sixth sessions' recipes were measured). Selection
+   compiled on CUDA; 0: --compile false, eager, as the earliest recipe comparisons were measured). Selection
    uses validation figures only. A variant that runs out of GPU memory is trained again afterwards, fewer at a time.
 4. replay (every variant, one process): chain-5 tau replayed on the NP eval prompts' answers with the best checkpoint
    (teacher-forced TTT evaluation + `hstap.train.ttt.replay_chain`; on the target's own greedy answers this is what chain
@@ -41,14 +41,14 @@ rejection sampling at that temperature (`hstap eval --temperature T1`), for tau 
 
 Table: validation sim_tau (the trainer's, selection) and replayed chain-5 tau, eval replayed chain-5 tau, measured
 chain-5 tau (lossless, decoder engine), ratios vs today's recipe (`base`), train tok/s (median logged; trainings share
-the GPU, so not a clean timing). Then one JSON line; with `lr1e-3` in the run it carries the issue's goal figure, the
-best variant's eval chain-5 over lr1e-3's (the recipe of the issue's 2.268). Env knobs: VARIANTS (comma list, or
+the GPU, so not a clean timing). Then one JSON line; with `lr1e-3` in the run it carries the goal figure, the
+best variant's eval chain-5 over lr1e-3's (the recipe of the 2.268 baseline). Env knobs: VARIANTS (comma list, or
 "all"), MEASURE, PAR, EPAR, EPOCHS or STEPS, BT, EV, NP, EP, NT, VAL_FRAC, DEV, CE_CHUNK, COMPILE, ENGINE, WORKERS,
 STAGGER (s the first training runs alone, at most, so that the others find its compiled kernels), timeouts TP TC TT
 TE (s). T0=0: no greedy chain measure (with T1: temperature T1 alone). TREE=1: the measured variants also decoded
 greedily with eval's default tree (8 x depth 6, 60 nodes), whatever depth they were trained to. REUSE=1: keep W from
 an earlier run with the same data settings (W/qv_data.json: its prepared sets and stores; other settings are one
-error line) and every run that the same train command finished (W/run-NAME.cmd.json); do the rest: a second call
+error line) and every run that the same train command finished (W/run-NAME.cmd.json); do the rest: a second run
 measures what a first trained.
 """
 
@@ -259,11 +259,11 @@ def train(s: dict, W: Path) -> dict[str, int]:
         rcs |= {names[i]: rc for i, rc in zip(oom, again)}
     for (cmd, _, _), n in zip(jobs, names):  # what REUSE compares
         (W / f"run-{n}.cmd.json").write_text(json.dumps({"cmd": cmd, "rc": rcs[n]}) + "\n")
-    return {n: rcs.get(n, "reused") for n in s["names"]}  # "reused": trained by an earlier call (REUSE)
+    return {n: rcs.get(n, "reused") for n in s["names"]}  # "reused": trained by an earlier run (REUSE)
 
 
 def _trained_before(W: Path, name: str, cmd: list[str]) -> bool:
-    """REUSE: run-{name} was trained to the end by this very command (flags, store, budget) in an earlier call."""
+    """REUSE: run-{name} was trained to the end by this very command (flags, store, budget) in an earlier run."""
     f = W / f"run-{name}.cmd.json"
     rec = json.loads(f.read_text()) if f.is_file() else {}
     return rec.get("cmd") == cmd and rec.get("rc") == 0 and (W / f"run-{name}" / "best").is_dir()
@@ -332,7 +332,7 @@ def measure(s: dict, W: Path, names: list[str], temperature: str = "", mode: str
     for name in names:
         for i in range(s["EP"]):
             out = W / f"eval{tag}-{name}-{i}"
-            shutil.rmtree(out, ignore_errors=True)  # REUSE: an earlier call's report must not stand in for this one's
+            shutil.rmtree(out, ignore_errors=True)  # REUSE: an earlier run's report must not stand in for this one's
             jobs.append((hstap("eval", "--target", T, "--drafter", W / f"run-{name}", "--data", W / f"prep-eval-{i}",
                                "--out", out, *draft, "--max-new-tokens", s["NT"], "--device", s["DEV"], "--dtype",
                                "fp32", "--engine", s["ENGINE"], *temp),
@@ -455,7 +455,7 @@ def main(argv: list[str]) -> int:
     key = "measured_tau" if best and rows[best].get("measured_tau") and rows["base"].get("measured_tau") \
         else "eval_chain5"  # one figure for both: measured when both were measured, else the replay
     b, top = rows["base"].get(key), (rows[best].get(key) if best else None)
-    # the issue's goal is over ITS recipe (lr 1e-3), on the replay (lr1e-3 is not measured by default)
+    # the goal is over the baseline's recipe (lr 1e-3), on the replay (lr1e-3 is not measured by default)
     ref = "lr1e-3" if rows.get("lr1e-3", {}).get("eval_chain5") else "base"
     g_ref, g_top = rows[ref].get("eval_chain5"), (rows[best].get("eval_chain5") if best else None)
     goal = round(g_top / g_ref, 4) if g_top and g_ref else None

@@ -1,11 +1,11 @@
 """The drafter recipes that benchmarks/quality_variants.py trains, by name: train's defaults (`base`) and variants
-built on the recipe of train's defaults before the twelfth session (`OLD`), so that a name means the same training
+built on the recipe of train's defaults before today's (`OLD`), so that a name means the same training
 whatever train's defaults become. Each name maps to (train flags, the store it trains on)."""
 
 from __future__ import annotations
 
 OLD = {"--lr": "2e-3", "--ttt": "7", "--ttt-decay": "0.8", "--loss": "ce"}
-"""The recipe of train's defaults before the twelfth session (`42f1a69`): every variant but base is built on it, so a
+"""The recipe of train's defaults before today's (`42f1a69`): every variant but base is built on it, so a
 name means the same training whatever train's defaults are today."""
 
 
@@ -15,17 +15,17 @@ def old(*flags: str) -> list[str]:
     return [x for pair in kv.items() for x in pair]
 
 
-LR = ("--lr", "1e-3")  # the recipe of the issue's 2.268 (lr 1e-3): the baseline of its ">= 1.08x" goal
-R = ("--lr", "3e-3", "--ttt", "5")  # the best pair of the eleventh session (R+... variants change one thing more)
+LR = ("--lr", "1e-3")  # lr 1e-3: the recipe of a 2.268 baseline, the reference of a ">= 1.08x" goal
+R = ("--lr", "3e-3", "--ttt", "5")  # the best pair of a search at lr and TTT (R+... variants change one thing more)
 HARD = ("--loss", "ce+hard", "--loss-mix", "0.5")
 VARIANTS = {  # name -> (train flags, store); every variant but base is OLD with the changes its name says
-    "base": ([], "store"),  # train's defaults (since the twelfth session: lr 3e-3, TTT 5, decay 0.6, ce+hard)
-    "defaults-42f1a69": (old(), "store"),  # the defaults before: the twelfth session's and earlier tables' "base"
+    "base": ([], "store"),  # train's defaults (lr 3e-3, TTT 5, decay 0.6, ce+hard)
+    "defaults-42f1a69": (old(), "store"),  # the defaults before: "base" of the earlier tables
     "seed2": (old("--seed", "2"), "store"),  # defaults-42f1a69's other seed: how far two runs of one recipe differ
-    "lr1e-4": (old("--lr", "1e-4"), "store"),  # the default before the sixth session
-    "lr1e-3": (old(*LR), "store"),  # the issue's recipe
+    "lr1e-4": (old("--lr", "1e-4"), "store"),  # the default lr before 2e-3
+    "lr1e-3": (old(*LR), "store"),  # the recipe of the 2.268 baseline
     "lr3e-3": (old("--lr", "3e-3"), "store"),
-    "cosine0": (old("--warmup-ratio", "0.015", "--min-lr-ratio", "0.0"), "store"),  # the schedule before session 8
+    "cosine0": (old("--warmup-ratio", "0.015", "--min-lr-ratio", "0.0"), "store"),  # the schedule before the warmup 0.05 / floor 0.1 default
     "ce+tv": (old("--loss", "ce+tv", "--loss-mix", "0.5"), "store"),
     "tv": (old("--loss", "tv"), "store"),
     "lk": (old("--loss", "lk"), "store"),
@@ -39,13 +39,13 @@ VARIANTS = {  # name -> (train flags, store); every variant but base is OLD with
     "n3": (old("--draft-layers", "3"), "store"),
     "fp8": ([], "store-fp8"),  # base on the fp8 store: parity with base
     "fp8-lr1e-3": (old(*LR), "store-fp8"),
-    "lr3e-3+ttt5": (old(*R), "store"),  # the two best one-layer changes of session 8 together
+    "lr3e-3+ttt5": (old(*R), "store"),  # the two best one-layer changes of the first search together
     "lr3e-3+ttt5+seed2": (old(*R, "--seed", "2"), "store"),
     "lr4e-3+ttt5": (old("--lr", "4e-3", "--ttt", "5"), "store"),
     "lr3e-3+ttt4": (old("--lr", "3e-3", "--ttt", "4"), "store"),
     "lr3e-3+ttt5+decay0.9": (old(*R, "--ttt-decay", "0.9"), "store"),
     "ttt5+decay0.6": (old("--ttt", "5", "--ttt-decay", "0.6"), "store"),
-    # twelfth session: around lr3e-3+ttt5 (R)
+    # around lr3e-3+ttt5 (R)
     "R+decay0.7": (old(*R, "--ttt-decay", "0.7"), "store"),
     "R+decay0.6": (old(*R, "--ttt-decay", "0.6"), "store"),
     "R+clip1": (old(*R, "--grad-clip", "1.0"), "store"),
@@ -53,7 +53,7 @@ VARIANTS = {  # name -> (train flags, store); every variant but base is OLD with
     "R+hard": (old(*R, *HARD), "store"),
     "R+vocab4096": (old(*R, "--draft-vocab", "4096"), "store"),
     "R+seed2": (old(*R, "--seed", "2"), "store"),
-    "R+hard+decay0.6": (old(*R, *HARD, "--ttt-decay", "0.6"), "store"),  # = base since the twelfth session
+    "R+hard+decay0.6": (old(*R, *HARD, "--ttt-decay", "0.6"), "store"),  # = base (train's defaults)
     "R+hard0.75": (old(*R, "--loss", "ce+hard", "--loss-mix", "0.75"), "store"),
     "R+hard+seed2": (old(*R, *HARD, "--seed", "2"), "store"),
     "lr3e-3+ttt6": (old("--lr", "3e-3", "--ttt", "6"), "store"),  # the tree decoder's default depth

