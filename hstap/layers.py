@@ -30,10 +30,14 @@ EMBEDDINGS = -1  # pseudo-id of the embedding output (the input of layer 0) amon
 
 
 def parse_ids(spec: str | Sequence[int], what: str = "--layers") -> list[int]:
-    """`"1,3,4"` (or a sequence) -> [1, 3, 4]; the one parser of comma-separated layer ids (`what` names the option)."""
+    """`"1,3,4"` (or a sequence) -> [1, 3, 4]; the one parser of comma-separated layer ids (`what` names the option).
+    An empty item (`1,,3`, a trailing comma) is an error, not a skipped id."""
     if isinstance(spec, str):
+        items = spec.split(",") if spec.strip() else []
+        if any(not x.strip() for x in items):
+            raise HstapError(f"{what}: an empty item in {spec!r} (expected comma-separated integers, e.g. 1,3,4)")
         try:
-            return [int(x) for x in spec.split(",") if x.strip()]
+            return [int(x) for x in items]
         except ValueError:
             raise HstapError(f"{what}: expected comma-separated integers, got {spec!r}") from None
     return [int(x) for x in spec]
@@ -52,23 +56,24 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
-def parse_layers(spec: str | Sequence[int] | None, num_layers: int) -> list[int]:
-    """Parse `--layers 1,3,4` (or a list) into validated canonical ids; None/"" means the default."""
+def parse_layers(spec: str | Sequence[int] | None, num_layers: int, what: str = "--layers") -> list[int]:
+    """Parse `--layers 1,3,4` (or a list) into validated canonical ids; None/"" means the default (`what` names the
+    option in an error)."""
     if spec is None or spec == "" or spec == "default":
         return default_aux_layers(num_layers)
-    ids = parse_ids(spec)
-    check_layers(ids, num_layers)
+    ids = parse_ids(spec, what)
+    check_layers(ids, num_layers, what)
     return ids
 
 
-def check_layers(ids: Sequence[int], num_layers: int) -> None:
+def check_layers(ids: Sequence[int], num_layers: int, what: str = "--layers") -> None:
     if not ids:
-        raise HstapError("--layers: at least one layer id is needed")
+        raise HstapError(f"{what}: at least one layer id is needed")
     for i in ids:
         if not 0 <= i < num_layers:
-            raise HstapError(f"--layers: layer id {i} is out of range for a {num_layers}-layer target (valid: 0..{num_layers - 1})")
+            raise HstapError(f"{what}: layer id {i} is out of range for a {num_layers}-layer target (valid: 0..{num_layers - 1})")
     if list(ids) != sorted(set(ids)):
-        raise HstapError(f"--layers: ids must be strictly increasing, got {list(ids)}")
+        raise HstapError(f"{what}: ids must be strictly increasing, got {list(ids)}")
 
 
 def last_layer(num_layers: int) -> int:

@@ -189,11 +189,10 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
         w = load_file(str(d / "drafter.safetensors"))
         d2t, t2d = w["d2t"], w["t2d"]
     else:
-        from types import SimpleNamespace
-
         from hstap.data.vocab import load_vocab_map
         from hstap.layers import default_aux_layers, parse_layers
         from hstap.model_dir import load_config, target_head
+        from hstap.train.plan import VocabMap
         from hstap.train.trainer import init_drafter
 
         hf = load_config(cfg.target)
@@ -204,8 +203,8 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
             d2t, t2d = torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
         layers = parse_layers(cfg.layers, N) if cfg.layers else default_aux_layers(N)
         embed, head = target_head(cfg.target)
-        drafter = init_drafter(SimpleNamespace(seed=cfg.seed, init_lm_head=True, draft_layers=1), hf,
-                               SimpleNamespace(d2t=d2t, t2d=t2d, layers=layers), embed.float(), head.float())
+        vocab = VocabMap(d2t, t2d, cfg.vocab_map or "the whole target vocabulary")
+        drafter = init_drafter(hf, vocab, layers, embed.float(), head.float(), seed=cfg.seed, draft_layers=1)
         d = out / "drafter-init"
         save_drafter(d, drafter, {"store": {"layers": layers}, "init": "the trainer's initialisation, never trained"})
     tmp = out / ".vocab_map.safetensors.tmp"
