@@ -87,4 +87,4 @@ def layer_list(where: str, cfg: Any, name: str) -> None:
         raise HstapError(f"{where}: {flag(name)}: expected layer ids (a comma-separated string or a list of integers), "
                          f"got {v!r}")
     if v.strip() and v.strip() not in LAYER_WORDS:
-        parse_ids(v, flag(name))
+        parse_ids(v, f"{where}: {flag(name)}")
