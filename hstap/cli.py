@@ -2,9 +2,12 @@
 
 Every field of a stage config becomes a flag, spelled `--max-len`, `--max_len` or `--prepare.max_len` (the dotted form
 is the one `--config` files and `config.json` use). The field's docstring is its help text, so each default and each
-explanation exists in exactly one place. `--config run.yaml` loads values (YAML or JSON: a flat mapping, a mapping
-under the stage name, or an artifact's `config.json`), and flags given on the command line override them, so
-`hstap train --config RUN/config.json` replays a run.
+explanation exists in exactly one place. A field that is a section of another stage's config (the serve loop's and
+the demo's `train: HyperParams`) gives one flag per field of the section: `--train.lr` (or `--train-lr`), its default
+the section's. `--config run.yaml` loads values (YAML or JSON: a flat mapping, a mapping under the stage name, or an
+artifact's `config.json`; a section as a mapping or as dotted keys), each checked against its field's type as strictly
+as a flag (`check_value`: one error line naming the file and the field), and flags given on the command line override
+them, so `hstap train --config RUN/config.json` replays a run.
 
     hstap prepare --tokenizer DIR --data corpus.jsonl --out PREPARED
     hstap train --config RUN/config.json --train.steps 2000
@@ -188,8 +191,8 @@ def _yaml_loader():
     class Loader(yaml.SafeLoader):
         pass
 
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-                                 list("-+0123456789"))
+    number = re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", number, list("-+0123456789"))
     return Loader
 
 
@@ -218,6 +221,7 @@ def load_config_file(path: str, stage: str) -> dict:
 
 
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_PLURAL = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
 
 
 def check_value(where: str, hint: Any, meta: Any, v: Any) -> Any:
@@ -244,7 +248,7 @@ def check_value(where: str, hint: Any, meta: Any, v: Any) -> Any:
     if is_list:
         v = [v] if isinstance(v, str) else v
         if not isinstance(v, list):
-            raise HstapError(f"{where}: expected a list of {_KINDS.get(tp, 'values')}s, got {v!r}")
+            raise HstapError(f"{where}: expected a list of {_PLURAL.get(tp, 'values')}, got {v!r}")
         return [check_value(where, tp, meta, x) for x in v]
     ok = {bool: lambda x: isinstance(x, bool), int: lambda x: isinstance(x, int) and not isinstance(x, bool),
           float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),

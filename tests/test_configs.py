@@ -145,3 +145,25 @@ def test_a_section_takes_flags_file_values_and_keeps_its_overrides(tmp_path):
     from hstap.common import run_meta
     meta.write_text(json.dumps(run_meta("serve-loop", cfg)))
     assert make_config("serve-loop", ServeLoopConfig, ["--config", str(meta)]) == cfg
+
+
+def test_the_serve_loops_trainer_starts_from_a_train_config(tmp_path):
+    """The loop's trainer: its train section plus what the loop fixes, as `hstap train --config` reads it back."""
+    from hstap.common import run_meta
+    from hstap.serve_loop.config import TRAIN, ServeLoopConfig
+    from hstap.serve_loop.stage import trainer_config
+    from hstap.train.config import HyperParams, TrainConfig
+
+    d0 = tmp_path / "drafter0"
+    d0.mkdir()
+    (d0 / "drafter.json").write_text(json.dumps({"config": {"num_layers": 2}}))
+    cfg = ServeLoopConfig(target=str(tmp_path / "t"), prompts="p", out=str(tmp_path / "w"), keep_shards=6, seed=7,
+                          train=HyperParams(**(TRAIN | {"lr": 1e-3, "epochs": 2})))
+    t = trainer_config(cfg, tmp_path / "w", d0, "cpu")
+    assert (t.follow, t.consume, t.keep_shards, t.eval_frac, t.draft_layers, t.seed, t.tensorboard) == (
+        True, True, 6, 0.0, 2, 7, False)
+    assert (t.lr, t.epochs, t.ttt, t.save_every, t.log_every) == (1e-3, 2, TRAIN["ttt"], TRAIN["save_every"], 1)
+    assert t.init_from == str(d0) and t.vocab_map == str(tmp_path / "w" / "vocab_map.safetensors")
+    f = tmp_path / "run.config.json"
+    f.write_text(json.dumps(run_meta("train", t)))
+    assert make_config("train", TrainConfig, ["--config", str(f)]) == t

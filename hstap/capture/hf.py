@@ -387,7 +387,8 @@ def _plan_share(cfg: CaptureConfig, ds, n: int, rank: int, world: int, committed
             "batches": [[mine[j] for j in b] for b in pack_by_tokens([lens[i] for i in mine], cfg.batch_tokens)]}
 
 
-def _capture_share(cfg: CaptureConfig, ds, plan: dict, rank: int, writer, target: Target | None, layers: list[int]) -> dict:
+def _capture_share(cfg: CaptureConfig, ds, plan: dict, rank: int, writer, target: Target | None,
+                   layers: list[int]) -> dict:
     """Capture this rank's share (`_plan_share`) into `writer`; returns this rank's counts and timings."""
     writer.expect(plan["tokens"])  # shards shrink toward the end: little is left to write after the last forward
     batches, mine = plan["batches"], plan["mine"]

@@ -63,7 +63,8 @@ def resolve(cfg: CaptureConfig, rank: int = 0, world: int = 1, scan: bool = Fals
 
 
 def _layers(cfg: CaptureConfig, N: int) -> list[int]:
-    """The canonical layers of the run: --layers; vllm-import: those of --vllm-layers (--layers, if given, must agree)."""
+    """The canonical layers of the run: --layers; vllm-import: those of --vllm-layers (--layers, if given, must
+    agree)."""
     from hstap.layers import parse_layers, parse_vllm_layers
 
     if cfg.engine != "vllm-import":
@@ -76,10 +77,10 @@ def _layers(cfg: CaptureConfig, N: int) -> list[int]:
 
 
 def check_out(out: str, new: bool, rank: int = 0, world: int = 1, header: dict | None = None) -> bool:
-    """The store a capture resumes (`out`, unless `new`: --out without --new), before any sample is counted as already captured: made with
-    this run's target, layers and dtype (`header`, when given: refused before anything is loaded), and every committed
-    shard present at its recorded size and hashed against its checksum (ranks split the shards). Returns whether there
-    is a store to resume."""
+    """The store a capture resumes (`out`, unless `new`: --out without --new), before any sample is counted as already
+    captured: made with this run's target, layers and dtype (`header`, when given: refused before anything is loaded),
+    and every committed shard present at its recorded size and hashed against its checksum (ranks split the shards).
+    Returns whether there is a store to resume."""
     from hstap.store.format import check_resumable
     from hstap.store.reader import open_store
 

@@ -30,10 +30,10 @@ the client (hstap/serve_loop/requests.py: the prompts of --prompts in order, --c
   it consumed, the tap drops requests rather than make serving wait when the window is full; --max-store-gb on top);
   exports other than the first and the current one are deleted; the trainer keeps its newest 3 checkpoints.
 
-Outputs in --out: served.jsonl (one line per answered request: prompt index, tokens, vLLM's per-request draft
-counters, the drafter version serving when it finished), updates.jsonl, summary.json, acceptance.png, server.log,
-train.log, run.config.json (the trainer's config), store/, run/, exports/. Prints a progress line (requests served, vLLM's acceptance over the last 32
-answers, drafter version, store size, trainer step) and a last summary line.
+Outputs in --out: served.jsonl (one line per answered request: prompt index, tokens, vLLM's per-request draft counters,
+the drafter version serving when it finished), updates.jsonl, summary.json, acceptance.png, server.log, train.log,
+run.config.json (the trainer's config), store/, run/, exports/. Prints a progress line (requests served, vLLM's
+acceptance over the last 32 answers, drafter version, store size, trainer step) and a last summary line.
 """
 
 from __future__ import annotations
@@ -163,10 +163,9 @@ def trainer_config(cfg: ServeLoopConfig, out: Path, drafter0: Path, device: str)
                        draft_layers=dl, seed=cfg.seed, device=device, tensorboard=False)
 
 
-def start_trainer(cfg: ServeLoopConfig, out: Path, drafter0: Path, device: str) -> subprocess.Popen:
-    """`hstap train --follow --consume` on OUT/store, from `drafter0`, in a process of its own (log: OUT/train.log),
-    started from its config (`trainer_config`) written as OUT/run.config.json."""
-    atomic_write_json(out / "run.config.json", run_meta("train", trainer_config(cfg, out, drafter0, device)))
+def start_trainer(cfg: ServeLoopConfig, out: Path) -> subprocess.Popen:
+    """`hstap train --follow --consume` on OUT/store in a process of its own (log: OUT/train.log), started from its
+    config (`trainer_config`), written as OUT/run.config.json before the server started."""
     cmd = [sys.executable, "-m", "hstap.cli", "train", "--config", str(out / "run.config.json")]
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.trainer_threads), "TOKENIZERS_PARALLELISM": "false"}
     with open(out / "train.log", "w") as f:
@@ -232,6 +231,8 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     ref = read_reference(cfg.reference) if cfg.reference else None
     write_run_config(out, "serve-loop", cfg)
     drafter0 = start_drafter(cfg, out) if cfg.mode != "target" else None
+    if cfg.mode == "loop":  # the trainer's config, checked before the server starts
+        atomic_write_json(out / "run.config.json", run_meta("train", trainer_config(cfg, out, drafter0, device)))
     if drafter0 is not None:
         export_vllm(cfg.target, cfg.k, drafter0, out / "exports" / "v0000", dtype)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -246,7 +247,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
                          *server_args(cfg, device, dtype, out / "exports" / "v0000", out / "store"), env=env) as url:
             started_s = time.perf_counter() - t_start
             if cfg.mode == "loop":  # the trainer claims the store's window before the first request is served
-                trainer = start_trainer(cfg, out, drafter0, device)
+                trainer = start_trainer(cfg, out)
                 wait_for_claim(out, trainer)
                 post(url + "/collective_rpc", {"method": "hstap_tap_start"})
             before = server_counters(url) if cfg.mode != "target" else {}

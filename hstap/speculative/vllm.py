@@ -81,7 +81,8 @@ def _run(target: str, dtype: str, prompts: list[list[int]], max_new: int, temper
     return [list(o.outputs[0].token_ids) for o in outs], wall, diff
 
 
-def run_vllm(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[int], drafter_dir: str, dtype: str) -> dict:
+def run_vllm(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[int], drafter_dir: str,
+             dtype: str) -> dict:
     """Both vLLM runs (module docstring) with the drafter in `drafter_dir` (`vllm_drafter_dir`); returns the report's
     `vllm` block."""
     try:

@@ -153,7 +153,6 @@ class TrainConfig(HyperParams):
     replay_fraction: float = 0.0
     """--consume: fraction of each slot's samples drawn again from the earlier shards it still keeps (seeded)."""
 
-
     def __post_init__(self):
         w = "train"
         if self.online and not self.data:

@@ -111,11 +111,12 @@ def _size_conflict(cfg: TrainConfig, n: int, V: int, src) -> str | None:
 
 
 def resolve_vocab(cfg: TrainConfig, store, V: int) -> VocabMap:
-    """The draft vocabulary map (d2t (Vd,) long, t2d (V,) bool, where it came from): --vocab-map, else --data's, else the one capture copied into
-    the store (the vocabulary chosen at prepare), else one built from the store's loss-masked token counts
-    (--draft-vocab, 32000 when unset). A --draft-vocab that differs from the size of the prepared or stored map builds
-    the top N from the store's counts instead (one printed line; never ignored); one that differs from an explicit
-    --vocab-map's, or with no complete store to count (`store` None: --online, --follow), is an error."""
+    """The draft vocabulary map (d2t (Vd,) long, t2d (V,) bool, where it came from): --vocab-map, else --data's, else
+    the one capture copied into the store (the vocabulary chosen at prepare), else one built from the store's
+    loss-masked token counts (--draft-vocab, 32000 when unset). A --draft-vocab that differs from the size of the
+    prepared or stored map builds the top N from the store's counts instead (one printed line; never ignored); one that
+    differs from an explicit --vocab-map's, or with no complete store to count (`store` None: --online, --follow), is an
+    error."""
     from hstap.data.vocab import build_vocab_map, load_store_vocab_map, load_vocab_map
     src = cfg.vocab_map or cfg.data
     stored = load_store_vocab_map(store.path, store.header) if not src and store is not None else None
