@@ -141,8 +141,9 @@ def main() -> None:
     common = ["--target", target, "--prompts", served, "--requests", a.requests, "--concurrency", a.concurrency,
               "--max-tokens", a.max_tokens, "--k", a.k, "--update-every", a.update_every, "--max-model-len",
               a.max_model_len, "--device", "cpu"]
-    loop = ["--keep-shards", a.keep_shards, "--shard-tokens", a.shard_tokens, "--epochs", a.epochs, "--lr", a.lr,
-            "--ttt", a.k, "--batch-tokens", a.batch_tokens, "--save-every", a.save_every]
+    loop = ["--keep-shards", a.keep_shards, "--shard-tokens", a.shard_tokens, "--train.epochs", a.epochs,
+            "--train.lr", a.lr, "--train.ttt", a.k, "--train.batch_tokens", a.batch_tokens, "--train.save_every",
+            a.save_every]
     runs = {"target only": ["--mode", "target"],
             "fixed offline drafter (loop off)": ["--mode", "fixed", "--drafter", work / "offline-run"],
             "loop from no drafter": ["--mode", "loop", *loop],

@@ -152,7 +152,7 @@ def make_trainer(drafter, dev, attn: str, compile_: bool, ce_chunk: int, ttt: in
     """train's Trainer, with a TrainConfig of train's defaults, over a drafter already on dev."""
     tc = TrainConfig(out="/nonexistent", target="/nonexistent", store="/nonexistent", ttt=ttt, ce_chunk=ce_chunk,
                      compile=compile_ and dev.type == "cuda", fsdp=fsdp, loss=loss)
-    return Trainer(tc, drafter, D.get_world(), dev, attn, dev.type == "cuda")
+    return Trainer(tc, drafter, D.get_world(), dev, attn, dev.type == "cuda", ce_chunk)
 
 
 def _syncs(run, cuda: bool) -> tuple[object, int | None]:

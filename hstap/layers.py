@@ -31,10 +31,14 @@ EMBEDDINGS = -1  # pseudo-id of the embedding output (the input of layer 0) amon
 
 
 def parse_ids(spec: str | Sequence[int], what: str = "--layers") -> list[int]:
-    """`"1,3,4"` (or a sequence) -> [1, 3, 4]; the one parser of comma-separated layer ids (`what` names the option)."""
+    """`"1,3,4"` (or a sequence) -> [1, 3, 4]; the one parser of comma-separated layer ids (`what` names the option).
+    An empty item (`1,,3`, a trailing comma) is an error, not a skipped id."""
     if isinstance(spec, str):
+        items = spec.split(",") if spec.strip() else []
+        if any(not x.strip() for x in items):
+            raise HstapError(f"{what}: an empty item in {spec!r} (expected comma-separated integers, e.g. 1,3,4)")
         try:
-            return [int(x) for x in spec.split(",") if x.strip()]
+            return [int(x) for x in items]
         except ValueError:
             raise HstapError(f"{what}: expected comma-separated integers, got {spec!r}") from None
     return [int(x) for x in spec]
@@ -59,23 +63,24 @@ def default_aux_layers(num_layers: int) -> list[int]:
                      f"{','.join(str(i) for i in range(max(1, num_layers - 1)))}")
 
 
-def parse_layers(spec: str | Sequence[int] | None, num_layers: int) -> list[int]:
-    """Parse `--layers 1,3,4` (or a list) into validated canonical ids; None/"" means the default."""
+def parse_layers(spec: str | Sequence[int] | None, num_layers: int, what: str = "--layers") -> list[int]:
+    """Parse `--layers 1,3,4` (or a list) into validated canonical ids; None/"" means the default (`what` names the
+    option in an error)."""
     if spec is None or spec == "" or spec == "default":
         return default_aux_layers(num_layers)
-    ids = parse_ids(spec)
-    check_layers(ids, num_layers)
+    ids = parse_ids(spec, what)
+    check_layers(ids, num_layers, what)
     return ids
 
 
-def check_layers(ids: Sequence[int], num_layers: int) -> None:
+def check_layers(ids: Sequence[int], num_layers: int, what: str = "--layers") -> None:
     if not ids:
-        raise HstapError("--layers: at least one layer id is needed")
+        raise HstapError(f"{what}: at least one layer id is needed")
     for i in ids:
         if not 0 <= i < num_layers:
-            raise HstapError(f"--layers: layer id {i} is out of range for a {num_layers}-layer target (valid: 0..{num_layers - 1})")
+            raise HstapError(f"{what}: layer id {i} is out of range for a {num_layers}-layer target (valid: 0..{num_layers - 1})")
     if list(ids) != sorted(set(ids)):
-        raise HstapError(f"--layers: ids must be strictly increasing, got {list(ids)}")
+        raise HstapError(f"{what}: ids must be strictly increasing, got {list(ids)}")
 
 
 def last_layer(num_layers: int) -> int:
@@ -123,6 +128,26 @@ def sglang_capture_inputs(config_ids: Sequence[int], model_type: str = "llama") 
     if is_deepseek(model_type) and config_ids[0] != 1:
         return config_ids
     return [i + 1 for i in config_ids]
+
+
+def layer_inputs(ids: Sequence[int]) -> list[int]:
+    """The decoder-layer inputs that hold canonical ids' states: the input of layer i + 1 is the output of layer i."""
+    return [int(i) + 1 for i in ids]
+
+
+def sglang_id_forms(ids: Sequence[int], model_type: str = "llama") -> list[list[int]]:
+    """The SGLang id lists that may capture canonical `ids`, most likely first: the model type's form (`to_sglang`),
+    then the ids as canonical (the Llama form) and as layer inputs (the DeepSeek form without its +1). A server reads
+    back which one its model class takes (an SGLang class may follow DeepSeek's rule under a model type not listed)."""
+    out: list[list[int]] = []
+    try:
+        out.append(to_sglang(ids, model_type))
+    except HstapError:  # a form the model type's rule cannot express; the others are still tried
+        pass
+    for form in ([int(i) for i in ids], layer_inputs(ids)):
+        if form not in out:
+            out.append(form)
+    return out
 
 
 def check_sglang_capturable(ids: Sequence[int], num_layers: int, what: str = "--layers") -> None:

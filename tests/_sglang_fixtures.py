@@ -90,7 +90,7 @@ def make_prepared(tokenizer_dir: Path, out: Path, recs: list[dict]) -> Path:
 
 def create_store(target: Path, data: Path, out: Path, layers: list[int], dtype: str = "fp32") -> dict:
     """What the driver does before it sends requests: create the store with the target's header."""
-    from hstap.capture.stage import store_header
+    from hstap.capture.inputs import store_header
     from hstap.data.prepare import read_meta
     from hstap.model_dir import target_fingerprint
     from hstap.store.writer import StoreWriter

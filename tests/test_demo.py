@@ -14,7 +14,7 @@ def test_demo_runs_every_stage_and_reports_a_lossless_tau(tmp_path):
     out = tmp_path / "demo"
     r = subprocess.run([sys.executable, "-m", "hstap.cli", "demo", "--out", str(out), "--data", str(data),
                         "--max-samples", "40", "--target-steps", "2", "--generate-tokens", "8", "--train-steps", "3",
-                        "--ttt", "2", "--eval-prompts", "2", "--max-new-tokens", "8", "--device", "cpu"],
+                        "--train.ttt", "2", "--eval-prompts", "2", "--max-new-tokens", "8", "--device", "cpu"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "demo.json").read_text())

@@ -32,7 +32,9 @@ def loop(vllm_llama, tmp_path_factory):
     require_vllm()
     from hstap.export.stage import ExportConfig, export
     from hstap.serve_loop.requests import Client, post
+    from hstap.serve_loop.config import TRAIN
     from hstap.serve_loop.stage import ServeLoopConfig, serve_loop, stop_ids
+    from hstap.train.config import HyperParams
     from hstap.store.consumer import read_consumer, write_consumer
     from hstap.demo.toy import stdlib_conversations
 
@@ -74,8 +76,9 @@ def loop(vllm_llama, tmp_path_factory):
 
     cfg = ServeLoopConfig(target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
                           requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
-                          keep_shards=4, shard_tokens=512, tap_dtype="fp32", flush_s=0.5, ttt=K, batch_tokens=1024,
-                          save_every=2, lr=5e-3, max_model_len=512, device="cpu")
+                          keep_shards=4, shard_tokens=512, tap_dtype="fp32", flush_s=0.5, max_model_len=512,
+                          device="cpu", train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2,
+                                                                           lr=5e-3))))
     summary = serve_loop(cfg, probe=probe)
     return summary, probed, root, run_b
 
@@ -163,10 +166,11 @@ def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
 def test_bad_settings_are_one_error_each(tmp_path):
     from hstap.common import HstapError
     from hstap.serve_loop.stage import ServeLoopConfig
+    from hstap.train.config import HyperParams
 
     base = dict(target="t", prompts="p", out=str(tmp_path))
     for kw, msg in (({"mode": "fixed"}, "--mode fixed serves a given drafter"), ({"mode": "x"}, "--mode: expected"),
-                    ({"keep_shards": 1, "epochs": 2}, "--keep-shards 1 < --epochs 2"),
+                    ({"keep_shards": 1, "train": HyperParams(epochs=2)}, "--keep-shards 1 < --train.epochs 2"),
                     ({"concurrency": 0}, "--concurrency: must be >= 1")):
         with pytest.raises(HstapError, match=msg):
             ServeLoopConfig(**base, **kw)

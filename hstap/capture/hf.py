@@ -45,12 +45,12 @@ import torch
 
 from hstap import dist as D
 from hstap.batching import pack_by_tokens
-from hstap.capture.stage import check_out, copy_vocab_map, open_inputs, progress_bar, store_header, store_totals
+from hstap.capture.config import CaptureConfig
+from hstap.capture.inputs import check_out, copy_vocab_map, progress_bar, resolve, store_totals
 from hstap.capture.staging import (PinnedPool, staging_layout, staging_nbytes, staging_pack, staging_views,
                                    to_store_dtype)
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
-from hstap.layers import parse_layers
 from hstap.model_dir import load_target, resolve_dtype
 from hstap.models.target import Target
 from hstap.store.format import committed_ids_of
@@ -320,7 +320,7 @@ def run_capture(target: Target, layers: list[int], writer, batches: Iterable[lis
 # `hstap capture --engine hf`
 
 
-def capture_hf(cfg) -> dict:
+def capture_hf(cfg: CaptureConfig) -> dict:
     """The embedded engine's capture (cfg: a CaptureConfig): this rank's share of the prepared set through the HF model
     in this process into cfg.out. Prints and returns the summary (rank 0's has the totals of all ranks).
 
@@ -329,13 +329,13 @@ def capture_hf(cfg) -> dict:
     target that does not load leaves no store behind to refuse the next, correct run)."""
     t_start = time.perf_counter()
     rank, world, local_rank = D.torchrun_env()
-    meta, ds, n, target_block = open_inputs(cfg, rank, world, scan=True, check_store=False)
-    layers = parse_layers(cfg.layers, target_block["num_layers"])
+    inputs = resolve(cfg, rank, world, scan=True, check_store=False)
+    ds, target_block, layers = inputs.ds, inputs.target, list(inputs.layers)
     dev = D.local_device(cfg.device, world, local_rank)
     engine = _engine_block(dev, resolve_dtype(cfg.compute_dtype, dev))
-    header = store_header(target_block, engine, cfg.dtype, layers, cfg, meta)
-    committed = committed_ids_of(cfg.out) if check_out(cfg, rank, world, header) else set()
-    plan = _plan_share(cfg, ds, n, rank, world, committed)
+    header = inputs.header(engine, cfg)
+    committed = committed_ids_of(cfg.out) if check_out(cfg.out, cfg.new, rank, world, header) else set()
+    plan = _plan_share(cfg, ds, inputs.n, rank, world, committed)
     t_load = time.perf_counter()
     # nothing left (a finished resume, or a rank with no share): no need to load the weights
     target = load_target(cfg.target, dev, engine["compute_dtype"])[0] if plan["batches"] else None
@@ -377,7 +377,7 @@ def _engine_block(dev: torch.device, compute_dtype: torch.dtype) -> dict:
             "compute_dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}[compute_dtype]}
 
 
-def _plan_share(cfg, ds, n: int, rank: int, world: int, committed: set[str]) -> dict:
+def _plan_share(cfg: CaptureConfig, ds, n: int, rank: int, world: int, committed: set[str]) -> dict:
     """This rank's share: rows rank::world of the first n that the store lacks (and that have tokens), in batches."""
     ids, lens = prepared_columns(ds, n)
     mine = [i for i in range(rank, n, world) if ids[i] not in committed and lens[i] > 0]
@@ -387,7 +387,8 @@ def _plan_share(cfg, ds, n: int, rank: int, world: int, committed: set[str]) -> 
             "batches": [[mine[j] for j in b] for b in pack_by_tokens([lens[i] for i in mine], cfg.batch_tokens)]}
 
 
-def _capture_share(cfg, ds, plan: dict, rank: int, writer, target: Target | None, layers: list[int]) -> dict:
+def _capture_share(cfg: CaptureConfig, ds, plan: dict, rank: int, writer, target: Target | None,
+                   layers: list[int]) -> dict:
     """Capture this rank's share (`_plan_share`) into `writer`; returns this rank's counts and timings."""
     writer.expect(plan["tokens"])  # shards shrink toward the end: little is left to write after the last forward
     batches, mine = plan["batches"], plan["mine"]

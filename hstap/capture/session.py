@@ -168,7 +168,7 @@ class Requests:
                 time.sleep(self.poll_s)
 
     def send(self, row: int, input_ids: list[int]) -> None:
-        from hstap.capture.stage import short_id
+        from hstap.capture.inputs import short_id
 
         sid = self.ids[row]
         try:
@@ -196,7 +196,7 @@ class Requests:
             more = f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
             raise HstapError(f"{where}: {self.errors[0]}{more}")
         if self.pending:
-            from hstap.capture.stage import short_id
+            from hstap.capture.inputs import short_id
 
             raise HstapError(f"{self.store}: {len(self.pending)} sample(s) were answered by the server but never "
                              f"committed by {writer} within {commit_timeout_s:.0f} s (e.g. "
@@ -208,7 +208,7 @@ class Requests:
 
     def print_drops(self, closed: bool, unclosed: str) -> None:
         """The run's first five drops, and `unclosed` when the engine side did not close its store rank(s)."""
-        from hstap.capture.stage import short_id
+        from hstap.capture.inputs import short_id
 
         for sid, why in list(self.dropped.items())[:5]:
             print(f"capture: dropped {short_id(sid)}: {why}")

@@ -27,12 +27,13 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from hstap.common import HstapError
+from hstap.data.generate_config import GenerateConfig
 
 CONTENTS = {"generated": "the target's own answers, generated and captured in one pass (hstap generate --capture)",
             "served traffic": "requests a server answered, prompts and generated tokens, captured while serving"}
@@ -89,11 +90,12 @@ def _disk_bytes(d: Path) -> int:
 class GeneratedStore:
     """A store written from generated answers (module docstring); `add` per finished answer, `close` at the end."""
 
-    def __init__(self, store: str, target: str, layers: str, dtype: str, cfg, compute_dtype: str, new: bool,
-                 shard_tokens: int = 1 << 20):
+    def __init__(self, store: str, target: str, layers: str, dtype: str, cfg: GenerateConfig, compute_dtype: str,
+                 new: bool, shard_tokens: int = 1 << 20):
+        """cfg: the generate run's config, recorded in the store header as `capture_config`."""
         import transformers
 
-        from hstap.capture.stage import check_out, store_header
+        from hstap.capture.inputs import check_out, store_header
         from hstap.store.format import committed_ids_of
         from hstap.layers import parse_layers
         from hstap.model_dir import target_fingerprint
@@ -108,11 +110,12 @@ class GeneratedStore:
         data = {"tokenizer": target, "tokenizer_sha256": tb.get("tokenizer_sha256"), "chat_template": target,
                 "chat_template_sha256": tb.get("chat_template_sha256"), "vocab_size": tb["vocab_size"],
                 "max_len": None}
-        header = store_header(tb, engine, dtype, self.layers, cfg)  # no prepared set: its data block is the target's
+        # no prepared set: its data block is the target's
+        header = store_header(tb, engine, dtype, self.layers, asdict(cfg))
         header.update(data=data, contents=contents_block("generated"))
         # A store to resume is checked now (its header, its shards), and the writer made at the first answer: a run
         # that fails before it has one (a target that does not load) leaves no store behind to refuse the next run.
-        resume = check_out(SimpleNamespace(out=store, new=new), header=header)
+        resume = check_out(store, new, header=header)
         self.committed = committed_ids_of(store) if resume else set()
         self.writer: StoreWriter | None = None
         self._open = lambda: StoreWriter(store, header, new=new, shard_tokens=shard_tokens)
@@ -145,7 +148,7 @@ class GeneratedStore:
             self.writer.close()
 
 
-def generate(cfg) -> dict:
+def generate(cfg: GenerateConfig) -> dict:
     """`hstap generate` (`hstap.data.generate.GenerateConfig`): with --capture STORE, the data stage's generate with a
     `GeneratedStore` as its tap, made where the data stage would make it (after its output's resume checks)."""
     from hstap.data.generate import generate as run

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hstap.common import HstapError
+from hstap.data.generate_config import GenerateConfig
 
 
 def recover_output(path: str | Path) -> set[str]:
@@ -69,7 +70,7 @@ class Appender:
             self.f.close()
 
 
-def check_resume(cfg, keys: tuple[str, ...], out: Path, cfg_path: Path) -> None:
+def check_resume(cfg: GenerateConfig, keys: tuple[str, ...], out: Path, cfg_path: Path) -> None:
     """Refuse to resume `out` with other settings than the ones its `<out>.config.json` recorded (the `keys` that
     change what is generated: a resume with any of them changed would mix two distributions in one file)."""
     if not cfg_path.exists() or not out.exists() or out.stat().st_size == 0:

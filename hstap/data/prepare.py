@@ -64,6 +64,7 @@ import numpy as np
 
 from hstap.common import (
     HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, one_line, temp_dir_beside, write_run_config)
+from hstap.config import absolute, at_least, settle
 from hstap.data.chat import assistant_spans, tokenize_conversation
 from hstap.data.conversations import BadRecord, count_skip, expand_paths, iter_records
 from hstap.data.reasoning import canonical_kwargs, template_kwargs
@@ -73,7 +74,7 @@ from hstap.model_dir import chat_template_of, chat_template_sha256, load_tokeniz
 CHUNK = 64  # records per worker task: large enough to amortise IPC, small enough to keep workers busy
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrepareConfig:
     tokenizer: str
     """Directory with the target's HF fast tokenizer (usually the target model directory)."""
@@ -98,22 +99,15 @@ class PrepareConfig:
 
     def __post_init__(self):
         if isinstance(self.data, str):
-            self.data = [self.data]
+            settle(self, "data", [self.data])
         if not self.data:
             raise HstapError("--data: give at least one file or directory")
-        for name in ("max_len", "draft_vocab", "num_proc"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise HstapError(f"--{name.replace('_', '-')}: expected a positive integer, got {v!r}")
+        at_least("prepare", self, ("max_len", "draft_vocab", "num_proc"))
         if self.on_error not in ("fail", "skip"):
             raise HstapError(f"--on-error: expected 'fail' or 'skip', got {self.on_error!r}")
         # Absolute paths, so that config.json replays the run from any working directory.
-        self.tokenizer = os.path.abspath(self.tokenizer)
-        self.data = [os.path.abspath(p) for p in self.data]
-        self.out = os.path.abspath(self.out)
-        if self.chat_template is not None:
-            self.chat_template = os.path.abspath(self.chat_template)
-        self.chat_template_kwargs = canonical_kwargs(self.chat_template_kwargs)
+        absolute(self, "tokenizer", "data", "out", "chat_template")
+        settle(self, "chat_template_kwargs", canonical_kwargs(self.chat_template_kwargs))
 
 
 

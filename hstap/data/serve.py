@@ -32,9 +32,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from hstap.common import HstapError
+from hstap.config import at_least
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeConfig:
     target: str
     """Target model directory (HF layout, with its tokenizer and chat template)."""
@@ -54,8 +55,7 @@ class ServeConfig:
     """Name listed by /v1/models (default: the target directory's name)."""
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.max_new_tokens < 1:
-            raise HstapError("serve: batch_size and max_new_tokens must be >= 1")
+        at_least("serve", self, ("batch_size", "max_new_tokens"))
         if not 0 <= self.port < 65536:
             raise HstapError(f"serve: port: {self.port} is not a port number")
 

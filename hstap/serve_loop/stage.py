@@ -11,7 +11,8 @@ by the running server, in place. Composes the stages (capture's tap, train, expo
 What runs (processes): `vllm serve` (hstap.engines.vllm.vllm_server) with `--speculative-config` eagle3 + the served
 drafter, the tap beside EAGLE-3 (hstap/capture/vllm/eagle_tap.py, `--kv-transfer-config`), hstap's worker extension
 (hstap/serve_loop/worker.py, `--worker-extension-cls`) and VLLM_SERVER_DEV_MODE=1 (for vLLM's /collective_rpc endpoint);
-the trainer (`python -m hstap.cli train ... --follow --consume --keep-shards N --init-from DRAFTER0`); this process,
+the trainer (`python -m hstap.cli train --config OUT/run.config.json`: train's config made of the loop's --train.*
+section and what the loop fixes, `--follow --consume --keep-shards N --init-from DRAFTER0 ...`); this process,
 the client (hstap/serve_loop/requests.py: the prompts of --prompts in order, --concurrency in flight, greedy, each sent once).
 
 - How the server takes a new drafter up: `hstap_load_drafter(DIR)` through /collective_rpc, i.e. vLLM's own
@@ -29,10 +30,10 @@ the client (hstap/serve_loop/requests.py: the prompts of --prompts in order, --c
   it consumed, the tap drops requests rather than make serving wait when the window is full; --max-store-gb on top);
   exports other than the first and the current one are deleted; the trainer keeps its newest 3 checkpoints.
 
-Outputs in --out: served.jsonl (one line per answered request: prompt index, tokens, vLLM's per-request draft
-counters, the drafter version serving when it finished), updates.jsonl, summary.json, acceptance.png, server.log,
-train.log, store/, run/, exports/. Prints a progress line (requests served, vLLM's acceptance over the last 32
-answers, drafter version, store size, trainer step) and a last summary line.
+Outputs in --out: served.jsonl (one line per answered request: prompt index, tokens, vLLM's per-request draft counters,
+the drafter version serving when it finished), updates.jsonl, summary.json, acceptance.png, server.log, train.log,
+run.config.json (the trainer's config), store/, run/, exports/. Prints a progress line (requests served, vLLM's
+acceptance over the last 32 answers, drafter version, store size, trainer step) and a last summary line.
 """
 
 from __future__ import annotations
@@ -44,96 +45,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-from hstap.common import HstapError, atomic_write_json, free_port, write_run_config
-
-
-@dataclass
-class ServeLoopConfig:
-    target: str
-    """Target model directory (HF format) that vLLM serves."""
-    prompts: str
-    """Held-out conversations (JSONL / JSON / Parquet; or a prepared set): each one's last user turn, rendered with the
-    target's chat template, is one request, in file order."""
-    out: str
-    """Work directory (store/, run/, exports/, served.jsonl, summary.json, acceptance.png, logs)."""
-    mode: str = field(default="loop", metadata={"choices": ["loop", "fixed", "target"]})
-    """loop: tap + follow training + drafter updates; fixed: the start drafter only (the loop off); target: no
-    speculation (reference outputs and throughput)."""
-    drafter: str | None = None
-    """Start drafter: an hstap drafter directory or training RUN (trained offline); none: the trainer's initialisation
-    (module docstring: "no drafter"). Required with --mode fixed."""
-    requests: int = 0
-    """Requests to serve: the first N prompts (0 = all); each prompt is sent once."""
-    concurrency: int = 4
-    """Requests in flight at a time."""
-    max_tokens: int = 128
-    """Tokens generated per request at most (greedy; stops at the target's end-of-turn / eos ids)."""
-    k: int = 3
-    """Draft tokens per verify step (vLLM's num_speculative_tokens; vLLM drafts chains)."""
-    update_every: int = 32
-    """Answered requests between drafter updates (the trainer's newest checkpoint, when newer than the served one)."""
-    vocab_map: str | None = None
-    """Draft vocabulary (vocab_map.safetensors or a prepared dir) of the drafter started from nothing; default: the
-    whole target vocabulary. A --drafter brings its own."""
-    layers: str = ""
-    """Canonical aux layers of the drafter started from nothing (default: [1, N//2-1, N-4])."""
-    keep_shards: int = 4
-    """Shard files the store holds at most (train --keep-shards): the window."""
-    shard_tokens: int = 8192
-    """Tokens per store shard: the unit the trainer takes and consumes."""
-    max_store_gb: float | None = None
-    """Also stop tapping once the store holds this many GB (the tap's max_store_gb)."""
-    flush_s: float = 5.0
-    """The tap commits its open shard after this many idle seconds (the end of a stream is not lost in it)."""
-    tap_dtype: str = field(default="bf16", metadata={"choices": ["bf16", "fp8", "fp32"]})
-    """Store dtype of the tapped states."""
-    epochs: int = 1
-    """Passes over each tapped shard (train --epochs)."""
-    lr: float = 3e-3
-    """Trainer learning rate (constant: a follow run has no horizon)."""
-    ttt: int = 3
-    """Trainer's training-time-test steps (match --k: deeper draft positions are what TTT trains)."""
-    batch_tokens: int = 4096
-    """Trainer micro-batch tokens."""
-    save_every: int = 10
-    """Trainer checkpoint every N steps: the drafters an update can take."""
-    trainer_threads: int = 1
-    """Torch threads of the trainer process (CPU: the rest is the server's)."""
-    reference: str | None = None
-    """served.jsonl of a --mode target run on the same prompts: outputs compared token for token (lossless)."""
-    dtype: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
-    """Server dtype: auto = fp32 on the CPU, bf16 on CUDA."""
-    device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"]})
-    """Where vLLM and the trainer run (auto: cuda when available)."""
-    max_model_len: int = 2048
-    """vLLM's max_model_len: prompts longer than this minus --max-tokens are refused before anything starts."""
-    kv_cache_gib: int = 1
-    """CPU backend: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, an integer, unless set in the environment)."""
-    seed: int = 0
-    """Seed of the drafter init, the trainer and vLLM."""
-    port: int = 0
-    """Server port (0: a free one)."""
-    overwrite: bool = False
-    """Replace an existing --out."""
-
-    def __post_init__(self):
-        w = "serve-loop"
-        if self.mode not in ("loop", "fixed", "target"):
-            raise HstapError(f"{w}: --mode: expected loop, fixed or target, got {self.mode!r}")
-        if self.mode == "fixed" and not self.drafter:
-            raise HstapError(f"{w}: --mode fixed serves a given drafter: pass --drafter")
-        for name in ("concurrency", "max_tokens", "k", "update_every", "keep_shards", "shard_tokens", "epochs", "ttt",
-                     "batch_tokens", "save_every", "trainer_threads", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
-        if self.keep_shards < self.epochs:
-            raise HstapError(f"{w}: --keep-shards {self.keep_shards} < --epochs {self.epochs}: a shard must stay on "
-                             "disk for all its passes")
-        if self.requests < 0 or self.lr <= 0:
-            raise HstapError(f"{w}: --requests must be >= 0 and --lr > 0")
+from hstap.common import HstapError, atomic_write_json, free_port, run_meta, write_run_config
+from hstap.serve_loop.config import ServeLoopConfig
+from hstap.train.config import TrainConfig
 
 
 def _device(cfg: ServeLoopConfig) -> str:
@@ -189,11 +106,10 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
         w = load_file(str(d / "drafter.safetensors"))
         d2t, t2d = w["d2t"], w["t2d"]
     else:
-        from types import SimpleNamespace
-
         from hstap.data.vocab import load_vocab_map
         from hstap.layers import default_aux_layers, parse_layers
         from hstap.model_dir import load_config, target_head
+        from hstap.train.plan import VocabMap
         from hstap.train.trainer import init_drafter
 
         hf = load_config(cfg.target)
@@ -204,8 +120,8 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
             d2t, t2d = torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
         layers = parse_layers(cfg.layers, N) if cfg.layers else default_aux_layers(N)
         embed, head = target_head(cfg.target)
-        drafter = init_drafter(SimpleNamespace(seed=cfg.seed, init_lm_head=True, draft_layers=1), hf,
-                               SimpleNamespace(d2t=d2t, t2d=t2d, layers=layers), embed.float(), head.float())
+        vocab = VocabMap(d2t, t2d, cfg.vocab_map or "the whole target vocabulary")
+        drafter = init_drafter(hf, vocab, layers, embed.float(), head.float(), seed=cfg.seed, draft_layers=1)
         d = out / "drafter-init"
         save_drafter(d, drafter, {"store": {"layers": layers}, "init": "the trainer's initialisation, never trained"})
     tmp = out / ".vocab_map.safetensors.tmp"
@@ -236,15 +152,21 @@ def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path
     return args
 
 
-def start_trainer(cfg: ServeLoopConfig, out: Path, drafter0: Path, device: str) -> subprocess.Popen:
-    """`hstap train --follow --consume` on OUT/store, from `drafter0`, in a process of its own (log: OUT/train.log)."""
+def trainer_config(cfg: ServeLoopConfig, out: Path, drafter0: Path, device: str) -> TrainConfig:
+    """The trainer's config: the loop's `train` section (train's hyper-parameters) and what the loop fixes: follow
+    OUT/store and consume it within --keep-shards, from `drafter0` (its decoder layers) with OUT's fixed vocabulary map,
+    no eval split, the loop's seed and device, no TensorBoard."""
     dl = json.loads((drafter0 / "drafter.json").read_text())["config"].get("num_layers", 1)
-    cmd = [sys.executable, "-m", "hstap.cli", "train", "--store", str(out / "store"), "--target", cfg.target,
-           "--out", str(out / "run"), "--follow", "--consume", "--keep-shards", str(cfg.keep_shards),
-           "--epochs", str(cfg.epochs), "--vocab-map", str(out / "vocab_map.safetensors"), "--eval-frac", "0",
-           "--init-from", str(drafter0), "--draft-layers", str(dl), "--lr", str(cfg.lr), "--ttt", str(cfg.ttt),
-           "--batch-tokens", str(cfg.batch_tokens), "--save-every", str(cfg.save_every), "--log-every", "1",
-           "--seed", str(cfg.seed), "--device", device, "--tensorboard", "false"]
+    return TrainConfig(**asdict(cfg.train), out=str(out / "run"), target=cfg.target, store=str(out / "store"),
+                       follow=True, consume=True, keep_shards=cfg.keep_shards,
+                       vocab_map=str(out / "vocab_map.safetensors"), eval_frac=0.0, init_from=str(drafter0),
+                       draft_layers=dl, seed=cfg.seed, device=device, tensorboard=False)
+
+
+def start_trainer(cfg: ServeLoopConfig, out: Path) -> subprocess.Popen:
+    """`hstap train --follow --consume` on OUT/store in a process of its own (log: OUT/train.log), started from its
+    config (`trainer_config`), written as OUT/run.config.json before the server started."""
+    cmd = [sys.executable, "-m", "hstap.cli", "train", "--config", str(out / "run.config.json")]
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.trainer_threads), "TOKENIZERS_PARALLELISM": "false"}
     with open(out / "train.log", "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -309,8 +231,10 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     ref = read_reference(cfg.reference) if cfg.reference else None
     write_run_config(out, "serve-loop", cfg)
     drafter0 = start_drafter(cfg, out) if cfg.mode != "target" else None
+    if cfg.mode == "loop":  # the trainer's config, checked before the server starts
+        atomic_write_json(out / "run.config.json", run_meta("train", trainer_config(cfg, out, drafter0, device)))
     if drafter0 is not None:
-        export_vllm(cfg, drafter0, out / "exports" / "v0000", dtype)
+        export_vllm(cfg.target, cfg.k, drafter0, out / "exports" / "v0000", dtype)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     if cfg.mode == "loop":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's /collective_rpc endpoint (its development endpoints)
@@ -323,7 +247,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
                          *server_args(cfg, device, dtype, out / "exports" / "v0000", out / "store"), env=env) as url:
             started_s = time.perf_counter() - t_start
             if cfg.mode == "loop":  # the trainer claims the store's window before the first request is served
-                trainer = start_trainer(cfg, out, drafter0, device)
+                trainer = start_trainer(cfg, out)
                 wait_for_claim(out, trainer)
                 post(url + "/collective_rpc", {"method": "hstap_tap_start"})
             before = server_counters(url) if cfg.mode != "target" else {}

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from hstap.common import one_line
+from hstap.serve_loop.config import ServeLoopConfig
 
 
 def _du(path: Path) -> int:
@@ -50,23 +51,24 @@ def trainer_step(run: Path) -> int:
     return step
 
 
-def export_vllm(cfg, src: Path, dst: Path, dtype: str) -> None:
-    """`hstap export --to vllm` of an hstap drafter directory, quietly (its line goes nowhere)."""
+def export_vllm(target: str, k: int, src: Path, dst: Path, dtype: str) -> None:
+    """`hstap export --to vllm` of an hstap drafter directory for `target`, drafting `k` tokens, quietly (its line goes
+    nowhere)."""
     import contextlib
     import io
 
     from hstap.export.stage import ExportConfig, export
 
     with contextlib.redirect_stdout(io.StringIO()):
-        export(ExportConfig(run=str(src), to="vllm", out=str(dst), dtype=dtype, target=cfg.target,
-                            speculative_tokens=cfg.k, overwrite=True))
+        export(ExportConfig(run=str(src), to="vllm", out=str(dst), dtype=dtype, target=target,
+                            speculative_tokens=k, overwrite=True))
 
 
 
 class Updater:
     """See the module docstring."""
 
-    def __init__(self, cfg, url: str, out: Path, dtype: str, trainer):
+    def __init__(self, cfg: ServeLoopConfig, url: str, out: Path, dtype: str, trainer):
         self.cfg, self.url, self.out, self.dtype, self.trainer = cfg, url, out, dtype, trainer
         self.version, self.step = 0, -1  # v0000: the start drafter
         self.updates: list[dict] = []
@@ -103,7 +105,7 @@ class Updater:
         t0 = time.perf_counter()
         rec = {"served": done, "step": step, "version": self.version + 1, "dir": str(dst)}
         try:
-            export_vllm(self.cfg, src, dst, self.dtype)
+            export_vllm(self.cfg.target, self.cfg.k, src, dst, self.dtype)
             t1 = time.perf_counter()
             res = post(self.url + "/collective_rpc", {"method": "hstap_load_drafter", "args": [str(dst.resolve())]})
             rec.update(export_s=t1 - t0, load_s=time.perf_counter() - t1, server=(res.get("results") or [None])[0])
@@ -141,7 +143,7 @@ def _lossless(records: list[dict], ref: dict | None) -> dict | None:
             "lossless": equal == len(ok) and len(ok) > 0}
 
 
-def _store_block(cfg, out: Path, up: Updater) -> dict:
+def _store_block(cfg: ServeLoopConfig, out: Path, up: Updater) -> dict:
     from hstap.store.format import committed_ids_of, load_manifest, store_bytes_per_token
 
     store = out / "store"
@@ -156,8 +158,8 @@ def _store_block(cfg, out: Path, up: Updater) -> dict:
             "layers": m["layers"], "dtype": m["dtype"]}
 
 
-def summarize(cfg, out: Path, prompts: list, records: list[dict], wall: float, up: Updater, before: dict, after: dict,
-              ref: dict | None, started_s: float) -> dict:
+def summarize(cfg: ServeLoopConfig, out: Path, prompts: list, records: list[dict], wall: float, up: Updater,
+              before: dict, after: dict, ref: dict | None, started_s: float) -> dict:
     from hstap.serve_loop.requests import acceptance
 
     ok = [r for r in records if "tokens" in r]

@@ -36,10 +36,8 @@ inputs belong together (the drafter and the prompts against the target; an --out
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,6 +45,7 @@ import torch
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, write_run_config
 from hstap.console import Progress
 from hstap.plots import acceptance_plot
+from hstap.speculative.config import EvalConfig
 from hstap.speculative.drivers import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
 from hstap.speculative.fast import FUSED, FastDecoder
 from hstap.speculative.inputs import check_inputs
@@ -54,83 +53,6 @@ from hstap.speculative.latency import latency_model, round_model
 from hstap.speculative.report import PLOT, markdown, print_summary, speedup_notes
 from hstap.speculative import sglang as sglang_engine
 from hstap.speculative.vllm import agreement, run_vllm, vllm_drafter_dir
-
-
-@dataclass
-class EvalConfig:
-    target: str
-    """Target model directory (HF format, with its tokenizer)."""
-    data: str
-    """Prompts: a prepared dataset directory (hstap prepare) or a conversations JSONL (.jsonl/.json, optionally .gz)."""
-    out: str
-    """Report directory (report.json, report.md, acceptance.png, config.json)."""
-    drafter: str | None = None
-    """Drafter: an hstap drafter dir, a training RUN (best/, else newest) or an SGLang/vLLM export; unset: baselines."""
-    mode: str = field(default="chain", metadata={"choices": ["chain", "tree"]})
-    """Drafting: a chain of --k tokens, or an EAGLE-2 dynamic tree (--topk, --depth, --tokens)."""
-    k: int = 5
-    """Chain length: draft tokens per verify forward (also the n-gram baseline's proposal length)."""
-    topk: int = 8
-    """Tree: children drafted per expanded node, and nodes expanded per level."""
-    depth: int = 6
-    """Tree: draft levels (the longest acceptable draft)."""
-    tokens: int = 60
-    """Tree: nodes verified per target forward, root included (SGLang's --speculative-num-draft-tokens)."""
-    temperature: float = 0.0
-    """0 = greedy (outputs must equal the target's); > 0 = lossless rejection sampling at this temperature."""
-    max_new_tokens: int = 256
-    """Generated tokens per prompt at most (generation also stops at eos / end of turn)."""
-    baseline: str = field(default="none", metadata={"choices": ["none", "ngram"]})
-    """Extra baseline next to target-only decoding: n-gram prompt lookup."""
-    num_prompts: int | None = None
-    """Use the first N usable prompts of --data (unset = all)."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto (cuda when available)."""
-    dtype: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
-    """Compute dtype of target and drafter (auto: bf16 on CUDA, fp32 on CPU)."""
-    seed: int = 0
-    """Sampling seed (temperature > 0); prompt i of every method uses seed + i."""
-    tie_tol: float | None = None
-    """Logit gap under which a greedy mismatch counts as a numerical near-tie (unset: 1e-3 in fp32, 0.5 in bf16)."""
-    engine: str = field(default="auto", metadata={"choices": ["auto", "fast", "eager", "vllm", "sglang"]})
-    """Decoder: fast (static KV caches, CUDA graphs: hstap.speculative.fast), eager (hstap.speculative.drivers), auto = fast on CUDA,
-    eager on the CPU. Every method runs on the same one. vllm: hstap's (auto) decoder, and the drafter inside vLLM's own
-    speculative decoding on the same prompts, with vLLM's counters (hstap.speculative.vllm; chain mode). sglang: the same
-    with SGLang servers of the SGLang server venv (hstap.speculative.sglang; chain mode)."""
-    sglang_python: str | None = None
-    """--engine sglang: the SGLang server venv's python (unset: .venv-sglang/bin/python of the current directory or of
-    hstap's source tree, else this Python; README.md command 2 makes that venv)."""
-    kernels: str = field(default="standard", metadata={"choices": ["standard", "fused"]})
-    """Fast engine: standard (the model's layers, SDPA) or fused (fastdecode.FUSED: faster steps, long compiles)."""
-    compile: bool = True
-    """Fast engine: torch.compile each step before capturing it in a CUDA graph. --no-compile captures the steps as
-    they are: seconds of set-up per method instead of a minute or more (a large target's compile), slower steps, the
-    same tokens and tau (what a tau-only measurement over many processes wants)."""
-    overwrite: bool = False
-    """Replace the report in an --out that holds one (refused otherwise)."""
-
-    def __post_init__(self):
-        for name, lo in (("k", 1), ("topk", 1), ("depth", 1), ("tokens", 2), ("max_new_tokens", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise HstapError(f"--{name.replace('_', '-')}: expected an integer >= {lo}, got {v!r}")
-        if self.num_prompts is not None and (not isinstance(self.num_prompts, int) or self.num_prompts < 1):
-            raise HstapError(f"--num-prompts: expected a positive integer, got {self.num_prompts!r}")
-        if self.temperature < 0:
-            raise HstapError(f"--temperature: must be >= 0, got {self.temperature}")
-        if self.tie_tol is not None and self.tie_tol < 0:
-            raise HstapError(f"--tie-tol: must be >= 0, got {self.tie_tol}")
-        for name, choices in (("mode", ("chain", "tree")), ("baseline", ("none", "ngram")),
-                              ("dtype", ("auto", "fp32", "bf16")), ("engine", ("auto", "fast", "eager", "vllm", "sglang")),
-                              ("kernels", ("standard", "fused"))):
-            if getattr(self, name) not in choices:
-                raise HstapError(f"--{name}: expected one of {', '.join(choices)}, got {getattr(self, name)!r}")
-        self.target, self.data, self.out = (os.path.abspath(p) for p in (self.target, self.data, self.out))
-        if self.drafter is not None:
-            self.drafter = os.path.abspath(self.drafter)
-        if self.engine in ("vllm", "sglang") and (self.drafter is None or self.mode != "chain"):
-            raise HstapError(f"--engine {self.engine}: needs --drafter and --mode chain (hstap runs the engine's chain "
-                             "drafting: the counts compare round by round)")
 
 
 # --- prompts ----------------------------------------------------------------------------------------------------------

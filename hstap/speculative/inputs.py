@@ -15,9 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from hstap.common import HstapError
+from hstap.speculative.config import EvalConfig
 
 
-def check_inputs(cfg) -> dict:
+def check_inputs(cfg: EvalConfig) -> dict:
     """Every check above for an `EvalConfig`; returns the target's fingerprint block."""
     from hstap.data.fits import check_tokenizer
     from hstap.data.prepare import read_meta
@@ -27,7 +28,7 @@ def check_inputs(cfg) -> dict:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise HstapError(f"{out}: --out: exists and is not a directory")
-    if (out / "report.json").exists() and not getattr(cfg, "overwrite", False):
+    if (out / "report.json").exists() and not cfg.overwrite:
         raise HstapError(f"{out}: --out: holds a report already (report.json); pass --overwrite to replace it, or "
                          f"choose another --out")
     target = target_fingerprint(cfg.target)

@@ -3,6 +3,7 @@ measured speedup may not carry over to serving (a CPU, a tiny target)."""
 
 from __future__ import annotations
 
+from hstap.speculative.config import EvalConfig
 from hstap.speculative.sglang import sglang_lines
 
 PLOT = "acceptance.png"
@@ -31,7 +32,7 @@ def speedup_notes(r: dict) -> list[str]:
     return notes
 
 
-def print_summary(cfg, r: dict) -> None:
+def print_summary(cfg: EvalConfig, r: dict) -> None:
     """The console table of the methods and what the figures mean (cfg: the EvalConfig)."""
     from hstap.console import table
 
@@ -56,7 +57,7 @@ def print_summary(cfg, r: dict) -> None:
     print("\n".join(lines), flush=True)
 
 
-def markdown(cfg, r: dict) -> str:
+def markdown(cfg: EvalConfig, r: dict) -> str:
     """REPORT/report.md (cfg: the EvalConfig)."""
     hw = r["hardware"]
     lines = [f"# hstap eval: {r['method']}", "",

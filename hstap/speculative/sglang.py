@@ -35,9 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hstap.common import HstapError
+from hstap.speculative.config import EvalConfig
 
 
-def sglang_drafter_dir(cfg, out_dir: Path, dtype: str, num_layers: int) -> Path:
+def sglang_drafter_dir(cfg: EvalConfig, out_dir: Path, dtype: str, num_layers: int) -> Path:
     """Before the long runs: the server venv's python exists (`--sglang-python`), and the directory SGLang loads as the
     drafter (module docstring), refused when SGLang cannot tap its layers."""
     from hstap.layers import check_sglang_capturable, from_sglang
@@ -83,7 +84,7 @@ def spec_counts(meta: dict, k: int) -> tuple[int, list[int]]:
     return int(meta.get("spec_verify_ct") or 0), [sum(hist[j] for j in range(i + 1, len(hist))) for i in range(k)]
 
 
-def run_sglang(cfg, prompts: list[tuple[str, list[int]]], eos: list[int], drafter_dir: Path, dtype: str,
+def run_sglang(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[int], drafter_dir: Path, dtype: str,
                hstap_outputs: dict[str, list[list[int]]], eagle: dict, out_dir: Path) -> dict:
     """Both SGLang runs (module docstring); returns the report's `sglang` block (per-prompt outputs under `outputs`
     and `target_outputs`, moved into the report's prompts by `attach`)."""

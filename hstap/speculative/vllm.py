@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from hstap.common import HstapError
+from hstap.speculative.config import EvalConfig
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -80,7 +81,8 @@ def _run(target: str, dtype: str, prompts: list[list[int]], max_new: int, temper
     return [list(o.outputs[0].token_ids) for o in outs], wall, diff
 
 
-def run_vllm(cfg, prompts: list[tuple[str, list[int]]], eos: list[int], drafter_dir: str, dtype: str) -> dict:
+def run_vllm(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[int], drafter_dir: str,
+             dtype: str) -> dict:
     """Both vLLM runs (module docstring) with the drafter in `drafter_dir` (`vllm_drafter_dir`); returns the report's
     `vllm` block."""
     try:

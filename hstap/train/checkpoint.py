@@ -11,12 +11,12 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from hstap import dist as D
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir
 from hstap.models.drafter import Eagle3Drafter
+from hstap.train.plan import VocabMap
 
 RESUME_KEYS = ("world_size", "grad_accum", "batch_tokens", "seed", "ttt", "eval_frac", "lr", "warmup_ratio",
                "min_lr_ratio", "ttt_decay", "loss", "loss_mix", "lk_decay")
@@ -100,7 +100,7 @@ def recover(run: Path) -> None:
 def read_state(ckpt: Path, config: dict) -> dict:
     """trainer_state.json of ckpt, once its RESUME_KEYS are checked against this run's.
 
-    config: this run's trainer_state "config" ({"world_size": W, **the TrainConfig fields})."""
+    config: this run's trainer_state "config" ({"world_size": W, **the TrainConfig fields, as parsed})."""
     state = json.loads((ckpt / "trainer_state.json").read_text())
     for k in RESUME_KEYS:
         was = state["config"].get(k, BEFORE_KEY.get(k)) if k in BEFORE_KEY else state["config"][k]
@@ -110,9 +110,9 @@ def read_state(ckpt: Path, config: dict) -> dict:
     return state
 
 
-def check_vocab_map(ckpt: Path, d2t: torch.Tensor, t2d: torch.Tensor, src: str) -> None:
-    """The draft vocabulary map a resume resolved (d2t (Vd,), t2d (V,), from `src`) must be the one ckpt was trained
-    with: its lm_head rows are those ids. Compared by `vocab_map_sha256`, before anything of the run is written."""
+def check_vocab_map(ckpt: Path, vocab: VocabMap) -> None:
+    """The draft vocabulary map a resume resolved must be the one ckpt was trained with: its lm_head rows are those
+    ids. Compared by `vocab_map_sha256`, before anything of the run is written."""
     from safetensors import safe_open
 
     from hstap.drafter_dir import vocab_map_sha256
@@ -120,7 +120,7 @@ def check_vocab_map(ckpt: Path, d2t: torch.Tensor, t2d: torch.Tensor, src: str) 
     f = ckpt / "drafter.safetensors"
     with safe_open(str(f), framework="pt") as h:
         old_d2t, old_t2d = h.get_tensor("d2t"), h.get_tensor("t2d")
-    old, new = vocab_map_sha256(old_d2t, old_t2d), vocab_map_sha256(d2t, t2d)
+    old, new = vocab_map_sha256(old_d2t, old_t2d), vocab.sha256()
     if old == new:
         return
     try:
@@ -129,15 +129,15 @@ def check_vocab_map(ckpt: Path, d2t: torch.Tensor, t2d: torch.Tensor, src: str) 
     except (OSError, ValueError, AttributeError):
         was = None
     raise HstapError(f"{f}: d2t/t2d: the run was trained on a draft vocabulary map of {old_d2t.numel()} ids (sha256 "
-                     f"{old[:12]}{f', from {was}' if was else ''}), this resume resolves another one of {d2t.numel()} "
-                     f"ids (sha256 {new[:12]}, from {src}); resume with the run's own --store, --vocab-map and "
+                     f"{old[:12]}{f', from {was}' if was else ''}), this resume resolves another one of {vocab.size} "
+                     f"ids (sha256 {new[:12]}, from {vocab.source}); resume with the run's own --store, --vocab-map and "
                      f"--draft-vocab")
 
 
 def load_weights(ckpt: Path, drafter: Eagle3Drafter) -> None:
     """ckpt's weights into the unwrapped drafter, which already holds this run's vocab map (it must be the one the
     checkpoint was trained with)."""
-    check_vocab_map(ckpt, drafter.d2t, drafter.t2d, "this run")
+    check_vocab_map(ckpt, VocabMap(drafter.d2t, drafter.t2d, "this run"))
     weights = load_file(str(ckpt / "drafter.safetensors"))
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
     if [k for k in missing if not k.startswith("rotary.")] or unexpected:

@@ -6,8 +6,6 @@ Sources: a store (offline: its aux and final states), or a prepared set + the li
 Target.capture as hstap capture). Splits: by a hash of the sample id (stable across stores, ranks and resumes), or a
 separate eval store. `Feed` turns a CPU batch into device tensors, fc inputs, the target distributions and the counted
 positions of every TTT step.
-
-`cfg` below is the stage's `hstap.train.stage.TrainConfig`.
 """
 
 from __future__ import annotations
@@ -20,6 +18,8 @@ import torch.nn.functional as F
 from hstap.batching import Rows, eval_batches
 from hstap.common import HstapError, sha256_bytes
 from hstap.models.target import Target
+from hstap.train.config import TrainConfig
+from hstap.train.plan import VocabMap
 from hstap.train.ttt import plan_rows, target_distribution
 
 
@@ -61,10 +61,10 @@ def select_layers(spec: str, available: list[int] | None, num_layers: int) -> tu
     if spec == "final":
         return [], None
     if available is None:  # online
-        return (default_aux_layers(num_layers) if not spec else parse_layers(spec, num_layers)), []
+        return (default_aux_layers(num_layers) if not spec else parse_layers(spec, num_layers, "--aux-layers")), []
     if not spec:
         return list(available), list(range(len(available)))
-    want = parse_layers(spec, num_layers)
+    want = parse_layers(spec, num_layers, "--aux-layers")
     missing = [i for i in want if i not in available]
     if missing:
         raise HstapError(f"train: --aux-layers: {missing} not captured in the store (it has {available})")
@@ -76,7 +76,7 @@ def auto_ce_chunk(target_vocab: int) -> int:
     return 16384 if 16384 * target_vocab <= 1 << 28 else 4096
 
 
-def source_layers(cfg, hf_cfg, store) -> tuple[list[int], list[int] | None]:
+def source_layers(cfg: TrainConfig, hf_cfg, store) -> tuple[list[int], list[int] | None]:
     """(the drafter's aux_layers, indices into the store's aux) for --aux-layers, after the store's cheap checks
     against the target (hidden size); `store` None: online."""
     if store is not None and store.hidden_size != int(hf_cfg.hidden_size):
@@ -84,11 +84,10 @@ def source_layers(cfg, hf_cfg, store) -> tuple[list[int], list[int] | None]:
     return select_layers(cfg.aux_layers, store.layers if store is not None else None, int(hf_cfg.num_hidden_layers))
 
 
-def build_data(cfg, store, layers: list[int], sel: list[int] | None, vocab: tuple, rank: int, world: int,
-               dev: torch.device, bf16: bool) -> TrainData:
+def build_data(cfg: TrainConfig, store, layers: list[int], sel: list[int] | None, vocab: VocabMap, rank: int,
+               world: int, dev: torch.device, bf16: bool) -> TrainData:
     """The sources (the opened store, or the prepared set and the live target with --online), provenance and splits,
     from the resolved layers and vocab map (`hstap.train.inputs.resolve`)."""
-    d2t, t2d, vocab_src = vocab
     target = None
     if cfg.online:
         from hstap.data.prepare import load_prepared
@@ -101,8 +100,7 @@ def build_data(cfg, store, layers: list[int], sel: list[int] | None, vocab: tupl
         src = store
         ids_all, lengths_all = list(store.ids), list(store.lengths)
         prov = {**store.header, "layers": layers, "captured_layers": store.layers, "path": str(store.path)}
-    from hstap.drafter_dir import vocab_map_sha256
-    meta = {"store": prov, "vocab_map_sha256": vocab_map_sha256(d2t, t2d), "vocab_map_source": vocab_src}
+    meta = {"store": prov, "vocab_map_sha256": vocab.sha256(), "vocab_map_source": vocab.source}
 
     if cfg.eval_store:
         from hstap.store.reader import open_store
@@ -119,7 +117,7 @@ def build_data(cfg, store, layers: list[int], sel: list[int] | None, vocab: tupl
         src_path = cfg.data if cfg.online else cfg.store
         raise HstapError(f"train: the training split is empty: {len(ids_all)} sample(s) in {src_path}"
                          + (f", all held out by --eval-frac {cfg.eval_frac}" if ids_all else ""))
-    return TrainData(layers=layers, sel=sel, d2t=d2t, t2d=t2d, meta=meta, target=target,
+    return TrainData(layers=layers, sel=sel, d2t=vocab.d2t, t2d=vocab.t2d, meta=meta, target=target,
                      train_rows=Rows(src, tr, prepared=cfg.online), train_lengths=[lengths_all[i] for i in tr],
                      eval_rows=Rows(esrc, ev, prepared=cfg.online),
                      eval_batches=eval_batches(e_len, cfg.batch_tokens, rank, world))

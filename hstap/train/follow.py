@@ -65,6 +65,7 @@ from hstap.store.consumer import delete_consumed, is_consumed, own_shard_files, 
 from hstap.store.format import load_manifest, load_parts, union_entries, writing_state
 from hstap.store.reader import Store, check_shard
 from hstap.train import checkpoint
+from hstap.train.config import TrainConfig
 
 POLL_S = 0.1  # seconds between polls of the store while the stream waits
 NOTE_S = 30.0  # seconds between "waiting" notes on rank 0
@@ -156,11 +157,11 @@ def wait_for_store(path: Path) -> dict:
     return load_manifest(path)
 
 
-def claim_store(cfg, run: Path, resuming: bool) -> None:
+def claim_store(store: str, keep_shards: int, run: Path, resuming: bool) -> None:
     """Rank 0 of a consuming run, before anything else: write STORE/consumer.json (active, the window), creating STORE
     if no writer has yet, so that writers keep to the window from their first shard. Refuses a store another run
     consumes, or a consumed store this run did not consume before (a resume must be of the run that consumed it)."""
-    path = Path(cfg.store)
+    path = Path(store)
     path.mkdir(parents=True, exist_ok=True)
     m = load_manifest(path) if (path / "manifest.json").is_file() else None
     rec = read_consumer(path, m)
@@ -171,16 +172,16 @@ def claim_store(cfg, run: Path, resuming: bool) -> None:
         raise HstapError(f"{path / 'consumer.json'}:1: consumed: {run} consumed shards of this store already: pass "
                          f"--resume")
     write_consumer(path, {"run": str(run), "store_created_unix": m.get("created_unix") if m else None, "active": True,
-                          "keep_shards": cfg.keep_shards, "consumed": rec["consumed"] if rec else {}})
+                          "keep_shards": keep_shards, "consumed": rec["consumed"] if rec else {}})
 
 
-def open_followed_store(cfg, run: Path, rank: int) -> None:
+def open_followed_store(cfg: TrainConfig, run: Path, rank: int) -> None:
     """With --consume, rank 0 claims the store (`claim_store`) first; then every rank waits until a writer created
     it."""
     err = None
     if rank == 0 and cfg.consume:
         try:
-            claim_store(cfg, run, resuming=bool(cfg.resume and checkpoint.complete(run)))
+            claim_store(cfg.store, cfg.keep_shards, run, resuming=bool(cfg.resume and checkpoint.complete(run)))
         except HstapError as e:
             err = e
     if not D.agree(err is None):
@@ -207,8 +208,8 @@ class FollowBatches:
     stream ended), takes grad_accum micro-batches with `next()`, calls `step_done(step)` after the step and
     `committed(step)` after each checkpoint; `state()` goes into trainer_state.json; `finish()` at a normal end."""
 
-    def __init__(self, cfg, run: Path, rank: int, world: int, dev: torch.device, state: dict | None, pin: bool,
-                 workers: int):
+    def __init__(self, cfg: TrainConfig, run: Path, rank: int, world: int, dev: torch.device, state: dict | None,
+                 pin: bool, workers: int):
         self.path, self.run, self.rank, self.world, self.dev = Path(cfg.store), run, rank, world, dev
         self.pin, self.workers, self.consume = pin, workers, cfg.consume
         self.manifest = load_manifest(self.path)
@@ -233,7 +234,7 @@ class FollowBatches:
             self._consume()  # binds the record to this store; a resume redoes what a kill interrupted (idempotent)
         D.barrier()
 
-    def _retain(self, cfg) -> int:
+    def _retain(self, cfg: TrainConfig) -> int:
         """R: how many consecutive slots use a shard (see StreamSpec), checked against the window."""
         E, W = cfg.epochs or 1, self.ranks
         if not cfg.consume:

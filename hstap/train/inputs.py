@@ -14,8 +14,8 @@ shard hashed against its recorded checksum (`check_checksums`; --follow: each sh
 builds the drafter, the trainer and the batches from; RUN is written only after all of it, and after a --resume's
 checkpoint is loaded into them.
 
-`cfg` below is the stage's `hstap.train.stage.TrainConfig`; `resolve` fills its `ce_chunk` and `draft_vocab` (0 =
-auto) with the values used, so that RUN/config.json records them.
+The config is never changed: what `resolve` decides (ce chunk, draft vocabulary map, layers, resume point) is the run's
+`hstap.train.plan.TrainPlan`, recorded as RUN/plan.json beside RUN/config.json.
 """
 
 from __future__ import annotations
@@ -29,13 +29,17 @@ from hstap import dist as D
 from hstap.common import HstapError
 from hstap.model_dir import load_config, target_head
 from hstap.train import checkpoint
+from hstap.train.config import TrainConfig
 from hstap.train.data import TrainData, auto_ce_chunk, build_data, source_layers
+from hstap.train.plan import TrainPlan, VocabMap
 
 
 @dataclass
 class RunInputs:
     """Everything a run is built from (module docstring)."""
 
+    plan: TrainPlan
+    """What the run resolved (ce chunk, vocab map, layers, resume point, ...)."""
     hf_cfg: object
     """The target's HF config (shapes the drafter)."""
     embed: torch.Tensor
@@ -44,15 +48,13 @@ class RunInputs:
     """(V, H) the target's lm_head (the target distributions; the drafter lm_head's init)."""
     data: TrainData
     """Sources, aux layers, vocab map, split."""
-    ckpt: Path | None
-    """The checkpoint a --resume continues from (None: a fresh run)."""
     state: dict
     """That checkpoint's trainer_state.json ({} for a fresh run)."""
     run_config: dict
     """trainer_state.json's "config" of this run: {"world_size": world, **the TrainConfig fields}."""
 
 
-def resolve(cfg, rank: int, world: int, dev: torch.device, bf16: bool) -> RunInputs:
+def resolve(cfg: TrainConfig, rank: int, world: int, dev: torch.device, bf16: bool) -> RunInputs:
     """The run's inputs (module docstring), in the order they are checked; raises HstapError on the first bad one."""
     run = Path(cfg.out)
     done = checkpoint.complete(run)
@@ -66,7 +68,7 @@ def resolve(cfg, rank: int, world: int, dev: torch.device, bf16: bool) -> RunInp
         from hstap.model_dir import target_fingerprint
         check_tokenizer(cfg.data, read_meta(cfg.data), target_fingerprint(cfg.target))
     V = int(hf_cfg.vocab_size)
-    cfg.ce_chunk = cfg.ce_chunk or auto_ce_chunk(V)
+    ce_chunk = cfg.ce_chunk or auto_ce_chunk(V)
     vocab = None
     if cfg.follow:  # the vocabulary is fixed before the store is claimed and waited for: it is not complete yet
         vocab = resolve_vocab(cfg, None, V)
@@ -82,22 +84,24 @@ def resolve(cfg, rank: int, world: int, dev: torch.device, bf16: bool) -> RunInp
                 raise HstapError(f"{cfg.store}: the store holds no sample (nothing was captured into it); capture "
                                  f"into it first")
     layers, sel = source_layers(cfg, hf_cfg, store)
-    vocab = vocab or resolve_vocab(cfg, store, V)
+    if vocab is None:
+        vocab = resolve_vocab(cfg, store, V)
     if ckpt is not None:
-        checkpoint.check_vocab_map(ckpt, vocab[0], vocab[1], vocab[2])
+        checkpoint.check_vocab_map(ckpt, vocab)
     if store is not None:
         preflight(cfg, store, rank, dev)
     data = build_data(cfg, store, layers, sel, vocab, rank, world, dev, bf16)
     if store is not None and not cfg.follow:
         check_checksums(cfg, [store] + ([data.eval_rows.src] if cfg.eval_store else []), rank, world)
-    cfg.draft_vocab = int(data.d2t.numel())
     embed, head = target_head(cfg.target)
     run_config = {"world_size": world, **vars(cfg)}
     state = checkpoint.read_state(ckpt, run_config) if ckpt else {}
-    return RunInputs(hf_cfg, embed, head, data, ckpt, state, run_config)
+    plan = TrainPlan(world=world, device=dev.type, bf16=bf16, ce_chunk=ce_chunk, vocab=vocab, layers=tuple(layers),
+                     store_indices=None if sel is None else tuple(sel), resume=ckpt, resume_step=state.get("step", 0))
+    return RunInputs(plan, hf_cfg, embed, head, data, state, run_config)
 
 
-def _size_conflict(cfg, n: int, V: int, src) -> str | None:
+def _size_conflict(cfg: TrainConfig, n: int, V: int, src) -> str | None:
     """The error line when --draft-vocab asks for another size than the n-id map of src (None: no conflict)."""
     want = cfg.draft_vocab  # 0: the map's own size
     if not want or n == min(want, V):
@@ -106,12 +110,13 @@ def _size_conflict(cfg, n: int, V: int, src) -> str | None:
             f"leave --draft-vocab unset)")
 
 
-def resolve_vocab(cfg, store, V: int) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(d2t (Vd,) long, t2d (V,) bool, where it came from): --vocab-map, else --data's, else the one capture copied into
-    the store (the vocabulary chosen at prepare), else one built from the store's loss-masked token counts
-    (--draft-vocab, 32000 when unset). A --draft-vocab that differs from the size of the prepared or stored map builds
-    the top N from the store's counts instead (one printed line; never ignored); one that differs from an explicit
-    --vocab-map's, or with no complete store to count (`store` None: --online, --follow), is an error."""
+def resolve_vocab(cfg: TrainConfig, store, V: int) -> VocabMap:
+    """The draft vocabulary map (d2t (Vd,) long, t2d (V,) bool, where it came from): --vocab-map, else --data's, else
+    the one capture copied into the store (the vocabulary chosen at prepare), else one built from the store's
+    loss-masked token counts (--draft-vocab, 32000 when unset). A --draft-vocab that differs from the size of the
+    prepared or stored map builds the top N from the store's counts instead (one printed line; never ignored); one that
+    differs from an explicit --vocab-map's, or with no complete store to count (`store` None: --online, --follow), is an
+    error."""
     from hstap.data.vocab import build_vocab_map, load_store_vocab_map, load_vocab_map
     src = cfg.vocab_map or cfg.data
     stored = load_store_vocab_map(store.path, store.header) if not src and store is not None else None
@@ -135,10 +140,10 @@ def resolve_vocab(cfg, store, V: int) -> tuple[torch.Tensor, torch.Tensor, str]:
         src = f"{cfg.store} (the top {n} of its loss-masked token counts)"
     if t2d.numel() != V:
         raise HstapError(f"{src}: vocab map covers {t2d.numel()} ids, the target has {V}")
-    return d2t.long(), t2d.bool(), str(src)
+    return VocabMap(d2t.long(), t2d.bool(), str(src))
 
 
-def preflight(cfg, store, rank: int, dev: torch.device) -> None:
+def preflight(cfg: TrainConfig, store, rank: int, dev: torch.device) -> None:
     """The store matches the target, on rank 0 (`hstap.verify.stage.quick_check` recomputes two samples of the opened store;
     --follow, whose store may hold no sample yet: its header's target fingerprints); a failure stops every rank."""
     err = None
@@ -158,7 +163,7 @@ def preflight(cfg, store, rank: int, dev: torch.device) -> None:
         raise err or HstapError(f"{cfg.store}: rank 0's pre-flight check failed (see its output)")
 
 
-def check_checksums(cfg, stores: list, rank: int, world: int) -> None:
+def check_checksums(cfg: TrainConfig, stores: list, rank: int, world: int) -> None:
     """Every shard the run reads hashed once against its recorded checksum before the first step (`Store.check`; the
     ranks split the shards): a shuffled epoch touches every shard within its first steps, so its first read is now. A
     damaged shard on any rank stops every rank, with its file named by the rank that found it."""

@@ -59,9 +59,11 @@ bitwise on CPU fp32), slots and epochs, replay, consumption, exactly-once resume
 RUN/follow.jsonl are specified in `hstap.train.follow`'s docstring; the store side (writer ranks and the end of writing,
 consumer.json, the writers' back-pressure) in hstap/store/format.py. Without --steps the learning rate is constant.
 
-Layout: this module holds the stage's config, its entry and the loop; `hstap.train.inputs` resolves what a run needs
-(run directory and resume point, target head, vocab map, store and its checks: sizes, pre-flight, checksums; layers)
-once, before anything is written (a refused run, or a --resume whose checkpoint does not fit, leaves RUN as it was);
+Layout: `hstap.train.config` holds the stage's config (`TrainConfig`, extending the `HyperParams` section); this module
+its entry and the loop; `hstap.train.inputs` resolves what a run needs (run directory and resume point, target head,
+vocab map, store and its checks: sizes, pre-flight, checksums; layers) once, into a frozen plan
+(`hstap.train.plan.TrainPlan`, RUN/plan.json beside the config as parsed in RUN/config.json), before anything is
+written (a refused run, or a --resume whose checkpoint does not fit, leaves RUN as it was);
 `hstap.train.data` the sources, layers, split and batches; `hstap.train.trainer` the drafter's init, wrapping,
 optimizer, schedule, step and evaluation; `hstap.train.checkpoint` the checkpoint files.
 """
@@ -69,7 +71,6 @@ optimizer, schedule, step and evaluation; `hstap.train.checkpoint` the checkpoin
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -79,186 +80,19 @@ import torch
 
 from hstap import dist as D
 from hstap.batching import TrainBatches
-from hstap.common import HstapError, write_run_config
+from hstap.common import HstapError, atomic_write_json, write_run_config
 from hstap.train import checkpoint
+from hstap.train.config import TrainConfig
 from hstap.train.data import Feed, TrainData
 from hstap.train.follow import FollowBatches
 from hstap.train.inputs import resolve
+from hstap.train.plan import TrainPlan
 from hstap.train.log import CURVES, MetricsLog, Throughput, draw_curves, print_summary, train_line
 from hstap.train.trainer import Schedule, Trainer, init_drafter
 from hstap.train.ttt import ttt_attention
 
 STATE_FORMAT = "hstap-trainer-state"
 TAU_DEFINITION = 2  # trainer_state.json: sim_tau = tokens per target forward, bonus token included (1: without it)
-
-
-@dataclass
-class TrainConfig:
-    out: str
-    """Run directory (config.json, metrics.jsonl, checkpoints/, best/)."""
-    target: str
-    """Target model directory (HF format): its config shapes the drafter; its embedding and lm_head are read from it."""
-    store: str | None = None
-    """Hidden-state store (hstap capture output) to train on (offline mode)."""
-    data: str | None = None
-    """Prepared set (hstap prepare output): the samples in --online mode; otherwise only the source of the vocab map."""
-    online: bool = False
-    """Run the target in-process on --data batches (no store, no disk) and train on its states."""
-    vocab_map: str | None = None
-    """vocab_map.safetensors (or a prepared dir) with d2t/t2d; default: --data's, else the store's (the prepared set's
-    map, copied by capture), else derived from the store's token counts (--draft-vocab)."""
-    draft_vocab: int = 0
-    """Draft vocabulary size. 0: the vocab map's (--vocab-map, --data's, else the store's), or 32000 when derived from
-    the store's loss-masked token counts (a store without a map). N > 0 unlike the prepared or stored map's size: the
-    top N of the store's counts (clamped to V); unlike an explicit --vocab-map's: an error."""
-    aux_layers: str = ""
-    """fc inputs: '' = the store's layers (online: [1, N//2-1, N-4]); 'final' = final state only (EAGLE-1-style); or a
-    comma list of canonical ids (offline: a subset of the store's layers)."""
-    steps: int | None = None
-    """Optimizer steps to train (default: --epochs)."""
-    epochs: int | None = None
-    """Epochs over the training split (default 1 when --steps is not given)."""
-    ttt: int = 5
-    """Training-time-test steps K (1 = no TTT); 5 = eval's default k. With lr 3e-3, decay 0.6, ce+hard: chain-5
-    tau 1.083x lr 2e-3 / TTT 7 / 0.8 / ce (RESULTS.md, twelfth session); a tree deeper than K drafts untrained steps."""
-    ttt_decay: float = 0.6
-    """Weight of TTT step k is ttt_decay**k (0.6: the early drafts weigh most; 0.7-1.0 measured lower)."""
-    loss: str = "ce+hard"
-    """Per-row objective (`hstap.train.ttt.loss_core`): ce (soft cross-entropy), tv (total variation = 1 - acceptance under
-    sampling), rkl (reverse KL), hard (cross-entropy against the target argmax), topk (cross-entropy over the target's
-    10 most likely ids: HASS's term), 'a+b' = (1 - --loss-mix) a + --loss-mix b, or lk (per-row ce/tv hybrid
-    weighted by exp(-lk_decay * acceptance))."""
-    loss_mix: float = 0.5
-    """Weight of the second term of an 'a+b' --loss."""
-    lk_decay: float = 3.0
-    """--loss lk: the cross-entropy's weight of a row is exp(-lk_decay * (1 - tv))."""
-    draft_layers: int = 1
-    """Drafter decoder layers: 1 = the EAGLE-3 midlayer alone; N > 1 adds N-1 plain Llama layers (vLLM export)."""
-    lr: float = 3e-3
-    """Peak learning rate (AdamW; RESULTS.md: with TTT 5, 3e-3 ~ 4e-3 > 2e-3 > 1e-3 on the reference drafter). Not
-    measured at wide shapes, where a lower rate (SpecForge: 1e-4) may be safer."""
-    min_lr_ratio: float = 0.1
-    """Cosine schedule floor as a fraction of --lr. 0.1 with --warmup-ratio 0.05: the best schedule on validation
-    (RESULTS.md, eighth session; eval chain-5 tau 2.636 against 2.610 with 0.0 / 0.015)."""
-    warmup_ratio: float = 0.05
-    """Linear warmup over this fraction of the steps."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 0.5
-    """Clip the global gradient norm to this (0 = off)."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step on each rank."""
-    batch_tokens: int = 16384
-    """Micro-batch size: B * max_len <= batch_tokens (a longer sample goes alone)."""
-    eval_store: str | None = None
-    """Separate store for evaluation (offline); default: an --eval-frac split of the training samples."""
-    eval_frac: float = 0.05
-    """Fraction of samples held out for evaluation, chosen by a hash of the sample id (0 = no eval split)."""
-    eval_every: int = 0
-    """Evaluate every N steps (0 = at every checkpoint); always at the end."""
-    save_every: int = 1000
-    """Write a checkpoint every N steps; always at the end."""
-    keep: int = 3
-    """Checkpoints kept in RUN/checkpoints (the newest)."""
-    log_every: int = 10
-    """Write a metrics line every N steps."""
-    resume: bool = False
-    """Continue from RUN's newest complete checkpoint (weights, optimizer, schedule, data position, RNG); a larger
-    --steps extends the run (the cosine schedule is then laid out over the new total)."""
-    skip_verify: bool = False
-    """Skip the pre-flight check that the store matches the target (hstap.verify.stage.quick_check)."""
-    device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"]})
-    """Device; under torchrun each rank takes GPU LOCAL_RANK."""
-    dtype: str = field(default="auto", metadata={"choices": ["auto", "bf16", "fp32"]})
-    """Compute dtype: bf16 = autocast with fp32 master weights (auto on CUDA); fp32 (auto on CPU)."""
-    attn: str = field(default="auto", metadata={"choices": ["auto", "flex", "sdpa", "causal"]})
-    """TTT attention: flex (auto on CUDA) and sdpa (auto on CPU) are exact; causal approximates (no TTT diagonal)."""
-    compile: bool = True
-    """torch.compile the decoder layers' dense parts and the CE (CUDA only): 1.6x eager's tok/s (reference shape)."""
-    fsdp: bool = False
-    """Shard with FSDP2 (fully_shard) instead of DDP when running under torchrun."""
-    workers: int = -1
-    """DataLoader worker processes (-1 = 4 on CUDA, 0 on CPU)."""
-    ce_chunk: int = 0
-    """Rows per chunk of the target head and of the fused lm_head + cross-entropy (memory vs. kernel size); 0 = auto:
-    16,384 when a chunk's target logits are at most 2^28 values (a vocab <= 16,384), else 4,096 (the 8B's setting)."""
-    init_lm_head: bool = True
-    """Initialise the drafter lm_head from the target lm_head's rows of the draft vocabulary."""
-    init_from: str | None = None
-    """Start from this hstap drafter's weights (RUN/best, RUN/checkpoints/step_*, export --to hf) instead of the init;
-    same config and vocab map as this run (`hstap serve-loop`: the served drafter trained on). Not with --resume's
-    checkpoint, which wins."""
-    seed: int = 0
-    """Seed of the drafter init and of the data order (the eval split is a hash of the sample ids)."""
-    peak_tflops: float = 790.0
-    """Peak bf16 TFLOP/s of one device for the MFU estimate (H200: 790)."""
-    tensorboard: bool = True
-    """Also log to RUN/tb when tensorboard is installed."""
-    follow: bool = False
-    """Train on --store while it is written: each shard once committed, waiting when caught up; ends at --steps or
-    when every writer closed the store and every sample was used --epochs times (module docstring)."""
-    consume: bool = False
-    """--follow: delete each shard once its last use is trained and checkpointed; the writers keep to --keep-shards."""
-    keep_shards: int | None = None
-    """--consume: shard files the store may hold at once (all writer ranks together; each writer rank gets N // W)."""
-    replay_fraction: float = 0.0
-    """--consume: fraction of each slot's samples drawn again from the earlier shards it still keeps (seeded)."""
-
-    def __post_init__(self):
-        w = "train"
-        if self.online and not self.data:
-            raise HstapError(f"{w}: --online needs --data PREPARED")
-        if not self.online and not self.store:
-            raise HstapError(f"{w}: --store: required (or --online --data PREPARED)")
-        if self.online and self.eval_store:
-            raise HstapError(f"{w}: --eval-store: offline only (online mode evaluates on an --eval-frac split)")
-        if self.steps is not None and self.epochs is not None and not self.follow:
-            raise HstapError(f"{w}: give --steps or --epochs, not both")
-        if self.follow or self.consume or self.keep_shards is not None or self.replay_fraction:
-            self._check_follow()
-        for name in ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "draft_vocab",
-                     "draft_layers", "ce_chunk", "steps", "epochs"):
-            v, lo = getattr(self, name), 0 if name in ("ce_chunk", "draft_vocab") else 1  # 0: auto
-            if v is not None and v < lo:
-                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be >= {lo}, got {v}")
-        if not 0.0 <= self.eval_frac < 1.0:
-            raise HstapError(f"{w}: --eval-frac: must be in [0, 1), got {self.eval_frac}")
-        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise HstapError(f"{w}: --warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1]")
-        if self.lr <= 0 or self.grad_clip < 0 or self.eval_every < 0:
-            raise HstapError(f"{w}: --lr must be > 0, --grad-clip and --eval-every >= 0")
-        from hstap.train.ttt import loss_core
-        try:
-            loss_core(self.loss)
-        except ValueError as e:
-            raise HstapError(f"{w}: --{e}") from None
-        if not 0.0 <= self.loss_mix <= 1.0 or self.lk_decay < 0:
-            raise HstapError(f"{w}: --loss-mix must be in [0, 1] and --lk-decay >= 0")
-        for name in ("out", "target", "store", "data", "vocab_map", "eval_store"):
-            if getattr(self, name):
-                setattr(self, name, os.path.abspath(getattr(self, name)))
-
-    def _check_follow(self) -> None:
-        w = "train"
-        if not self.follow:
-            raise HstapError(f"{w}: --consume, --keep-shards and --replay-fraction need --follow")
-        if self.online:
-            raise HstapError(f"{w}: --follow follows a --store; it has no --online mode")
-        if self.consume != (self.keep_shards is not None):
-            raise HstapError(f"{w}: --consume and --keep-shards go together (the window the store's writers keep to)")
-        if self.keep_shards is not None and (isinstance(self.keep_shards, bool) or self.keep_shards < 1):
-            raise HstapError(f"{w}: --keep-shards: must be >= 1, got {self.keep_shards}")
-        if not 0.0 <= self.replay_fraction < 1.0:
-            raise HstapError(f"{w}: --replay-fraction: must be in [0, 1), got {self.replay_fraction}")
-        if self.replay_fraction and not self.consume:
-            raise HstapError(f"{w}: --replay-fraction draws from the shards --consume keeps: pass --consume "
-                             f"--keep-shards N")
-        if not (self.vocab_map or self.data):
-            raise HstapError(f"{w}: --follow: the draft vocabulary must be fixed before the store is complete: pass "
-                             f"--vocab-map (or --data PREPARED, whose vocab map is used)")
-        if self.eval_frac > 0 and not self.eval_store:
-            raise HstapError(f"{w}: --follow: evaluation needs a fixed held-out set: pass --eval-store STORE, or "
-                             f"--eval-frac 0")
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -308,7 +142,9 @@ class _Run:
     """Offline: epochs over the training split; --follow: the follow stream."""
     schedule: Schedule
     run_config: dict
-    """trainer_state.json's "config": {"world_size": world, **the TrainConfig fields}."""
+    """trainer_state.json's "config": {"world_size": world, **the TrainConfig fields, as parsed}."""
+    plan: TrainPlan
+    """What the run resolved (`hstap.train.inputs.resolve`): ce chunk, vocab map, layers, resume point."""
 
 
 def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
@@ -330,13 +166,15 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
     return summary
 
 
-def _open_run(cfg: TrainConfig, run: Path, rank: int) -> None:
+def _open_run(cfg: TrainConfig, plan: TrainPlan, run: Path, rank: int) -> None:
     """RUN ready to write, once the inputs are validated (a run that fails on bad input leaves no RUN/config.json):
-    created, a crashed save undone, config.json written."""
+    created, a crashed save undone, config.json (the config as parsed) and plan.json (what the run resolved)
+    written."""
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
         checkpoint.recover(run)
         write_run_config(run, "train", cfg)
+        atomic_write_json(run / "plan.json", plan.record())
     D.barrier()
 
 
@@ -348,10 +186,12 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     if bf16 and not cuda:
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
     inp = resolve(cfg, rank, world, dev, bf16)
-    data, ckpt, state, run_config = inp.data, inp.ckpt, inp.state, inp.run_config
-    drafter = init_drafter(cfg, inp.hf_cfg, data, inp.embed, inp.head)
+    plan, data, state, run_config = inp.plan, inp.data, inp.state, inp.run_config
+    ckpt = plan.resume
+    drafter = init_drafter(inp.hf_cfg, plan.vocab, list(plan.layers), inp.embed, inp.head, seed=cfg.seed,
+                           draft_layers=cfg.draft_layers, init_lm_head=cfg.init_lm_head)
     attn, why = ttt_attention(cfg.attn, dev.type, drafter.config.head_dim)
-    feed = Feed(data, inp.head, dev, torch.bfloat16 if bf16 else torch.float32, cfg.ce_chunk, cfg.ttt,
+    feed = Feed(data, inp.head, dev, torch.bfloat16 if bf16 else torch.float32, plan.ce_chunk, cfg.ttt,
                 pad_to=16 if cuda else 1)  # CUDA: T in steps of 16 bounds the TTT masks and compiled shapes
     del inp  # the target's embedding and head: the drafter and the feed hold what they need
     if ckpt and "follow" in state and not cfg.follow:
@@ -364,13 +204,13 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     elif cfg.init_from:
         checkpoint.load_init(Path(cfg.init_from), drafter)
     drafter.to(dev)
-    trainer = Trainer(cfg, drafter, world, dev, attn, bf16)
+    trainer = Trainer(cfg, drafter, world, dev, attn, bf16, plan.ce_chunk)
     # best_sim_tau of a run saved before tau included the bonus token (no "tau_definition") is not comparable
     best = state.get("best_sim_tau", -1.0) if state.get("tau_definition") == TAU_DEFINITION else -1.0
     st = TrainState(step=state.get("step", 0), best=best, tokens_seen=state.get("tokens_seen", 0))
     if ckpt:
         trainer.load_rest(ckpt, state, rank)
-    _open_run(cfg, run, rank)
+    _open_run(cfg, plan, run, rank)
     if rank == 0 and (ckpt or cfg.follow):  # follow: also a restart before the first checkpoint starts clean
         checkpoint.truncate_metrics(run / "metrics.jsonl", st.step)
         if cfg.follow:
@@ -378,23 +218,23 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     workers = cfg.workers if cfg.workers >= 0 else (4 if cuda else 0)
     if cfg.follow:
         batches = FollowBatches(cfg, run, rank, world, dev, state if ckpt else None, cuda, workers)
-        total, plan = cfg.steps, (f"following {cfg.store} ({batches.ranks} writer rank(s)), {cfg.epochs or 1} "
-                                  f"epoch(s), {f'{cfg.steps} steps' if cfg.steps else 'until writing ends'}")
+        total, outline = cfg.steps, (f"following {cfg.store} ({batches.ranks} writer rank(s)), {cfg.epochs or 1} "
+                                     f"epoch(s), {f'{cfg.steps} steps' if cfg.steps else 'until writing ends'}")
     else:
         batches = TrainBatches(data.train_rows, data.train_lengths, cfg.batch_tokens, cfg.seed, rank, world,
                                state.get("epoch", 0), state.get("batches_done", 0), cuda, workers)
         per_epoch = math.ceil(len(batches.sampler) / cfg.grad_accum)
         total = cfg.steps or (cfg.epochs or 1) * per_epoch
-        plan = (f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} steps/epoch, "
-                f"{total} steps")
-    D.print0(f"hstap train: {plan}, world {world}{' fsdp' if trainer.fsdp else ''}, "
+        outline = (f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} steps/epoch, "
+                   f"{total} steps")
+    D.print0(f"hstap train: {outline}, world {world}{' fsdp' if trainer.fsdp else ''}, "
              f"{dev.type} {'bf16' if bf16 else 'fp32'}{' compiled' if cfg.compile and cuda else ''}, attn {attn}, "
-             f"ttt {cfg.ttt}, draft vocab {data.d2t.numel()}, ce chunk {cfg.ce_chunk}, "
-             f"aux layers {data.layers or 'final'}"
+             f"ttt {cfg.ttt}, draft vocab {plan.vocab.size}, ce chunk {plan.ce_chunk}, "
+             f"aux layers {list(plan.layers) or 'final'}"
              + (f", resumed from {ckpt.name}" if ckpt else ""))
     D.print0(f"hstap train: TTT attention {attn}: {why}")
     schedule = Schedule(cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio, total)
-    return _Run(cfg, run, rank, world, dev, data, feed, trainer, batches, schedule, run_config), st
+    return _Run(cfg, run, rank, world, dev, data, feed, trainer, batches, schedule, run_config, plan), st
 
 
 def _loop(r: _Run, st: TrainState) -> None:

@@ -2,7 +2,7 @@
 its warmup-cosine schedule, one optimizer step over a step's micro-batches and the evaluation pass.
 
 The objective, the exact global mean over ranks and micro-batches, and the metrics are described in `hstap.train.stage`'s
-module docstring. `cfg` below is the stage's `hstap.train.stage.TrainConfig`.
+module docstring.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from hstap.batching import collate
 from hstap.layers import fc_slots
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 from hstap.train import checkpoint
+from hstap.train.config import TrainConfig
 from hstap.train.data import Feed, TrainData
+from hstap.train.plan import VocabMap
 from hstap.train.ttt import TTTModel, replay_chain
 
 
@@ -51,29 +53,32 @@ class Schedule:
                 "min_lr_ratio": self.min_lr_ratio, "next_lr": self.lr_at(step)}
 
 
-def init_drafter(cfg, hf_cfg, data: TrainData, embed: torch.Tensor, head: torch.Tensor) -> Eagle3Drafter:
+def init_drafter(hf_cfg, vocab: VocabMap, layers: list[int], embed: torch.Tensor, head: torch.Tensor, *, seed: int,
+                 draft_layers: int, init_lm_head: bool = True) -> Eagle3Drafter:
     """The same init on every rank (same seed): embedding copied from the target (frozen); lm_head from the target
-    head's rows of the draft vocabulary (--init-lm-head), the rest PyTorch's default init under --seed."""
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    dcfg = DrafterConfig.from_target_config(hf_cfg, draft_vocab_size=int(data.d2t.numel()),
-                                            num_aux=fc_slots(data.layers), aux_layers=data.layers,
-                                            num_layers=cfg.draft_layers)
+    head's rows of the draft vocabulary (--init-lm-head), the rest PyTorch's default init under --seed. `layers`: the
+    aux layers (canonical ids); `draft_layers`: decoder layers (--draft-layers)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    dcfg = DrafterConfig.from_target_config(hf_cfg, draft_vocab_size=vocab.size, num_aux=fc_slots(layers),
+                                            aux_layers=list(layers), num_layers=draft_layers)
     drafter = Eagle3Drafter(dcfg)
-    drafter.set_vocab_map(data.d2t, data.t2d)
-    drafter.init_from_target(embed, head if cfg.init_lm_head else None)
+    drafter.set_vocab_map(vocab.d2t, vocab.t2d)
+    drafter.init_from_target(embed, head if init_lm_head else None)
     return drafter
 
 
 class Trainer:
     """The TTT model of a drafter (already on `dev`) wrapped for this rank, and its optimizer."""
 
-    def __init__(self, cfg, drafter: Eagle3Drafter, world: int, dev: torch.device, attn: str, bf16: bool):
+    def __init__(self, cfg: TrainConfig, drafter: Eagle3Drafter, world: int, dev: torch.device, attn: str, bf16: bool,
+                 ce_chunk: int):
+        """ce_chunk: rows per chunk of the fused lm_head + cross-entropy (the plan's: --ce-chunk resolved)."""
         cuda = dev.type == "cuda"
         self.drafter, self.world, self.dev, self.bf16 = drafter, world, dev, bf16
         self.ttt, self.decay, self.grad_clip = cfg.ttt, cfg.ttt_decay, cfg.grad_clip
-        self.model = TTTModel(drafter, ttt=cfg.ttt, decay=cfg.ttt_decay, attn=attn, ce_chunk=cfg.ce_chunk,
+        self.model = TTTModel(drafter, ttt=cfg.ttt, decay=cfg.ttt_decay, attn=attn, ce_chunk=ce_chunk,
                               compile=cfg.compile and cuda, loss=cfg.loss, loss_mix=cfg.loss_mix,
                               lk_decay=cfg.lk_decay)
         self.fsdp = cfg.fsdp and world > 1

@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from hstap.common import HstapError, atomic_write_json
+from hstap.config import at_least
 from hstap.layers import EMBEDDINGS, last_layer, reference_ids, reference_index
 from hstap.verify.parity import compute_class, finish_stats, layer_stats, merge_stats, tolerance, violations
 
 
-@dataclass
+@dataclass(frozen=True)
 class VerifyConfig:
     store: str | None = None
     """Store to check: alone, a full integrity check; with --target, a recomputation of --samples samples."""
@@ -57,10 +58,7 @@ class VerifyConfig:
             raise HstapError("verify: --target needs --store")
         if self.a is None and self.store is None:
             raise HstapError("verify: nothing to verify: pass --store S [--target DIR] or --a S1 --b S2")
-        if self.samples is not None and self.samples < 1:
-            raise HstapError(f"verify: samples: must be >= 1, got {self.samples}")
-        if self.max_tokens < 1:
-            raise HstapError(f"verify: max_tokens: must be >= 1, got {self.max_tokens}")
+        at_least("verify", self, ("samples", "max_tokens"))
         if self.compute_dtype not in ("auto", "fp32", "bf16"):
             raise HstapError(f"verify: compute_dtype: expected auto, fp32 or bf16, got {self.compute_dtype!r}")
 

@@ -174,17 +174,14 @@ def test_too_small_a_window_and_a_store_consumed_by_another_run(tmp_path):
     p = tmp_path / "s"
     write(p, 6, shard_tokens=50)
 
-    class Cfg:
-        store, keep_shards = str(p), 2
-
-    claim_store(Cfg, tmp_path / "run-a", resuming=False)
+    claim_store(str(p), 2, tmp_path / "run-a", resuming=False)
     rec = json.loads((p / "consumer.json").read_bytes())
     assert rec["active"] and rec["keep_shards"] == 2 and rec["run"] == str(tmp_path / "run-a")
     with pytest.raises(HstapError, match="consumed by .*run-a"):
-        claim_store(Cfg, tmp_path / "run-b", resuming=False)
+        claim_store(str(p), 2, tmp_path / "run-b", resuming=False)
     _record(p, consumed={"0": 1})
     (p / "consumer.json").write_text((p / "consumer.json").read_text().replace("/runs/r", str(tmp_path / "run-a")))
     with pytest.raises(HstapError, match="pass --resume"):
-        claim_store(Cfg, tmp_path / "run-a", resuming=False)
-    claim_store(Cfg, tmp_path / "run-a", resuming=True)
+        claim_store(str(p), 2, tmp_path / "run-a", resuming=False)
+    claim_store(str(p), 2, tmp_path / "run-a", resuming=True)
     assert json.loads((p / "consumer.json").read_bytes())["consumed"] == {"0": 1}

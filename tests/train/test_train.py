@@ -75,9 +75,11 @@ def test_offline_training_learns_and_checkpoints(assets, tmp_path, capsys):
     opt = load_file(str(run / "checkpoints" / "step_00000024" / "optimizer.safetensors"))
     assert {k.split(".", 2)[2] for k in opt} == {"exp_avg", "exp_avg_sq", "step"}
     assert float(opt["state.0.step"]) == 24.0
-    conf = json.loads((run / "config.json").read_text())  # --ce-chunk 0 (auto) is recorded as the value it resolved to
+    conf = json.loads((run / "config.json").read_text())["config"]  # as asked: --ce-chunk 0 (auto)
+    plan = json.loads((run / "plan.json").read_text())  # what ran: the value it resolved to
     vocab = json.loads((assets["target"] / "config.json").read_text())["vocab_size"]
-    assert conf["config"]["ce_chunk"] == (16384 if vocab <= 16384 else 4096) and "ce chunk 16384" in printed
+    assert conf["ce_chunk"] == 0 and plan["ce_chunk"] == (16384 if vocab <= 16384 else 4096)
+    assert "ce chunk 16384" in printed
 
     # The checkpoint is an hstap drafter; the vocab map derived from the store's counts is the prepared set's.
     from hstap.data.vocab import load_vocab_map
@@ -317,7 +319,7 @@ def test_the_prepared_draft_vocab_carries_through_capture_to_train(assets, tmp_p
 
 def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
     """--draft-vocab N unlike the store's (prepared) map of 96: the top N of the store's counts, recorded in
-    config.json; unlike an explicit --vocab-map: one error, before the run exists; unset: the map's own size."""
+    plan.json; unlike an explicit --vocab-map: one error, before the run exists; unset: the map's own size."""
     from hstap.data.vocab import build_vocab_map, load_vocab_map
     from hstap.drafter_dir import load_drafter
     from hstap.store.reader import open_store
@@ -325,15 +327,16 @@ def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
     def run(out, **kw):
         train(_cfg(assets, tmp_path / out, steps=1, eval_frac=0.0, **kw))
         d, _ = load_drafter(tmp_path / out)
-        return d, json.loads((tmp_path / out / "config.json").read_text())["config"]
+        return d, json.loads((tmp_path / out / "plan.json").read_text())
 
-    d, conf = run("unset")
-    assert d.config.draft_vocab_size == 96 and conf["draft_vocab"] == 96  # the resolved size is recorded
-    d, conf = run("fifty", draft_vocab=50)
+    d, plan = run("unset")
+    assert d.config.draft_vocab_size == 96 and plan["draft_vocab"] == 96  # the resolved size is recorded
+    assert json.loads((tmp_path / "unset" / "config.json").read_text())["config"]["draft_vocab"] == 0  # as asked
+    d, plan = run("fifty", draft_vocab=50)
     st = open_store(assets["store"])
     V = d.t2d.numel()
     want_d2t, _ = build_vocab_map(st.token_counts(V), 50)  # the store's own loss-masked counts decide
-    assert d.config.draft_vocab_size == 50 and conf["draft_vocab"] == 50
+    assert d.config.draft_vocab_size == 50 and plan["draft_vocab"] == 50
     assert torch.equal(d.d2t.cpu(), torch.from_numpy(want_d2t))
     prepared_d2t, _ = load_vocab_map(str(assets["prepared"]))
     assert prepared_d2t.numel() == 96  # the prepared map was there, and was not used

@@ -18,11 +18,12 @@ import urllib.request
 import uuid
 
 from hstap.capture.session import RequestError, Requests, encode_rid, end_session, http_json, lock_events
+from hstap.capture.config import CaptureConfig
+from hstap.capture.inputs import copy_vocab_map, resolve
 from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, LOGITS_MODULES, hook_spec
-from hstap.capture.stage import copy_vocab_map, open_inputs, store_header
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
-from hstap.layers import check_sglang_capturable, parse_layers, to_sglang
+from hstap.layers import check_sglang_capturable, to_sglang
 from hstap.store.format import committed_ids_of, merge_manifest
 from hstap.store.writer import StoreWriter
 
@@ -132,7 +133,7 @@ def scatter_problems(info: dict) -> list[str]:
     return p
 
 
-def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0,
+def run_sglang_capture(cfg: CaptureConfig, poll_s: float = 0.5, commit_timeout_s: float = 300.0,
                        request_timeout_s: float = 3600.0) -> dict:
     """`hstap capture --engine sglang --server URL`: cfg is a CaptureConfig (target, data, out, layers, dtype, new,
     max_samples, shard_tokens, server, concurrency). Returns the summary dict it prints."""
@@ -140,8 +141,8 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
         raise HstapError("--server: required with --engine sglang (e.g. http://127.0.0.1:30000)")
     t0 = time.perf_counter()
     server = cfg.server.rstrip("/")
-    meta, ds, n, target_block = open_inputs(cfg)
-    layers = parse_layers(cfg.layers, target_block["num_layers"])
+    inputs = resolve(cfg)
+    ds, n, target_block, layers = inputs.ds, inputs.n, inputs.target, list(inputs.layers)
     check_sglang_capturable(layers, target_block["num_layers"])  # before the server is asked anything
     info = server_info(server)
     problems = server_problems(info, cfg.out, cfg.data, layers, target_block["model_type"])
@@ -150,7 +151,7 @@ def run_sglang_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0
     ctx = int(info.get("context_length") or 0)
     engine = {"name": "sglang", "version": str(info.get("version")), "device": f"server {server}",
               "compute_dtype": str(info.get("dtype")), "model_path": info.get("model_path")}
-    header = store_header(target_block, engine, cfg.dtype, layers, cfg, meta)
+    header = inputs.header(engine, cfg)
     # create / check only: the hooks own the ranks (one per data-parallel scheduler) and write the shards
     writers = store_world(info)
     StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens, world_size=writers, claim=False).close()

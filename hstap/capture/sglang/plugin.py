@@ -22,7 +22,7 @@ import os
 
 from hstap.capture.sglang.protocol import ENV_LAYERS
 from hstap.common import HstapError
-from hstap.layers import check_sglang_capturable, parse_ids, to_sglang
+from hstap.layers import check_sglang_capturable, layer_inputs, parse_ids, sglang_id_forms
 
 log = logging.getLogger("hstap.sglang")
 
@@ -52,20 +52,6 @@ def capture_inputs_of(model) -> list[int] | None:
     return None
 
 
-def _candidates(layers: list[int], model_type: str) -> list[list[int]]:
-    """The id lists to try, most likely first: the model type's form, then ids as canonical (the Llama form) and ids as
-    layer inputs (the DeepSeek form without its +1); each is checked by reading back what the model captures."""
-    out: list[list[int]] = []
-    try:
-        out.append(to_sglang(layers, model_type))
-    except HstapError:  # a form the model type's rule cannot express; the others are still tried
-        pass
-    for ids in (list(layers), [i + 1 for i in layers]):
-        if ids not in out:
-            out.append(ids)
-    return out
-
-
 def set_capture_layers(model, layers: list[int]) -> list[int] | None:
     """Make `model` capture the canonical `layers` (the module docstring says how); returns the ids it was given
     (None: a no-op, the model has no EAGLE-3 capture or this process holds no last pipeline stage)."""
@@ -77,9 +63,9 @@ def set_capture_layers(model, layers: list[int]) -> list[int] | None:
     model_type = getattr(text, "model_type", "llama")
     if isinstance(getattr(text, "num_hidden_layers", None), int):  # the server stops at start-up, saying why
         check_sglang_capturable(layers, text.num_hidden_layers, ENV_LAYERS)
-    want = [i + 1 for i in layers]  # SGLang captures the input of layer i + 1 for canonical i (the output of i)
+    want = layer_inputs(layers)  # SGLang captures layer inputs: canonical i is the input of layer i + 1
     tried = []
-    for ids in _candidates(list(layers), model_type):
+    for ids in sglang_id_forms(layers, model_type):
         setter(ids)
         got = capture_inputs_of(model)
         if got is None or got == []:  # nothing to read back (got []: not the last pipeline stage, the setter returned)

@@ -172,7 +172,7 @@ class HookWriter:
         if self._header is None:
             import sglang
 
-            from hstap.capture.stage import store_header
+            from hstap.capture.inputs import store_header
             from hstap.capture.tap import contents_block
             from hstap.model_dir import target_fingerprint
 

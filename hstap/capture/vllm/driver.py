@@ -27,13 +27,14 @@ import time
 import uuid
 from pathlib import Path
 
+from hstap.capture.config import CaptureConfig
+from hstap.capture.inputs import copy_vocab_map, resolve, short_id
 from hstap.capture.session import RequestError, Requests, encode_rid, end_session, http_json, lock_events
-from hstap.capture.stage import copy_vocab_map, open_inputs, short_id, store_header
 from hstap.capture.vllm.protocol import (EVENTS_DIR, HELLO_PREFIX, PARAMS_KEY, kv_transfer_config, serve_command,
                                          speculative_config)
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
-from hstap.layers import parse_layers, to_vllm
+from hstap.layers import to_vllm
 from hstap.model_dir import load_config
 from hstap.store.format import committed_ids_of, merge_manifest
 from hstap.store.writer import StoreWriter
@@ -42,14 +43,13 @@ from hstap.engines.vllm import start_llm, stop_llm
 CHUNK = 256  # embedded: prompts handed to LLM.generate at a time (progress and commits are polled in between)
 
 
-def run_vllm_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0,
+def run_vllm_capture(cfg: CaptureConfig, poll_s: float = 0.5, commit_timeout_s: float = 300.0,
                      request_timeout_s: float = 3600.0) -> dict:
     """`hstap capture --engine vllm`: cfg is a CaptureConfig (target, data, out, layers, dtype, new, max_samples,
     shard_tokens, server, concurrency, device, compute_dtype, batch_tokens). Returns the summary dict it prints."""
     t0 = time.perf_counter()
-    meta, ds, n, tb = open_inputs(cfg)
-    N = tb["num_layers"]
-    layers = parse_layers(cfg.layers, N)
+    inputs = resolve(cfg)
+    ds, n, N, layers = inputs.ds, inputs.n, inputs.target["num_layers"], list(inputs.layers)
     vids = to_vllm(layers) + [N]  # + the last layer's pre-norm output, from which the connector computes `final`
     ids, lens = prepared_columns(ds, n)
     server = cfg.server.rstrip("/") if cfg.server else None
@@ -63,7 +63,7 @@ def run_vllm_capture(cfg, poll_s: float = 0.5, commit_timeout_s: float = 300.0,
         engine = {"name": "vllm", "version": _vllm_version(), "device": _embedded_device(cfg),
                   "compute_dtype": dtype, "model_path": cfg.target, "vllm_layers": vids}
         max_len = max((lens[i] for i in range(n)), default=1) + 1
-    header = store_header(tb, engine, cfg.dtype, layers, cfg, meta)
+    header = inputs.header(engine, cfg)
     StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens, claim=False).close()  # the connector writes
     copy_vocab_map(cfg.data, cfg.out)
     lock = lock_events(cfg.out, EVENTS_DIR, cfg.new, keep=f"{HELLO_PREFIX}*.json")
@@ -112,14 +112,14 @@ class _Plan:
     too_long: list[int]
 
 
-def _end(cfg, run: Requests, session: str, poll_s: float, commit_timeout_s: float) -> bool:
+def _end(cfg: CaptureConfig, run: Requests, session: str, poll_s: float, commit_timeout_s: float) -> bool:
     if run.errors or run.pending:
         return False
     return end_session(cfg.out, EVENTS_DIR, session, poll_s, min(commit_timeout_s, 60.0))
 
 
-def _finish(cfg, run: Requests, engine: dict, server: str | None, session: str, t0: float, plan: _Plan, closed: bool,
-            commit_timeout_s: float, timing: dict) -> dict:
+def _finish(cfg: CaptureConfig, run: Requests, engine: dict, server: str | None, session: str, t0: float, plan: _Plan,
+            closed: bool, commit_timeout_s: float, timing: dict) -> dict:
     summary_store = merge_manifest(cfg.out)
     run.check(f"--server {server}" if server else f"{cfg.out}", commit_timeout_s, "hstap's connector")
     dropped = run.dropped
@@ -154,7 +154,7 @@ def _vllm_version() -> str:
     return vllm.__version__
 
 
-def _embedded_device(cfg) -> str:
+def _embedded_device(cfg: CaptureConfig) -> str:
     import torch
 
     if cfg.device == "auto":
@@ -162,13 +162,13 @@ def _embedded_device(cfg) -> str:
     return cfg.device
 
 
-def _embedded_dtype(cfg) -> str:
+def _embedded_dtype(cfg: CaptureConfig) -> str:
     if cfg.compute_dtype != "auto":
         return cfg.compute_dtype
     return "bf16" if _embedded_device(cfg).startswith("cuda") else "fp32"
 
 
-def _start_llm(cfg, dtype: str, vids: list[int], max_len: int):
+def _start_llm(cfg: CaptureConfig, dtype: str, vids: list[int], max_len: int):
     """vLLM's LLM on the target with hstap's connector writing into cfg.out; --batch-tokens is vLLM's token budget per
     step (max_num_batched_tokens: a longer prompt is prefilled in chunks, which vLLM's block table stitches)."""
     if max_len > int(getattr(load_config(cfg.target), "max_position_embeddings", None) or max_len):
@@ -219,7 +219,7 @@ def _answer_problem(params: dict | None, got_tokens: int, sent_tokens: int, stor
 # -- a running server -----------------------------------------------------------------------------------------------------
 
 
-def _server_info(server: str, cfg, layers: list[int], vids: list[int]) -> dict:
+def _server_info(server: str, cfg: CaptureConfig, layers: list[int], vids: list[int]) -> dict:
     """The connector's recorded settings (newest STORE/vllm-events/server-*.json) checked against this run, plus the
     served model's name from /v1/models."""
     try:

@@ -31,10 +31,11 @@ from pathlib import Path
 
 import torch
 
-from hstap.capture.stage import copy_vocab_map, open_inputs, short_id, store_header
+from hstap.capture.config import CaptureConfig
+from hstap.capture.inputs import copy_vocab_map, resolve, short_id
 from hstap.capture.vllm.norm import load_final_norm, rms_norm
 from hstap.common import HstapError, write_run_config
-from hstap.layers import parse_layers, parse_vllm_layers
+from hstap.layers import to_vllm
 from hstap.store.writer import StoreWriter
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
@@ -52,19 +53,17 @@ def _token_key(ids) -> tuple:
     return tuple(int(x) for x in ids)
 
 
-def import_vllm(cfg) -> dict:
+def import_vllm(cfg: CaptureConfig) -> dict:
     """Import cfg.src into cfg.out (cfg: CaptureConfig with target, data, out, src, vllm_layers, layers, dtype, new,
     max_samples, shard_tokens). Returns the summary it prints."""
     from safetensors import safe_open
 
     t0 = time.perf_counter()
     src, files = _source_files(cfg.src)
-    meta, ds, n, tb = open_inputs(cfg)
-    N, H = tb["num_layers"], tb["hidden_size"]
-    vids, layers = parse_vllm_layers(cfg.vllm_layers, N)
-    if cfg.layers and parse_layers(cfg.layers, N) != layers:
-        raise HstapError(f"--layers {cfg.layers} disagrees with --vllm-layers {cfg.vllm_layers} (canonical {layers}); "
-                         "leave --layers empty")
+    inputs = resolve(cfg)  # its layers: the canonical ids of --vllm-layers
+    ds, n, N, H = inputs.ds, inputs.n, inputs.target["num_layers"], inputs.target["hidden_size"]
+    layers = list(inputs.layers)
+    vids = to_vllm(layers) + [N]  # + N: the last layer's pre-norm output, from which `final` is computed
     weight, eps, norm_key = load_final_norm(cfg.target)
     if tuple(weight.shape) != (H,):
         raise HstapError(f"{cfg.target}: {norm_key} has shape {tuple(weight.shape)}, expected ({H},)")
@@ -74,7 +73,7 @@ def import_vllm(cfg) -> dict:
               "compute_dtype": _files_dtype(files),
               "vllm_layers": vids, "final": f"rms_norm({norm_key}, eps={eps}) of vLLM id {N}",
               "src": str(src.resolve())}
-    header = store_header(tb, engine, cfg.dtype, layers, cfg, meta)
+    header = inputs.header(engine, cfg)
     samples = tokens = skipped = 0
     with StoreWriter(cfg.out, header, new=cfg.new, shard_tokens=cfg.shard_tokens) as w:
         copy_vocab_map(cfg.data, cfg.out)

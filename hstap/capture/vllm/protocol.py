@@ -15,9 +15,12 @@ module and never the other; neither needs the other's process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
+
+from hstap.common import HstapError
 
 CONNECTOR = "HstapConnector"
 CONNECTOR_MODULE = "hstap.capture.vllm.connector"
@@ -45,3 +48,41 @@ def serve_command(target: str, store: str, data: str, vllm_ids: list[int], port:
                      "--no-enable-prefix-caching",
                      "--speculative-config", shlex.quote(json.dumps(speculative_config(vllm_ids))),
                      "--kv-transfer-config", shlex.quote(json.dumps(kv_transfer_config(store, data)))])
+
+
+@dataclasses.dataclass
+class ConnectorConfig:
+    """The connector's `kv_connector_extra_config`."""
+    store: str
+    """Store directory (created by the driver before it sends requests)."""
+    data: str
+    """Prepared dataset directory: input_ids and loss_mask of each sample, checked against what vLLM computed."""
+    shard_tokens: int = 1 << 20
+    """Tokens per shard file (as `hstap capture --shard-tokens`)."""
+    flush_s: float = 1.0
+    """Commit the open shard after this many idle seconds (the driver sees every sample without a full shard)."""
+    queue_size: int = 64
+    """Finished requests waiting for the writer thread before the worker waits (back-pressure; in tap mode a full
+    queue drops the request instead: serving never waits for the tap)."""
+    tap: bool = False
+    """Tap mode: also capture the requests of any client (prompt + generated tokens) into `store`, which the
+    connector creates (no driver); off unless asked."""
+    tap_fraction: float = 1.0
+    """Tap mode: the fraction of finished requests captured (chosen by a hash of the request id)."""
+    tap_dtype: str = "bf16"
+    """Tap mode: the store's dtype when the connector creates it (bf16, fp8, fp32)."""
+    max_store_gb: float | None = None
+    """Tap mode: stop capturing (dropping, counted) once the store's shards hold this many GB."""
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ConnectorConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        need = ("store",) if cfg.get("tap") else ("store", "data")
+        unknown, missing = sorted(set(cfg) - names), [k for k in need if k not in cfg]
+        if unknown or missing:
+            raise HstapError(f"--kv-transfer-config: hstap: kv_connector_extra_config: unknown keys {unknown}, "
+                             f"missing keys {missing}")
+        c = cls(**{"data": "", **cfg})
+        if not 0.0 < c.tap_fraction <= 1.0 or c.tap_dtype not in ("bf16", "fp8", "fp32"):
+            raise HstapError("--kv-transfer-config: hstap: tap_fraction must be in (0, 1], tap_dtype bf16|fp8|fp32")
+        return c

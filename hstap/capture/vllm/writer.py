@@ -25,7 +25,7 @@ import torch
 
 from hstap.capture.session import decode_rid, exclusive_lock, sample_digest
 from hstap.capture.tap import TapBudget
-from hstap.capture.vllm.protocol import EVENTS_DIR
+from hstap.capture.vllm.protocol import EVENTS_DIR, ConnectorConfig
 
 log = logging.getLogger("hstap.vllm")
 
@@ -42,7 +42,7 @@ def _rank_lock(store: str):
 class VllmWriter:
     """One thread, a bounded queue of (save, rows (T, L, H) or None, CUDA event or None) (module docstring)."""
 
-    def __init__(self, cfg, layers: list[int], model_dir: str, model_dtype: str):
+    def __init__(self, cfg: ConnectorConfig, layers: list[int], model_dir: str, model_dtype: str):
         from hstap.capture.served import Prepared, ServedWriter
         from hstap.capture.vllm.norm import load_final_norm
 
@@ -131,7 +131,7 @@ class VllmWriter:
     def _header(self) -> dict:
         import vllm
 
-        from hstap.capture.stage import store_header
+        from hstap.capture.inputs import store_header
         from hstap.capture.tap import contents_block
         from hstap.model_dir import target_fingerprint
 

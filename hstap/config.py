@@ -1,0 +1,90 @@
+"""What every stage config shares: the checks of its count-like and layer-list fields, and its settling at parse time.
+
+A stage config is a frozen `@dataclass` (`hstap.cli` builds it from flags or a `--config` file; a caller in Python
+builds it directly): it is what the user asked, as parsed, and nothing changes it afterwards. Its `__post_init__` may
+still settle a value while parsing (an absolute path, so that config.json replays the run from anywhere; a layer list
+given as a list of ints, written as its comma string), through `settle`. What a run resolves from its inputs (a train
+run's ce chunk, its draft vocabulary) belongs to that stage's plan, never to its config.
+
+    @dataclass(frozen=True)
+    class XConfig:
+        out: str
+        batch_tokens: int = 16384
+        layers: str = field(default="", metadata=LAYERS)
+
+        def __post_init__(self):
+            at_least("x", self, ("batch_tokens",))
+            layer_list("x", self, "layers")
+            absolute(self, "out")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from hstap.common import HstapError
+
+LAYERS = {"layers": True}
+"""Field metadata of a layer-list field: a comma string of layer ids on the command line; in a `--config` file a
+string or a list of ints (`layer_list` settles it as the string)."""
+
+LAYER_WORDS = ("default", "final")
+"""Words a layer-list field may hold instead of ids (each field's docstring says which of them it takes)."""
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a field: `batch_tokens` -> `--batch-tokens`."""
+    return "--" + name.replace("_", "-")
+
+
+def settle(cfg: Any, name: str, value: Any) -> None:
+    """Set a field of a frozen config while it is parsed (in its `__post_init__`), never after."""
+    object.__setattr__(cfg, name, value)
+
+
+def absolute(cfg: Any, *names: str) -> None:
+    """The path fields `names` made absolute (a list field item by item; unset ones left so), so that config.json
+    replays the run from any working directory."""
+    for name in names:
+        v = getattr(cfg, name)
+        if isinstance(v, list):
+            settle(cfg, name, [os.path.abspath(p) for p in v])
+        elif v:
+            settle(cfg, name, os.path.abspath(v))
+
+
+def at_least(where: str, cfg: Any, names: Iterable[str], lo: int = 1) -> None:
+    """Every count-like field of `names` is an integer >= lo (None: unset, left to the field's meaning); the first that
+    is not is one error line naming its flag. `where`: the stage, as the line starts."""
+    for name in names:
+        v = getattr(cfg, name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise HstapError(f"{where}: {flag(name)}: must be an integer >= {lo}, got {v!r}")
+        if v < lo:
+            raise HstapError(f"{where}: {flag(name)}: must be >= {lo}, got {v!r}")
+
+
+def layer_list(where: str, cfg: Any, name: str) -> None:
+    """Field `name` (a layer list, `LAYERS`): a list of ints settled as its comma string, and the string's syntax
+    checked (integers, no empty item) or one of `LAYER_WORDS`; None and "" are left as they are (the default). The
+    ids' range is checked against the target where it is known (`hstap.layers.parse_layers`)."""
+    from hstap.layers import parse_ids
+
+    v = getattr(cfg, name)
+    if isinstance(v, (list, tuple)):
+        if not v or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+            raise HstapError(f"{where}: {flag(name)}: expected layer ids (a comma-separated string or a list of "
+                             f"integers), got {v!r}")
+        v = ",".join(str(x) for x in v)
+        settle(cfg, name, v)
+    if v is None:
+        return
+    if not isinstance(v, str):
+        raise HstapError(f"{where}: {flag(name)}: expected layer ids (a comma-separated string or a list of integers), "
+                         f"got {v!r}")
+    if v.strip() and v.strip() not in LAYER_WORDS:
+        parse_ids(v, f"{where}: {flag(name)}")

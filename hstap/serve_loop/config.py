@@ -1,0 +1,101 @@
+"""`hstap serve-loop`'s config (`ServeLoopConfig`), below the modules that read it (`hstap.serve_loop.stage`, what runs:
+its module docstring; `hstap.serve_loop.updates`). It composes `hstap train`'s hyper-parameters (`HyperParams`) as its
+`train` section instead of copying them: `TRAIN` states, in one place, where the loop's trainer departs from train's
+defaults; the trainer starts from a `TrainConfig` made of that section and what the loop fixes (`trainer_config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hstap.common import HstapError
+from hstap.config import LAYERS, at_least, layer_list
+from hstap.train.config import HyperParams
+
+TRAIN = {
+    "ttt": 3,  # training-time-test steps: match --k (deeper draft positions are what TTT trains)
+    "batch_tokens": 4096,  # the trainer's micro-batch tokens
+    "save_every": 10,  # a checkpoint every N steps: the drafters an update can take
+    "log_every": 1,  # a metrics line every step: the progress line reads the trainer's step from them
+}
+"""The loop's trainer's hyper-parameters where they are not `hstap train`'s defaults (the `train` section's default)."""
+
+
+@dataclass(frozen=True)
+class ServeLoopConfig:
+    target: str
+    """Target model directory (HF format) that vLLM serves."""
+    prompts: str
+    """Held-out conversations (JSONL / JSON / Parquet; or a prepared set): each one's last user turn, rendered with the
+    target's chat template, is one request, in file order."""
+    out: str
+    """Work directory (store/, run/, exports/, served.jsonl, summary.json, acceptance.png, logs)."""
+    mode: str = field(default="loop", metadata={"choices": ["loop", "fixed", "target"]})
+    """loop: tap + follow training + drafter updates; fixed: the start drafter only (the loop off); target: no
+    speculation (reference outputs and throughput)."""
+    drafter: str | None = None
+    """Start drafter: an hstap drafter directory or training RUN (trained offline); none: the trainer's initialisation
+    (module docstring: "no drafter"). Required with --mode fixed."""
+    requests: int = 0
+    """Requests to serve: the first N prompts (0 = all); each prompt is sent once."""
+    concurrency: int = 4
+    """Requests in flight at a time."""
+    max_tokens: int = 128
+    """Tokens generated per request at most (greedy; stops at the target's end-of-turn / eos ids)."""
+    k: int = 3
+    """Draft tokens per verify step (vLLM's num_speculative_tokens; vLLM drafts chains)."""
+    update_every: int = 32
+    """Answered requests between drafter updates (the trainer's newest checkpoint, when newer than the served one)."""
+    vocab_map: str | None = None
+    """Draft vocabulary (vocab_map.safetensors or a prepared dir) of the drafter started from nothing; default: the
+    whole target vocabulary. A --drafter brings its own."""
+    layers: str = field(default="", metadata=LAYERS)
+    """Canonical aux layers of the drafter started from nothing (default: [1, N//2-1, N-4])."""
+    keep_shards: int = 4
+    """Shard files the store holds at most (train --keep-shards): the window."""
+    shard_tokens: int = 8192
+    """Tokens per store shard: the unit the trainer takes and consumes."""
+    max_store_gb: float | None = None
+    """Also stop tapping once the store holds this many GB (the tap's max_store_gb)."""
+    flush_s: float = 5.0
+    """The tap commits its open shard after this many idle seconds (the end of a stream is not lost in it)."""
+    tap_dtype: str = field(default="bf16", metadata={"choices": ["bf16", "fp8", "fp32"]})
+    """Store dtype of the tapped states."""
+    train: HyperParams = field(default_factory=lambda: HyperParams(**TRAIN))
+    """The trainer's hyper-parameters, `hstap train`'s (--train.lr, --train.epochs, ...): train's defaults but for
+    the loop's own (TRAIN: TTT 3, micro-batches of 4,096 tokens, a checkpoint every 10 steps, a metrics line every
+    step). Without --train.steps a follow run has no horizon: its learning rate is constant (--train.lr)."""
+    trainer_threads: int = 1
+    """Torch threads of the trainer process (CPU: the rest is the server's)."""
+    reference: str | None = None
+    """served.jsonl of a --mode target run on the same prompts: outputs compared token for token (lossless)."""
+    dtype: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
+    """Server dtype: auto = fp32 on the CPU, bf16 on CUDA."""
+    device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"]})
+    """Where vLLM and the trainer run (auto: cuda when available)."""
+    max_model_len: int = 2048
+    """vLLM's max_model_len: prompts longer than this minus --max-tokens are refused before anything starts."""
+    kv_cache_gib: int = 1
+    """CPU backend: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE, an integer, unless set in the environment)."""
+    seed: int = 0
+    """Seed of the drafter init, the trainer and vLLM."""
+    port: int = 0
+    """Server port (0: a free one)."""
+    overwrite: bool = False
+    """Replace an existing --out."""
+
+
+    def __post_init__(self):
+        w = "serve-loop"
+        if self.mode not in ("loop", "fixed", "target"):
+            raise HstapError(f"{w}: --mode: expected loop, fixed or target, got {self.mode!r}")
+        if self.mode == "fixed" and not self.drafter:
+            raise HstapError(f"{w}: --mode fixed serves a given drafter: pass --drafter")
+        at_least(w, self, ("concurrency", "max_tokens", "k", "update_every", "keep_shards", "shard_tokens",
+                           "trainer_threads", "max_model_len", "kv_cache_gib"))
+        at_least(w, self, ("requests", "port"), lo=0)  # 0: all prompts; a free port
+        epochs = self.train.epochs or 1
+        if self.keep_shards < epochs:
+            raise HstapError(f"{w}: --keep-shards {self.keep_shards} < --train.epochs {epochs}: a shard must stay on "
+                             "disk for all its passes")
+        layer_list(w, self, "layers")
