@@ -5,8 +5,8 @@ On a small target a draft step is kernel-count bound (a few microseconds per ker
 what it saves is kernels, not flops:
     q/k/v       one GEMM over the concatenated projection weights instead of three;
     gate/up     one GEMM over the concatenated MLP input weights instead of two;
-    rotary      cos/sin read from tables made once per cache size (HF's rotary module recomputes them, an outer
-                product and a cat, on every call);
+    rotary      cos/sin read from tables made once per cache size (hstap.models.rotary.RotaryTables; HF's rotary
+                module recomputes them, an outer product and a cat, on every call);
     attention   grouped-query attention with a mask as ONE fused SDPA call: the queries of the g heads that share a
                 kv head are stacked along the query axis, (1, n_kv, g*T, hd), against the un-repeated keys, the mask
                 repeated g times along its rows. `enable_gqa=True` with a mask runs SDPA's math kernel instead

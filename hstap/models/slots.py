@@ -85,7 +85,7 @@ class SlotTarget:
         ridx = (self.all_rows if rows is None else rows)[:, None]  # (R, 1)
         heads = torch.arange(self.nkv, device=ids.device)[None, :, None]  # (1, n_kv, 1)
         kv_at = ((ridx[:, :, None] * self.nkv + heads) * S1 + pos[:, None, :]).reshape(-1)  # (R*n_kv*T,): [r, h, t]
-        col = torch.arange(span, device=ids.device)
+        col = torch.arange(span, device=ids.device)  # (span,)
         allowed = col[None, None, :] <= pos[:, :, None]  # (R, T, span): a row sees its own slots up to the token's
         cache = SlotCache(self.k, self.v, kv_at, span, rows)
         final, tapped = self.lean.states(ids, pos, cache, allowed[:, None], self.layers)  # (R, T, H)
