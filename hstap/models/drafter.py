@@ -38,6 +38,7 @@ from torch import nn
 from hstap.common import HstapError
 from hstap.layers import is_deepseek
 from hstap.models.compiled import compile_region, guard_flex_compile
+from hstap.models.rotary import rotary_module, rotate
 
 
 def parse_rope(cfg) -> tuple[float, dict | None]:
@@ -215,15 +216,6 @@ def new_drafter_cache(drafter):
     return DrafterCache() if n == 1 else LayerCaches(n)
 
 
-def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Rotary embedding of q and k (HF's rotate_half convention); cos/sin broadcast over the head axis."""
-    def half(x):
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
-    return q * cos + half(q) * sin, k * cos + half(k) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig, in_features: int | None = None):
         """in_features: q/k/v input width (default 2H: the midlayer's cat(embedding, hidden))."""
@@ -391,7 +383,7 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self.rotary = _make_rotary(cfg)
+        self.rotary = rotary_module(cfg)
 
     # --- pieces used by training and decoding -------------------------------------------------------------------
     def project(self, aux: torch.Tensor) -> torch.Tensor:
@@ -450,15 +442,3 @@ class Eagle3Drafter(nn.Module):
         if lm_head_weight is not None:
             hot = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t  # (Vd,)
             self.lm_head.weight.copy_(lm_head_weight[hot.to(lm_head_weight.device)])
-
-
-def _make_rotary(cfg: DrafterConfig) -> nn.Module:
-    # HF's rotary module gives inv_freq identical to the target's for every rope_type (default, llama3, yarn, ...).
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
-    max_pos = max(cfg.max_position_embeddings, int(rope.get("original_max_position_embeddings", 0)) + 1)
-    lc = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-                     num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=max_pos, rope_parameters=rope)
-    return LlamaRotaryEmbedding(lc)

@@ -1,23 +1,32 @@
-"""The target's decoder layers with fewer kernels per step, for the fast decoder (hstap.speculative.fast,
-`target_layers="lean"`): the same function as the HF layers that `fast_steps.run_target` calls, on the same weights,
-up to rounding.
+"""The target's Llama-family decoder layers as ONE forward over a pluggable KV cache, with fewer kernels per step: the
+fast decoder's target (hstap.speculative.fast, `target_layers="lean"`) and the continuous engine's (hstap.models.slots)
+run the same `LeanTarget.states`; the same function as the HF layers, on the same weights, up to rounding.
+
+The cache is the one seam between a layer and its keys and values (gpt-fast's `KVCache.update`, transformers' own
+`Cache.update`): `cache.update(k, v, layer) -> (keys, values)` writes the step's rotated keys and values
+(B, n_kv, T, hd) where its tokens belong and returns what the step attends, (B, n_kv, S, hd); the mask (..., T, S)
+says which of those S slots each token sees. `StaticSlots` is one: transformers' StaticCache as the fast decoder
+drives it (T slots from cumulative_length on, set by static_kv.seek; prefill, decode and draft-tree verify alike);
+`slots.SlotCache` another (token (r, t) at slot pos[r, t] of its own row, attention over the rows' first `span`
+slots).
 
 For the Llama family (llama, mistral, qwen2, qwen3: RMSNorm, rotary, grouped-query attention, SwiGLU MLP; Qwen2's
 q/k/v biases, Qwen3's per-head q/k norms). On a small target a decoding step is bound by its kernel count, not its
 bytes, and the HF layer spends kernels on generality:
     q/k/v       one GEMM over one fused weight instead of three (a copy: the model itself is left untouched);
     gate/up     likewise, one GEMM instead of two;
-    rotary      cos/sin read from tables built once per cache size by the model's own rotary module (the HF forward
-                recomputes them on every step);
-    attention   the keys and values written straight into the static cache's tensors at the step's slots, then
-                grouped-query attention as ONE fused SDPA call: the queries of the g heads sharing a kv head stacked
-                along the query axis (1, n_kv, g*T, hd) against the un-repeated cache, the mask repeated g times
-                (HF's sdpa path with a mask repeats the whole cache g times per layer first: repeat_kv).
-`attention="math"` computes the same attention as two matrix products and a softmax (`attend`), and `fuse_rows` writes
-the products of a few-row step (a chain's verify, an extend) as broadcast sums (`linear`): torch.compile then emits
-reductions fused with the norms and activations around them, as it does for a one-row step, where a GEMM library call
-would fuse with nothing. Measured on the H200 (benchmarks/RESULTS.md): in fp32 the SDPA call of a one-token step is
-the memory-efficient kernel at ~60 us, most of a reference-target decoding step.
+    rotary      cos/sin read from tables built once per cache size by the model's own rotary module
+                (hstap.models.rotary; the HF forward recomputes them on every step);
+    attention   grouped-query attention as ONE call: the queries of the g heads sharing a kv head stacked along the
+                query axis (B, n_kv, g*T, hd) against the un-repeated cache, the mask stacked g times once per forward
+                (`stack_heads`; HF's sdpa path with a mask repeats the whole cache g times per layer first: repeat_kv).
+Two strategies of the same forward: `attention="math"` computes the attention as two matrix products and a softmax
+(`attend`), and `product` is how x @ w^T + b is computed: by default `linear`, which writes the products of a few-row
+step (a chain's verify, an extend) as broadcast sums when `fuse_rows` allows: torch.compile then emits reductions
+fused with the norms and activations around them, as it does for a one-row step, where a GEMM library call would fuse
+with nothing; the continuous engine passes F.linear (the bias inside the GEMM, as the HF layers add it). Measured on
+the H200 (benchmarks/RESULTS.md): in fp32 the SDPA call of a one-token step is the memory-efficient kernel at ~60 us,
+most of a reference-target decoding step.
 
 `lean_target(target, S)` returns (None, why) for any other layer structure or a length-dependent rotary (dynamic,
 longrope) and the caller keeps the HF layers; the fast decoder also checks the result against Target.capture.
@@ -25,10 +34,12 @@ longrope) and the caller keeps the HF layers; the fast decoder also checks the r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from hstap.models.drafter import rotate
+from hstap.models.rotary import RotaryTables, rotate
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -66,25 +77,45 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fuse
     return y if b is None else y + b
 
 
+def stack_heads(mask: torch.Tensor, g: int) -> torch.Tensor:
+    """A mask (..., T, S) repeated for the g query heads of a kv head, as `attend` stacks them: (..., g*T, S), row
+    j*T + i = query i of the group's j-th head. Once per forward, not per layer."""
+    *lead, T, S = mask.shape
+    return mask.unsqueeze(-3).expand(*lead, g, T, S).reshape(*lead, g * T, S)
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
            how: str = "sdpa", fuse_rows: int = 0) -> torch.Tensor:
-    """Grouped-query attention with the queries stacked by kv head: q (1, nkv, R, hd) (R = g*T), keys/values
-    (1, nkv, S, hd), mask (R, S) additive or bool -> (1, nkv, R, hd). "sdpa": one fused kernel (in fp32 the
-    memory-efficient kernel, which walks the S slots of a head serially: tens of us per call for one query);
-    "math": softmax(q k^T s + m) v with the softmax in fp32, as HF's eager attention computes it, both products as
-    broadcast sums when R <= fuse_rows (the compiler's reductions, parallel over the slots; see `linear`)."""
+    """Grouped-query attention of q (B, nh, T, hd) over keys/values (B, n_kv, S, hd), mask (..., g*T, S) additive or
+    bool (`stack_heads`) -> (B, T, nh*hd), before o_proj. The queries of the g heads of a kv head are stacked along
+    the query axis (query head i*g+j, kv head i -> rows j*T.. of group i): one call against the un-repeated cache.
+    "sdpa": one fused kernel (in fp32 the memory-efficient kernel, which walks the S slots of a head serially: tens
+    of us per call for one query); "math": softmax(q k^T s + m) v with the softmax in fp32, as HF's eager attention
+    computes it, both products as broadcast sums when T <= fuse_rows (the compiler's reductions, parallel over the
+    slots; see `linear`)."""
+    B, nh, T, hd = q.shape
+    nkv = keys.shape[1]
+    qg = q.reshape(B, nkv, nh // nkv * T, hd)  # (B, n_kv, g*T, hd)
     if how == "sdpa":
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    else:
+        o = _attend_math(qg, keys, values, mask, scale, T <= fuse_rows)
+    return o.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)  # SDPA may return a strided layout
+
+
+def _attend_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+                 small: bool) -> torch.Tensor:
+    """q (B, n_kv, R, hd) against keys/values (B, n_kv, S, hd) -> (B, n_kv, R, hd), the products as broadcast sums
+    when small."""
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, torch.finfo(q.dtype).min)
-    small = q.shape[-2] <= fuse_rows
     if small:
-        s = (q.unsqueeze(-2) * keys.unsqueeze(-3)).sum(-1)  # (1, nkv, R, S)
+        s = (q.unsqueeze(-2) * keys.unsqueeze(-3)).sum(-1)  # (B, n_kv, R, S)
     else:
         s = torch.matmul(q, keys.transpose(-1, -2))
-    p = torch.softmax((s * scale + mask).float(), dim=-1).to(values.dtype)  # (1, nkv, R, S)
+    p = torch.softmax((s * scale + mask).float(), dim=-1).to(values.dtype)  # (B, n_kv, R, S)
     if small:
-        return (p.unsqueeze(-1) * values.unsqueeze(-3)).sum(-2)  # (1, nkv, R, hd)
+        return (p.unsqueeze(-1) * values.unsqueeze(-3)).sum(-2)  # (B, n_kv, R, hd)
     return torch.matmul(p, values)
 
 
@@ -106,15 +137,37 @@ def unsupported(target) -> str | None:
     return None  # a sliding window needs no check: fastdecode's static cache holds one only when it spans every slot
 
 
+class StaticSlots:
+    """A transformers StaticCache as LeanTarget's cache: a step's T keys and values at slots cumulative_length +
+    arange(T) of every layer, then cumulative_length += T, as StaticLayer.update writes them; the arange is made once
+    per step, not once per layer (a kernel per layer fewer where the step is not compiled)."""
+
+    def __init__(self, cache, T: int, device):
+        self.cache, self.ar = cache, torch.arange(T, device=device)  # (T,)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cache.layers[layer]
+        if not c.is_initialized:
+            c.lazy_initialization(k, v)
+        slots = c.cumulative_length + self.ar  # (T,)
+        c.keys.index_copy_(2, slots, k)  # k (1, n_kv, T, hd)
+        c.values.index_copy_(2, slots, v)
+        c.cumulative_length.add_(k.shape[2])
+        return c.keys, c.values  # (1, n_kv, S, hd)
+
+
 class LeanTarget:
-    """forward(cache, layers, ids, pos, mask, rows) with fast_steps.run_target's contract, on `target`'s weights;
-    positions must be < max_len (the rotary tables; `resize` rebuilds them for a longer cache)."""
+    """`states`: the decoder layers of `target` over a pluggable cache (the module docstring); `forward`: the fast
+    decoder's step on top, with fast_steps.run_target's contract. Positions must be < max_len (the rotary tables;
+    `resize` rebuilds them for a longer cache). attention, fuse_rows, fuse_bytes, product: the strategies of the
+    module docstring (product None: `linear` with fuse_rows and fuse_bytes)."""
 
     def __init__(self, target, max_len: int, attention: str = "sdpa", fuse_rows: int = 0,
-                 fuse_bytes: int = FUSE_MAX_BYTES):
+                 fuse_bytes: int = FUSE_MAX_BYTES, product=None):
         if attention not in ("sdpa", "math"):
             raise ValueError(f"attention: expected 'sdpa' or 'math', got {attention!r}")
-        self.target, self.attention, self.fuse_rows, self.fuse_bytes = target, attention, fuse_rows, fuse_bytes
+        self.target, self.attention, self.fuse_rows = target, attention, fuse_rows
+        self.product = product or functools.partial(linear, fuse_rows=fuse_rows, fuse_bytes=fuse_bytes)
         cfg = target.config
         a0 = target.layers[0].self_attn
         self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -127,64 +180,60 @@ class LeanTarget:
             self.gu = [fuse_linears([layer.mlp.gate_proj, layer.mlp.up_proj]) for layer in target.layers]
         self.resize(max_len)
 
-    @torch.no_grad()
     def resize(self, max_len: int) -> None:
         w = self.target.embed_tokens.weight
-        pos = torch.arange(max_len, device=w.device)[None]  # (1, S)
-        cos, sin = self.target.base.rotary_emb(torch.zeros(1, 1, 1, dtype=w.dtype, device=w.device), pos)
-        self.cos, self.sin = cos[0], sin[0]  # (S, hd): the model's own rotary (scaling included)
+        self.rope = RotaryTables(self.target.base.rotary_emb, max_len, w.dtype, w.device)  # the model's own rotary
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, w, b, self.fuse_rows, self.fuse_bytes)
+    def layer(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+              mask: torch.Tensor) -> torch.Tensor:
+        """Decoder layer i: h (B, T, H) at rotary cos/sin (B, 1, T, hd), its keys and values through
+        cache.update(k, v, i), attention under mask (..., g*T, S) (stack_heads) -> h (B, T, H)."""
+        layer = self.target.layers[i]
+        a, m, lin = layer.self_attn, layer.mlp, self.product
+        B, T, _ = h.shape
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        q, k, v = lin(layer.input_layernorm(h), *self.qkv[i]).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = q.view(B, T, nh, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
+        if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, heads, T, hd)
+        keys, values = cache.update(k, v.transpose(1, 2), i)  # (B, n_kv, S, hd)
+        o = attend(q, keys, values, mask, self.scale, self.attention, self.fuse_rows)  # (B, T, nh*hd)
+        h = h + lin(o, a.o_proj.weight, a.o_proj.bias)  # (B, T, H)
+        gate, up = lin(layer.post_attention_layernorm(h), *self.gu[i]).split(self.inter, dim=-1)  # (B, T, I) each
+        return h + lin(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias)  # (B, T, H)
+
+    def states(self, ids: torch.Tensor, pos: torch.Tensor, cache, mask: torch.Tensor,
+               taps=()) -> tuple[torch.Tensor, list]:
+        """ids at positions pos (B, T) through every layer, keys and values through `cache`, mask (..., T, S) bool or
+        additive (which of the cache's S slots each token sees) -> the final-norm states (B, T, H) and the outputs
+        of the layers `taps`, [(B, T, H)] in taps' order (None for an index no layer has)."""
+        t = self.target
+        cos, sin = self.rope.at(pos)  # (B, 1, T, hd) each
+        mask = stack_heads(mask, self.nh // self.nkv)  # (..., g*T, S)
+        want = {layer: j for j, layer in enumerate(taps)}
+        tapped: list = [None] * len(taps)
+        h = t.embed_tokens(ids)  # (B, T, H)
+        for i in range(len(t.layers)):
+            h = self.layer(i, h, cos, sin, cache, mask)  # (B, T, H)
+            if i in want:
+                tapped[want[i]] = h
+        return t.norm(h), tapped
 
     def forward(self, cache, layers: list[int], ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
                 rows: torch.Tensor | None = None):
-        """ids (1, T) at positions pos (1, T), additive mask (1, 1, T, S), written at the cache's slots
-        cumulative_length + arange(T) (fast_steps.seek) -> logits (T or R, V) fp32, fc input (T, K, H)."""
+        """ids (1, T) at positions pos (1, T), additive mask (1, 1, T, S), written into the transformers StaticCache
+        `cache` at its slots cumulative_length + arange(T) (static_kv.seek) -> logits (T or R, V) fp32 (only of
+        `rows` (R,) if given), fc input (T, K, H): the outputs of `layers` (the final-norm state if none)."""
         t = self.target
-        B, T = ids.shape
-        nh, nkv, hd = self.nh, self.nkv, self.hd
-        g = nh // nkv
-        p = pos.reshape(-1)  # (T,)
-        cos = self.cos.index_select(0, p).view(B, 1, T, hd)
-        sin = self.sin.index_select(0, p).view(B, 1, T, hd)
-        S = mask.shape[-1]
-        mg = mask[0, 0].expand(g, T, S).reshape(g * T, S)  # (g*T, S): row j*T+i = query i of head j of a group
-        want = {layer: j for j, layer in enumerate(layers)}
-        grabbed: list = [None] * len(layers)
-        h = t.embed_tokens(ids)  # (1, T, H)
-        ar = torch.arange(T, device=ids.device)
-        fr = self.fuse_rows
-        lin = self._linear
-        for i, layer in enumerate(t.layers):
-            a, m, c = layer.self_attn, layer.mlp, cache.layers[i]
-            x = layer.input_layernorm(h)  # (1, T, H)
-            w, bias = self.qkv[i]
-            q, k, v = lin(x, w, bias).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            q, k, v = q.view(B, T, nh, hd), k.view(B, T, nkv, hd), v.view(B, T, nkv, hd)
-            if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, T, hd)
-            q, k = rotate(q, k, cos, sin)
-            if not c.is_initialized:
-                c.lazy_initialization(k, v)
-            slots = c.cumulative_length + ar  # (T,)
-            c.keys.index_copy_(2, slots, k)
-            c.values.index_copy_(2, slots, v)
-            c.cumulative_length.add_(T)  # as StaticLayer.update does
-            qg = q.reshape(B, nkv, g * T, hd)  # query head i*g+j (kv head i) -> rows j*T.. of group i
-            o = attend(qg, c.keys, c.values, mg, self.scale, self.attention, g * fr)  # (1, nkv, g*T, hd)
-            o = o.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
-            h = h + lin(o, a.o_proj.weight, a.o_proj.bias)  # (1, T, H)
-            gate, up = lin(layer.post_attention_layernorm(h), *self.gu[i]).split(self.inter, dim=-1)
-            h = h + lin(F.silu(gate) * up, m.down_proj.weight, m.down_proj.bias)  # (1, T, H)
-            if i in want:
-                grabbed[want[i]] = h
-        final = t.norm(h)  # (1, T, H)
-        aux = torch.stack(grabbed, dim=2) if layers else final.unsqueeze(2)  # (1, T, K, H)
+        final, tapped = self.states(ids, pos, StaticSlots(cache, ids.shape[1], ids.device), mask, layers)  # (1, T, H)
+        aux = torch.stack(tapped, dim=2) if layers else final.unsqueeze(2)  # (1, T, K, H)
         head_in = final[0] if rows is None else final[0].index_select(0, rows)  # (T or R, H)
         head = t.lm_head
-        logits = lin(head_in, head.weight, head.bias) if isinstance(head, torch.nn.Linear) else t.logits(head_in)
+        if isinstance(head, torch.nn.Linear):
+            logits = self.product(head_in, head.weight, head.bias)  # (T or R, V)
+        else:
+            logits = t.logits(head_in)
         return logits.float(), aux[0]
 
 

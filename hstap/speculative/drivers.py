@@ -48,11 +48,34 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _choose(logits: torch.Tensor, temperature: float, gen) -> int:
+def choose(logits: torch.Tensor, temperature: float, gen) -> int:
     """One token from a (V,) logit row: argmax at T=0, else a sample of softmax(logits / T)."""
     if temperature == 0:
         return int(logits.argmax())
     return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen))
+
+
+def finish(out: list[int], new: list[int], max_new: int, eos: set[int]) -> bool:
+    """Append new tokens up to max_new and the first eos; True when generation is over."""
+    for t in new:
+        out.append(t)
+        if t in eos or len(out) >= max_new:
+            return True
+    return False
+
+
+def prompt_list(prompt_ids, where: str) -> list[int]:
+    """A prompt (ids: a list or a tensor) as a list of ints; an empty one is bad input (`where`: the module named in
+    the error)."""
+    prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
+    if not prompt:
+        raise HstapError(f"{where}: prompt_ids: empty prompt")
+    return prompt
+
+
+def acceptance_rates(counts: list[int], rounds: int) -> list[float]:
+    """Per-position acceptance: counts[i] = rounds whose accepted draft reached depth i+1, over all rounds."""
+    return [c / rounds if rounds else 0.0 for c in counts]
 
 
 def new_cache():
@@ -122,9 +145,10 @@ class SpecState:
     """(token ids, fc inputs (T, K, H), start position) still to extend the drafter with."""
 
 
-def _check(target, drafter, mode: str, k: int, topk: int, depth: int, tokens: int, temperature: float, max_new: int,
-           length: int):
-    where = "speculative/drivers.py"
+def check_request(where: str, target, drafter, mode: str, k: int, topk: int, depth: int, tokens: int,
+                  temperature: float, max_new: int) -> None:
+    """The arguments of a speculative_generate call, and whether the drafter fits the target (`where`: the module
+    named in the errors; the eager and the fast decoder both ask)."""
     if mode not in ("chain", "tree"):
         raise HstapError(f"{where}: mode: expected 'chain' or 'tree', got {mode!r}")
     for name, v, lo in (("k", k, 1), ("topk", topk, 1), ("depth", depth, 1), ("tokens", tokens, 2),
@@ -143,14 +167,18 @@ def _check(target, drafter, mode: str, k: int, topk: int, depth: int, tokens: in
     if c.aux_layers and max(c.aux_layers) >= target.num_layers:
         raise HstapError(f"{where}: drafter aux_layers {list(c.aux_layers)} out of range for a "
                          f"{target.num_layers}-layer target")
-    if mode == "tree":
-        impl = getattr(target.config, "_attn_implementation", None) or "sdpa"
-        if impl not in ("sdpa", "eager"):
-            raise HstapError(f"{where}: tree verification needs a 4-D mask: load the target with attn_implementation "
-                             f"'sdpa' or 'eager' (got {impl!r})")
-        window = getattr(target.config, "sliding_window", None)
-        if window and length > window:  # the custom mask would not apply the window
-            raise HstapError(f"{where}: tree mode: prompt + new tokens ({length}) exceed the sliding window ({window})")
+
+
+def _check_tree(target, length: int) -> None:
+    """Tree verification here passes a 4-D mask to the model's own attention, which must take one and need no window."""
+    where = "speculative/drivers.py"
+    impl = getattr(target.config, "_attn_implementation", None) or "sdpa"
+    if impl not in ("sdpa", "eager"):
+        raise HstapError(f"{where}: tree verification needs a 4-D mask: load the target with attn_implementation "
+                         f"'sdpa' or 'eager' (got {impl!r})")
+    window = getattr(target.config, "sliding_window", None)
+    if window and length > window:  # the custom mask would not apply the window
+        raise HstapError(f"{where}: tree mode: prompt + new tokens ({length}) exceed the sliding window ({window})")
 
 
 def prefill(target, drafter, prompt: list[int], temperature: float = 0.0, gen=None) -> SpecState:
@@ -158,7 +186,7 @@ def prefill(target, drafter, prompt: list[int], temperature: float = 0.0, gen=No
     layers = list(drafter.config.aux_layers)
     cache = new_cache()
     logits, aux = target_forward(target, torch.tensor([prompt], device=target.device), layers, cache)
-    x = _choose(logits[-1], temperature, gen)
+    x = choose(logits[-1], temperature, gen)
     # a deeper drafter gets a LayerCaches: the same len()/crop() protocol, so rounds and draft trees are unchanged
     return SpecState(ids=list(prompt) + [x], cache=cache, dcache=new_drafter_cache(drafter),
                      pending=(prompt[1:] + [x], aux, 0))
@@ -191,19 +219,6 @@ def spec_step(target, drafter, st: SpecState, topk: int, depth: int, tokens: int
     return {"new": new, "accepted": acc, "nodes": len(tree.tokens), "moved": moved}
 
 
-def _finish(out: list[int], new: list[int], max_new: int, eos: set[int]) -> bool:
-    """Append new tokens up to max_new and the first eos; True when generation is over."""
-    for t in new:
-        out.append(t)
-        if t in eos or len(out) >= max_new:
-            return True
-    return False
-
-
-def _acceptance(counts: list[int], steps: int) -> list[float]:
-    return [c / steps if steps else 0.0 for c in counts]
-
-
 @torch.no_grad()
 def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int = 256, mode: str = "chain", k: int = 5,
                          topk: int = 8, depth: int = 6, tokens: int = 60, temperature: float = 0.0, eos_ids=(),
@@ -214,11 +229,10 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int = 256,
     stats: tau = tokens produced by verify forwards / verify forwards (the prefill's token is in neither; SGLang's
     accept length counts it in the numerator); per_position_acceptance[i] = fraction of rounds whose accepted draft
     reached depth i+1; draft_s (drafter extend + drafting) vs verify_s (target forward + acceptance + KV rollback)."""
-    prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
-    if not prompt:
-        raise HstapError("speculative/drivers.py: prompt_ids: empty prompt")
-    _check(target, drafter, mode, k, topk, depth, tokens, temperature, max_new_tokens,
-           len(prompt) + max_new_tokens + tokens)
+    prompt = prompt_list(prompt_ids, "speculative/drivers.py")
+    check_request("speculative/drivers.py", target, drafter, mode, k, topk, depth, tokens, temperature, max_new_tokens)
+    if mode == "tree":
+        _check_tree(target, len(prompt) + max_new_tokens + tokens)
     if mode == "chain":
         topk, depth, tokens = 1, k, k + 1
     dev, eos = target.device, {int(e) for e in eos_ids}
@@ -227,19 +241,19 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int = 256,
     st = prefill(target, drafter, prompt, temperature, generator)
     clock["prefill_s"] = _now(dev) - t0
     out: list[int] = []
-    done = _finish(out, st.ids[-1:], max_new_tokens, eos)
+    done = finish(out, st.ids[-1:], max_new_tokens, eos)
     steps, nodes, moved, counts = 0, 0, 0, [0] * depth
     while not done:
         r = spec_step(target, drafter, st, topk, depth, tokens, temperature, generator, clock)
         steps, nodes, moved = steps + 1, nodes + r["nodes"], moved + r["moved"]
         for d in range(r["accepted"]):
             counts[d] += 1
-        done = _finish(out, r["new"], max_new_tokens, eos)
+        done = finish(out, r["new"], max_new_tokens, eos)
     total = _now(dev) - t0
     stats = {"method": f"eagle-{mode}", "mode": mode, "k": k if mode == "chain" else None, "topk": topk, "depth": depth,
              "tokens": tokens, "temperature": temperature, "prompt_tokens": len(prompt), "new_tokens": len(out),
              "verify_forwards": steps, "verify_tokens": len(out) - 1, "tau": (len(out) - 1) / steps if steps else 0.0,
-             "accept_counts": counts, "per_position_acceptance": _acceptance(counts, steps),
+             "accept_counts": counts, "per_position_acceptance": acceptance_rates(counts, steps),
              "mean_tree_nodes": nodes / steps if steps else 0.0, "kv_moves": moved, **clock, "total_s": total,
              "tokens_per_s": len(out) / total if total > 0 else 0.0}
     return out, stats
@@ -250,20 +264,18 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int = 256,
 def target_generate(target, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, eos_ids=(),
                     generator=None) -> tuple[list[int], dict]:
     """Plain autoregressive decoding with a KV cache (the baseline every speedup is measured against)."""
-    prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
-    if not prompt:
-        raise HstapError("speculative/drivers.py: prompt_ids: empty prompt")
+    prompt = prompt_list(prompt_ids, "speculative/drivers.py")
     dev, eos, cache = target.device, {int(e) for e in eos_ids}, new_cache()
     t0 = _now(dev)
     logits, _ = target_forward(target, torch.tensor([prompt], device=dev), [], cache)
     out: list[int] = []
-    done = _finish(out, [_choose(logits[-1], temperature, generator)], max_new_tokens, eos)
+    done = finish(out, [choose(logits[-1], temperature, generator)], max_new_tokens, eos)
     t1 = _now(dev)
     steps = 0
     while not done:
         logits, _ = target_forward(target, torch.tensor([[out[-1]]], device=dev), [], cache)
         steps += 1
-        done = _finish(out, [_choose(logits[-1], temperature, generator)], max_new_tokens, eos)
+        done = finish(out, [choose(logits[-1], temperature, generator)], max_new_tokens, eos)
     t2 = _now(dev)
     return out, {"method": "target", "temperature": temperature, "prompt_tokens": len(prompt), "new_tokens": len(out),
                  "verify_forwards": steps, "verify_tokens": len(out) - 1, "tau": 1.0 if steps else 0.0,
@@ -308,19 +320,17 @@ def ngram_generate(target, prompt_ids, max_new_tokens: int = 256, k: int = 5, ma
 
     Drafts are deterministic (q = a point mass), so acceptance at T > 0 is min(1, p(d)/1) and the residual is p
     without d: lossless."""
-    prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
-    if not prompt:
-        raise HstapError("speculative/drivers.py: prompt_ids: empty prompt")
+    prompt = prompt_list(prompt_ids, "speculative/drivers.py")
     if k < 1 or max_ngram < 1:
         raise HstapError(f"speculative/drivers.py: k and max_ngram must be >= 1 (got {k}, {max_ngram})")
     dev, eos, cache = target.device, {int(e) for e in eos_ids}, new_cache()
     clock = {"draft_s": 0.0, "verify_s": 0.0}
     t0 = _now(dev)
     logits, _ = target_forward(target, torch.tensor([prompt], device=dev), [], cache)
-    ids = prompt + [_choose(logits[-1], temperature, generator)]
+    ids = prompt + [choose(logits[-1], temperature, generator)]
     clock["prefill_s"] = _now(dev) - t0
     out: list[int] = []
-    done = _finish(out, ids[-1:], max_new_tokens, eos)
+    done = finish(out, ids[-1:], max_new_tokens, eos)
     steps, counts, index = 0, [0] * k, NgramIndex(max_ngram, ids)
     while not done:
         ta = time.perf_counter()  # host-only drafting; the device was synchronised at the end of the last round
@@ -338,10 +348,10 @@ def ngram_generate(target, prompt_ids, max_new_tokens: int = 256, k: int = 5, ma
         steps += 1
         for d in range(acc):
             counts[d] += 1
-        done = _finish(out, new, max_new_tokens, eos)
+        done = finish(out, new, max_new_tokens, eos)
     total = _now(dev) - t0
     return out, {"method": "ngram", "k": k, "temperature": temperature, "prompt_tokens": len(prompt),
                  "new_tokens": len(out), "verify_forwards": steps, "verify_tokens": len(out) - 1,
                  "tau": (len(out) - 1) / steps if steps else 0.0, "accept_counts": counts,
-                 "per_position_acceptance": _acceptance(counts, steps), **clock, "total_s": total,
+                 "per_position_acceptance": acceptance_rates(counts, steps), **clock, "total_s": total,
                  "tokens_per_s": len(out) / total if total > 0 else 0.0}

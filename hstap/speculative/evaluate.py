@@ -46,7 +46,8 @@ from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, writ
 from hstap.console import Progress
 from hstap.plots import acceptance_plot
 from hstap.speculative.config import EvalConfig
-from hstap.speculative.drivers import new_cache, ngram_generate, speculative_generate, target_forward, target_generate
+from hstap.speculative.drivers import (acceptance_rates, new_cache, ngram_generate, speculative_generate,
+                                       target_forward, target_generate)
 from hstap.speculative.fast import FUSED, FastDecoder
 from hstap.speculative.inputs import check_inputs
 from hstap.speculative.latency import latency_model, round_model
@@ -206,7 +207,7 @@ def aggregate(per: list[dict]) -> dict:
     if "accept_counts" in per[0]:
         counts = [sum(c) for c in zip(*(s["accept_counts"] for s in per))]
         agg["accept_counts"] = counts
-        agg["per_position_acceptance"] = [c / steps if steps else 0.0 for c in counts]
+        agg["per_position_acceptance"] = acceptance_rates(counts, steps)
         agg["mean_accepted"] = sum(counts) / steps if steps else 0.0
     if "mean_tree_nodes" in per[0]:
         agg["mean_tree_nodes"] = sum(s["mean_tree_nodes"] * s["verify_forwards"] for s in per) / steps if steps else 0.0

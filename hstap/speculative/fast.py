@@ -51,6 +51,7 @@ from hstap.layers import last_layer
 from hstap.models.lean_drafter import LeanDrafter
 from hstap.models.lean_target import FUSE_MAX_BYTES, lean_target
 from hstap.speculative import drivers
+from hstap.speculative.drivers import acceptance_rates, check_request, choose, finish, prompt_list
 from hstap.speculative.cudagraph import Clock, GraphPolicy, Step
 from hstap.speculative.device_tree import TreeShape
 from hstap.speculative.fast_steps import (decode_body, decode_buffers, ngram_body, ngram_buffers, prefill_body,
@@ -74,40 +75,6 @@ target, trained drafter, benchmarks/RESULTS.md): target-only 3,097 tok/s and cha
 1,682 with the lean layers attending through SDPA (whose fp32 one-query kernel costs ~60 us a layer) and 1,374 and
 1,577 with the model's own layers; compiling a method's steps takes minutes (coordinate-descent tuning), outside the
 timings. fuse_rows is meant for compiled steps: run eagerly, its products materialise rows x weight."""
-
-
-def choose(logits: torch.Tensor, temperature: float, gen) -> int:
-    """One token from a (V,) logit row (the prefill's): argmax at T=0, else a sample of softmax(logits / T)."""
-    if temperature == 0:
-        return int(logits.argmax())
-    return int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen))
-
-
-def finish(out: list[int], new: list[int], max_new: int, eos: set[int]) -> bool:
-    """Append new tokens up to max_new and the first eos; True when generation is over."""
-    for t in new:
-        out.append(t)
-        if t in eos or len(out) >= max_new:
-            return True
-    return False
-
-
-def _ids(prompt_ids) -> list[int]:
-    prompt = [int(t) for t in (prompt_ids.tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
-    if not prompt:
-        raise HstapError("speculative/fast.py: prompt_ids: empty prompt")
-    return prompt
-
-
-def _check(mode: str, k: int, topk: int, depth: int, tokens: int, temperature: float, max_new: int) -> None:
-    if mode not in ("chain", "tree"):
-        raise HstapError(f"speculative/fast.py: mode: expected 'chain' or 'tree', got {mode!r}")
-    for name, v, lo in (("k", k, 1), ("topk", topk, 1), ("depth", depth, 1), ("tokens", tokens, 2),
-                        ("max_new_tokens", max_new, 1)):
-        if v < lo:
-            raise HstapError(f"speculative/fast.py: {name}: must be >= {lo}, got {v}")
-    if temperature < 0:
-        raise HstapError(f"speculative/fast.py: temperature: must be >= 0, got {temperature}")
 
 
 class FastDecoder:
@@ -295,7 +262,7 @@ class FastDecoder:
                         generator=None) -> tuple[list[int], dict]:
         """Plain autoregressive decoding (the baseline) in one-token steps; stats as drivers.target_generate's, plus
         decode_s (device time of the steps) and host_s (the rest of the loop)."""
-        prompt = _ids(prompt_ids)
+        prompt = prompt_list(prompt_ids, "speculative/fast.py")
         if self._eager("target-only decoding"):
             return drivers.target_generate(self.target, prompt, max_new_tokens, temperature, eos_ids, generator)
         self._ensure(len(prompt) + max_new_tokens + 1)
@@ -363,14 +330,12 @@ class FastDecoder:
                              generator=None) -> tuple[list[int], dict]:
         """drivers.speculative_generate on static caches and device-side trees (same arguments and stats, plus
         host_s, the per-round split and the latency model)."""
-        prompt = _ids(prompt_ids)
-        _check(mode, k, topk, depth, tokens, temperature, max_new_tokens)
+        prompt = prompt_list(prompt_ids, "speculative/fast.py")
         if self.drafter is None:
             raise HstapError("speculative/fast.py: speculative_generate needs a FastDecoder built with a drafter")
+        check_request("speculative/fast.py", self.target, self.drafter, mode, k, topk, depth, tokens, temperature,
+                      max_new_tokens)
         c = self.drafter.config
-        if c.vocab_size != self.target.vocab_size or (c.aux_layers and max(c.aux_layers) >= self.target.num_layers):
-            raise HstapError(f"speculative/fast.py: drafter (vocab {c.vocab_size}, aux_layers {list(c.aux_layers)}) does "
-                             f"not fit a {self.target.num_layers}-layer target of vocab {self.target.vocab_size}")
         eager = self._eager(f"EAGLE {mode} decoding")
         if not eager and getattr(c, "num_layers", 1) > 1:
             self._say("deep-drafter", f"a {c.num_layers}-layer drafter runs on the eager decoder (drivers.py): the "
@@ -421,7 +386,7 @@ class FastDecoder:
         return out, self._stats(f"eagle-{mode}", prompt, out, n, times, [key + ("draft",), key], mode=mode,
                                 k=k if mode == "chain" else None, topk=topk, depth=depth, tokens=tokens,
                                 temperature=temperature, accept_counts=counts,
-                                per_position_acceptance=[c / n if n else 0.0 for c in counts],
+                                per_position_acceptance=acceptance_rates(counts, n),
                                 mean_tree_nodes=float(shape.N), kv_moves=moved)
 
     # --- n-gram -----------------------------------------------------------------------------------------------------
@@ -430,7 +395,7 @@ class FastDecoder:
                        temperature: float = 0.0, eos_ids=(), generator=None) -> tuple[list[int], dict]:
         """drivers.ngram_generate with a fixed (k+1)-token verify step (drafts shorter than k are padded and their
         padding is never accepted)."""
-        prompt = _ids(prompt_ids)
+        prompt = prompt_list(prompt_ids, "speculative/fast.py")
         if k < 1 or max_ngram < 1:
             raise HstapError(f"speculative/fast.py: k and max_ngram must be >= 1 (got {k}, {max_ngram})")
         if self._eager("n-gram decoding"):
@@ -479,4 +444,4 @@ class FastDecoder:
         n = len(marks)
         times = self._times(t, c, draft_s=draft_s, verify_s=sum(clock.span(m0, m1) for m0, m1 in marks))
         return out, self._stats("ngram", prompt, out, n, times, [key], k=k, temperature=temperature,
-                                accept_counts=counts, per_position_acceptance=[c / n if n else 0.0 for c in counts])
+                                accept_counts=counts, per_position_acceptance=acceptance_rates(counts, n))

@@ -41,7 +41,7 @@ def setup(tiny_llama, tmp_path_factory):
 
 
 def test_eval_jsonl_chain_with_ngram(setup, tiny_llama, capsys):
-    from hstap.data.prepare import render_prompt
+    from hstap.data.chat import render_prompt
 
     target, tok, jsonl, run, root = setup
     out = root / "report-chain"
