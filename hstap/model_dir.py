@@ -25,10 +25,11 @@ import torch
 
 from hstap.common import HstapError, one_line, sha256_bytes
 from hstap.models.target import Target
+from hstap.tiktoken_dir import TIKTOKEN_FILE, is_tiktoken_dir, load_tiktoken_dir
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", TIKTOKEN_FILE)
 FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a weight file
 
 
@@ -125,31 +126,46 @@ def load_tokenizer(path: str | os.PathLike, chat_template_file: str | os.PathLik
                    optional: bool = False):
     """The HF tokenizer in directory `path`, with its chat template replaced by `chat_template_file` if given.
 
+    A tiktoken directory (Kimi-K2/K2.5: tiktoken.model and a remote-code tokenizer class, no tokenizer.json) loads as
+    the fast tokenizer `hstap.tiktoken_dir` builds from its files, with the class's ids; remote code is never run.
     Default: a fast tokenizer is required (prepare needs its offset mapping). optional=True (a target directory, which
     may come without one): None when the directory has no tokenizer files, and a slow tokenizer is accepted."""
     d = Path(path)
     if not d.is_dir():
         raise HstapError(f"{d}: tokenizer directory not found")
-    if optional and not has_tokenizer(d):
-        return None
+    if not has_tokenizer(d):
+        if optional:
+            return None
+        raise HstapError(f"{d}: no tokenizer: neither tokenizer.json nor a tiktoken tokenizer ({TIKTOKEN_FILE} with "
+                         "tokenizer_config.json and its tokenizer class file)")
+    tok = load_tiktoken_dir(d) if is_tiktoken_dir(d) else _auto_tokenizer(d)
+    if not optional and (not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None):
+        raise HstapError(f"{d}: transformers built a slow tokenizer ({type(tok).__name__}) and there is no tiktoken "
+                         f"tokenizer ({TIKTOKEN_FILE}); prepare needs a fast one (tokenizer.json) for its offsets")
+    if chat_template_file is not None:
+        tok.chat_template = read_chat_template(chat_template_file)
+    return tok
+
+
+def _auto_tokenizer(d: Path):
+    """transformers' tokenizer of a directory, remote code refused (never asked for on a terminal)."""
     try:
         cls = json.loads((d / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):
         cls = None
     # The generic fast class needs no AutoTokenizer dispatch, whose import costs seconds (model registries).
     if cls in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-        from transformers import PreTrainedTokenizerFast as AutoTokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        load, kw = PreTrainedTokenizerFast.from_pretrained, {}
     else:
         from transformers import AutoTokenizer
+
+        load, kw = AutoTokenizer.from_pretrained, {"trust_remote_code": False}
     try:
-        tok = AutoTokenizer.from_pretrained(str(d))
+        return load(str(d), **kw)
     except Exception as e:  # noqa: BLE001 - whatever transformers raises, it is about the user's directory
         raise HstapError(f"{d}: cannot load tokenizer: {one_line(e)}") from None
-    if not optional and (not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None):
-        raise HstapError(f"{d}: a fast tokenizer (tokenizer.json) is needed for offset mapping")
-    if chat_template_file is not None:
-        tok.chat_template = read_chat_template(chat_template_file)
-    return tok
 
 
 def chat_template_of(tokenizer, where: str = "tokenizer") -> str:
@@ -170,7 +186,11 @@ def tokenizer_sha256(tokenizer) -> str:
     """sha256 of what maps text to ids: the tokenizer's serialized JSON (vocab, merges, added tokens, normalizer,
     pre-tokenizer, post-processor, decoder; transient truncation/padding settings dropped) and its special tokens,
     as sorted compact JSON. Takes a directory or a loaded tokenizer (same value for both). The chat template is not
-    part of it: see `chat_template_sha256`."""
+    part of it: see `chat_template_sha256`.
+
+    For a tiktoken directory that JSON is the one `hstap.tiktoken_dir` builds, a function of tiktoken.model (vocab,
+    merges), the tokenizer class file's pat_str and num_reserved_special_tokens, and tokenizer_config.json's
+    added_tokens_decoder and bos/eos/unk/pad: the same files give the same value wherever they are."""
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
     state = json.loads(tokenizer.backend_tokenizer.to_str())
