@@ -7,7 +7,7 @@ What is measured (same random target, same batches of 8 x 2048 tokens, warm-up e
   (a) plain prefill: the base model's forward over the batches, no hooks, nothing copied or stored (the ceiling);
   (b) capture into a store on /dev/shm (RAM: the pipeline without a disk), bf16 and fp8;
   (c) capture into a store in --disk-dir (a real local disk); --disk-variants adds passes without the writer's
-      end-of-run shard shrinking (StoreWriter.expect) and/or its early writeback (hstap.store.writer.START_WRITEBACK);
+      end-of-run shard shrinking (StoreWriter.expect) and/or its early writeback (hstap.store.shard_file.START_WRITEBACK);
   (d) the sink's sequential write bandwidth (large writes + fsync) in /dev/shm and --disk-dir: what (b)/(c) can reach;
   (e) the per-sample cost of SGLang's return_hidden_states transport, `t.cpu().tolist()` + `json.dumps`, for one
       2048-token sample of 3 x 7168 bf16 (Kimi-K2/DeepSeek-V3 width), against our binary path for the same tensor
@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import hstap.store.writer as writer_mod  # noqa: E402
+import hstap.store.shard_file as shard_file  # noqa: E402
 from hstap.batching import pack_by_tokens  # noqa: E402
 from hstap.capture.hf import run_capture  # noqa: E402
 from hstap.capture.staging import PinnedPool  # noqa: E402
@@ -121,7 +121,7 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
                   queue_size: int, dev, tail: bool = True, writeback: bool = True) -> dict:
     """One timed capture pass. `tail`: tell the writer how many tokens are coming (StoreWriter.expect, what `hstap
     capture` does), so the shards shrink toward the end; False measures fixed-size shards. `writeback`: the writer
-    starts each piece's writeback as soon as it is written (hstap.store.writer.START_WRITEBACK, the default)."""
+    starts each piece's writeback as soon as it is written (hstap.store.shard_file.START_WRITEBACK, the default)."""
     directory.mkdir(parents=True, exist_ok=True)
     seq = len(batches[0][0]["input_ids"])
     bps = store_bytes_per_token(len(layers), target.hidden_size, dtype) * seq
@@ -130,7 +130,7 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
         return {"skipped": f"not enough free space in {directory} ({shutil.disk_usage(directory).free / 1e9:.1f} GB)"}
     out = Path(tempfile.mkdtemp(prefix="hstap-bench-store-", dir=directory))
     pool = PinnedPool() if dev.type == "cuda" else None
-    prev, writer_mod.START_WRITEBACK = writer_mod.START_WRITEBACK, writeback
+    prev, shard_file.START_WRITEBACK = shard_file.START_WRITEBACK, writeback
     try:
         w = StoreWriter(out / "warm", header(target, layers, dtype, shape), shard_tokens=shard_tokens)
         run_capture(target, layers, w, use[:1], dtype=dtype, queue_size=queue_size, pool=pool)  # warm-up: kernels
@@ -171,7 +171,7 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
                 "gpu_waited_for_storage_s": round(st["writer_wait_s"], 3),
                 "pinned_allocations_in_timed_run": st["pinned_allocations"] - pinned_before}
     finally:
-        writer_mod.START_WRITEBACK = prev
+        shard_file.START_WRITEBACK = prev
         shutil.rmtree(out, ignore_errors=True)
 
 
