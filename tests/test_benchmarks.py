@@ -161,3 +161,32 @@ def test_bench_generate_tiny():
     c, lock = out["continuous"], out["lockstep"]
     assert c["generated"] == lock["generated"] > 0 and c["decode_steps"] > 0
     assert c["prefilled_tokens"] + c["reused_tokens"] >= lock["prefilled_tokens"] > c["prefilled_tokens"]
+
+
+def test_bench_capture_tiny_profiles_every_pass(tmp_path):
+    """bench_capture.py --tiny --cli --trace-batches 1: every pass (the plain prefill, bf16 and fp8 into a RAM-backed
+    and a disk directory, `hstap capture` itself on the same samples) reports where its time went: the runner's stages on
+    both threads, the store writer's split, the host syncs by site; each store at its formula's bytes per token."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_capture
+    finally:
+        sys.path.pop(0)
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    shm.mkdir()
+    out = bench_capture.main(["--tiny", "--samples", "8", "--seq", "32", "--batch-tokens", "64", "--shm-dir", str(shm),
+                              "--disk-dir", str(disk), "--disk-dtypes", "bf16,fp8", "--sink-gb", "0.01", "--cli",
+                              "--trace-batches", "1", "--out-dir", str(tmp_path / "out"), "--repeat-prefill"])
+    assert out["prefill"]["profile"]["host_s"]["forward"] > 0 and out["prefill_again"]["tok_per_s"] > 0
+    for key in ("capture_shm_bf16", "capture_shm_fp8", "capture_disk_bf16", "capture_disk_fp8", "cli"):
+        c = out[key]
+        assert c["tokens"] == 8 * 32 and c["vs_prefill"] > 0, key
+        formula = bench_capture.store_bytes_per_token(3, 128, c["dtype"])  # + each shard's header and offsets
+        assert formula <= c["bytes_per_token"] < 1.01 * formula, key
+        p = c["profile"]
+        assert p["batches"] == 4 and p["host_s"]["forward"] > 0 and p["host_s"]["store"] > 0, key
+        assert p["store"]["samples"] == 8 and p["store"]["shards"] >= 1 and p["store"]["write_s"] > 0, key
+        assert p["syncs"]["main_syncs"] >= 0 and "sites" in p["syncs"], key
+        assert c["loss_vs_prefill"] is None  # the split against the prefill needs device events (CUDA)
+    assert (tmp_path / "out" / "capture_trace.json").is_file() and out["trace"]["top_ops"]
+    assert not list(shm.iterdir()) and not [f for f in disk.iterdir() if f.name.startswith("hstap-bench")]
