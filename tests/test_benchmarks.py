@@ -190,3 +190,37 @@ def test_bench_capture_tiny_profiles_every_pass(tmp_path):
         assert c["loss_vs_prefill"] is None  # the split against the prefill needs device events (CUDA)
     assert (tmp_path / "out" / "capture_trace.json").is_file() and out["trace"]["top_ops"]
     assert not list(shm.iterdir()) and not [f for f in disk.iterdir() if f.name.startswith("hstap-bench")]
+
+
+def test_bench_decode_tiny_says_where_each_step_goes():
+    """bench_decode.py --tiny --big-spec: every target-only step and every speculative round is split against the
+    weight-bandwidth bound (bound + gemm + other kernels + gaps + host = the step's time), for the reference stand-in,
+    the big-shape stand-in and its speculative loop; fp32 outputs equal the eager engine's and target-only decoding's."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_decode
+    finally:
+        sys.path.pop(0)
+    out = bench_decode.main(["--tiny", "--big-spec", "--spec-variants", "lean+cdt", "--variants", "base",
+                             "--chains", "5", "--new-tokens", "12"])
+
+    def adds_up(b):
+        o = b["over_bound_ms"]
+        assert abs(b["bound_ms"] + o["gemm"] + o["other"] + o["gaps"] + o["host"] - b["ms"]) < 1e-6 * max(1, b["ms"])
+        assert b["bound_ms"] > 0 and b["kernels"] > 0 and b["kinds"]["gemm"]["kernels"] > 0 and b["read_gb"] > 0
+
+    assert {t["target"] for t in out["targets"]} == {"tiny", "tiny-llama-shape"}
+    for t in out["targets"]:
+        adds_up(t["step"])
+        assert t["step"]["ms"] == pytest.approx(t["ms_per_token"], rel=1e-6)
+        if t["eager_tokens"]:
+            assert t["eager_equal_tokens"] == t["eager_tokens"]  # fp32 on the CPU: the same greedy tokens
+    for store in (out["speculative"], out["speculative_big"]):
+        rows = next(iter(store.values()))
+        assert "chain5" in rows and all(r["lossless"] for r in rows.values())
+        rb = rows["chain5"]["round"]
+        adds_up(rb["verify"])
+        adds_up(rb["draft"])
+        assert rb["bound_ms"] == pytest.approx(rb["verify"]["bound_ms"] + rb["draft"]["bound_ms"])
+        assert rb["ms"] == pytest.approx(rows["chain5"]["draft_ms_per_round"] + rows["chain5"]["verify_ms_per_round"]
+                                         + rows["chain5"]["host_ms_per_round"])
