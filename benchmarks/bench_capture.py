@@ -20,6 +20,8 @@ What is measured (same random target, same batches of 8 x 2048 tokens, warm-up e
       pinned buffers allocated as it goes) and the CLI's own rate, into --disk-dir (or --shm-dir without one);
   (h) --trace-batches N: torch.profiler over N batches of one more capture into --shm-dir, its chrome trace written to
       --out-dir/capture_trace.json and its costliest ops in the JSON.
+  (i) bytes: the first 3 batches captured into bf16 and fp8 stores by this tree and by the gather that an unpadded batch
+      went through before (hstap.capture.hf.demux), their shard checksums compared (`bytes_check`).
 Every pass is profiled (hstap.capture.profile, --no-profile turns it off): seconds per pipeline stage on each thread
 (inputs, forward, demux, convert, copy, queue on the launching thread; wait_copy, store on the writer thread), the
 store writer's own split (StoreWriter.stats: checks, write, hash, fsync, commit), the pinned pool's allocation time,
@@ -319,6 +321,36 @@ def bench_cli(target: Target, prepared: Path, work: Path, out: Path, dtype: str,
             "profile": pass_profile(prof, syncs, made["writer"], made.get("pool"))}
 
 
+def bytes_check(target: Target, layers, batches, directory: Path, shape: dict, dev) -> dict:
+    """The stores of `batches` (bf16 and fp8) written by this tree's capture and by the gather it replaced (demux
+    always index_select'ing the real rows, also of a batch without padding): equal shard checksums, per dtype."""
+    real_demux = hf_mod.demux
+
+    def gather(aux, final, rows):  # the old path: the real rows gathered even when they are all the rows
+        B, T = aux.shape[:2]
+        return real_demux(aux, final, torch.arange(B * T, device=aux.device) if rows is None else rows)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix="hstap-bench-bytes-", dir=directory))
+    res = {}
+    try:
+        for dtype in ("bf16", "fp8"):
+            sums = []
+            for name, fn in (("now", real_demux), ("gather", gather)):
+                hf_mod.demux = fn
+                try:
+                    with StoreWriter(out / f"{dtype}-{name}", header(target, layers, dtype, shape),
+                                     shard_tokens=_tokens(batches[0])) as w:
+                        run_capture(target, layers, w, batches, dtype=dtype)
+                finally:
+                    hf_mod.demux = real_demux
+                sums.append([e["sha256"] for e in open_store(out / f"{dtype}-{name}").manifest["shards"]])
+            res[dtype] = {"shards": len(sums[0]), "equal": sums[0] == sums[1]}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return res
+
+
 def bench_trace(target: Target, layers, batches, directory: Path, dtype: str, shape: dict, dev, out_dir: Path) -> dict:
     """torch.profiler over a capture of `batches` (after one warm-up batch): the chrome trace written to out_dir and
     the costliest ops (device time on CUDA, CPU time on the CPU)."""
@@ -418,6 +450,7 @@ def run_passes(a, res: dict, target, layers, batches, shape, dev, variants, disk
     disk sink, the trace, the CLI, the prefill again."""
     prof, shm = not a.no_profile, Path(a.shm_dir)
     res["prefill"] = bench_prefill(target, batches, dev, prof)
+    res["bytes_check"] = bytes_check(target, layers, batches[:3], shm, shape, dev)
     common = dict(shape=shape, shard_tokens=a.shard_tokens, queue_size=a.queue_size, dev=dev, profile=prof)
     res["capture_shm_bf16"] = bench_capture(target, layers, batches, shm, "bf16", **common)
     if not a.no_fp8:
@@ -613,6 +646,9 @@ def report(r: dict) -> None:
               f"{r['prefill_no_mask_sync']['vs_prefill']:10.3f}")
         print(f"{'(b) capture bf16 -> shm, no mask sync':40s} {c['tok_per_s']:12,.0f} {c['vs_prefill']:10.3f}  (vs "
               f"the prefill without it)")
+    b = r.get("bytes_check") or {}
+    print("stores of 3 batches, this tree's capture vs the gather it replaced: " + ", ".join(
+        f"{d} {'bitwise equal' if v['equal'] else 'DIFFERENT'} ({v['shards']} shards)" for d, v in b.items()))
     report_profiles(r)
     if "trace" in r:
         t = r["trace"]

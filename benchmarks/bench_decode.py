@@ -484,15 +484,17 @@ def big_name(a) -> str:
 
 def big(a, bw: float, budget: Budget, out: dict) -> None:
     """The Llama-3.1-8B-shaped target (bf16; --tiny: a tiny Llama in fp32 on the CPU), every --big-variants variant
-    (the first also eagerly); with --big-spec, then target-only and the headline chain (k = --k) of every
-    --big-spec-variants variant on it with a random drafter (tau ~ 1: the round's costs, not a speedup), their
-    outputs checked against target-only decoding (bf16: near-ties classified)."""
+    (the first also eagerly); with --big-spec, right after the first variant, target-only and the headline chain
+    (k = --k) of every --big-spec-variants variant on it with a random drafter (tau ~ 1: the round's costs, not a
+    speedup), their outputs checked against target-only decoding (bf16: near-ties classified)."""
     name = big_name(a)
     if any(t["target"] == name for t in out["targets"]):
         return
     dev, dtype = (torch.device("cpu"), torch.float32) if a.tiny else (torch.device("cuda"), torch.bfloat16)
     target = None
     for i, v in enumerate(a.big_variants):
+        if i == 1:
+            target = big_spec(a, bw, budget, out, target, dev, dtype)
         if not budget.allows(f"{name}/{v}", "big"):
             continue
         if target is None:
@@ -500,7 +502,15 @@ def big(a, bw: float, budget: Budget, out: dict) -> None:
             target = big_target(dev, dtype, a.tiny)
         out["targets"].append(target_only(name, target, a, bw, v, eager=i == 0))
         budget.done("big")
-    if a.big_spec and budget.allows(f"{name}/spec", "bigspec"):
+    if len(a.big_variants) < 2:
+        target = big_spec(a, bw, budget, out, target, dev, dtype)
+    del target
+    empty_cache(dev)
+
+
+def big_spec(a, bw: float, budget: Budget, out: dict, target, dev, dtype):
+    """--big-spec's runs (see `big`) on `target` (built when None); returns the target."""
+    if a.big_spec and budget.allows(f"{big_name(a)}/spec", "bigspec"):
         target = target if target is not None else big_target(dev, dtype, a.tiny)
         g = torch.Generator().manual_seed(1)
         ctx = {"target": target, "drafter": random_drafter(target), "bw": bw,
@@ -509,8 +519,7 @@ def big(a, bw: float, budget: Budget, out: dict) -> None:
         for v in a.big_spec_variants:
             speculative(ctx, a, budget, v, False, out.setdefault("speculative_big", {}), first=False, kind="bigspec")
         del ctx
-    del target
-    empty_cache(dev)
+    return target
 
 
 def empty_cache(dev: torch.device) -> None:
@@ -612,7 +621,7 @@ def _print(out: dict) -> None:
     if any(out["speculative"].values()):
         _print_spec(f"speculative ({out['spec_dtype']})", out["speculative"], err)
     if any((out.get("speculative_big") or {}).values()):
-        _print_spec("speculative, 8B shape (bf16, random drafter: costs, not speedups)", out["speculative_big"], err)
+        _print_spec("speculative, big shape (random drafter: costs, not speedups)", out["speculative_big"], err)
     _print_budgets(out, err)
     if out["skipped"]:
         print("skipped (budget): " + ", ".join(out["skipped"]), file=err)

@@ -178,6 +178,7 @@ def test_bench_capture_tiny_profiles_every_pass(tmp_path):
                               "--disk-dir", str(disk), "--disk-dtypes", "bf16,fp8", "--sink-gb", "0.01", "--cli",
                               "--trace-batches", "1", "--out-dir", str(tmp_path / "out"), "--repeat-prefill"])
     assert out["prefill"]["profile"]["host_s"]["forward"] > 0 and out["prefill_again"]["tok_per_s"] > 0
+    assert all(v["equal"] and v["shards"] >= 1 for v in out["bytes_check"].values())
     for key in ("capture_shm_bf16", "capture_shm_fp8", "capture_disk_bf16", "capture_disk_fp8", "cli"):
         c = out[key]
         assert c["tokens"] == 8 * 32 and c["vs_prefill"] > 0, key
@@ -224,3 +225,21 @@ def test_bench_decode_tiny_says_where_each_step_goes():
         assert rb["bound_ms"] == pytest.approx(rb["verify"]["bound_ms"] + rb["draft"]["bound_ms"])
         assert rb["ms"] == pytest.approx(rows["chain5"]["draft_ms_per_round"] + rows["chain5"]["verify_ms_per_round"]
                                          + rows["chain5"]["host_ms_per_round"])
+
+
+def test_gpu_speed_protocol_smoke(tmp_path):
+    """benchmarks/gpu_speed.sh in its SMOKE form: both parts run, every result file is there (within what the device
+    tool brings back: at most 8 files), and the summary has the capture passes, the bytes check and the decode rows."""
+    out = tmp_path / "out"
+    env = {**os.environ, "SMOKE": "1", "OUT": str(out), "W": str(tmp_path / "w"), "DISK": str(tmp_path / "disk"),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_speed.sh"), "all"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    files = sorted(f.name for f in out.iterdir())
+    assert files == ["capture.json", "capture.log", "capture_trace.json.gz", "decode.json", "decode.log", "env.txt",
+                     "summary.txt"]
+    summary = (out / "summary.txt").read_text()
+    assert "capture_disk_bf16" in summary and "capture_disk_fp8" in summary and "cli" in summary, summary
+    assert "bytes: bf16 equal, fp8 equal" in summary and "spec cdt/chain5" in summary, summary
+    assert json.loads((out / "decode.json").read_text())["checks"]["big_spec_no_violations"]
