@@ -2,7 +2,9 @@
 quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter);
 bench_ngram.py on a few streams (its index and its scan propose the same drafts); peer_speculators.py --tiny
 (speculators' trainer on a tiny store, hstap's reading of its checkpoints equal to speculators' model); bench_wide.py
---tiny (a SmolLM2-like tiny target widened, every method lossless)."""
+--tiny (a SmolLM2-like tiny target widened, every method lossless); bench_capture.py --tiny (every pass profiled, the
+stores bitwise equal to the old gather path's); bench_decode.py --tiny --big-spec (every step split against the bound);
+gpu_speed.sh's SMOKE form (the H200 protocol's two parts and its summary)."""
 
 from __future__ import annotations
 
