@@ -258,7 +258,7 @@ def loss_vs_prefill(cap: dict, pre: dict) -> dict | None:
         return None
     k = cap["tokens"] / pre["tokens"]
     parts = {"forward_slower": dc["forward"] - k * dp["forward"], "demux_convert": dc["demux"] + dc["convert"],
-             "idle_more": dc["idle"] - k * dp["idle"], "drain": cap["drain_s"]}
+             "idle_more": dc["idle"] - k * dp["idle"], "drain": cap.get("drain_s", 0.0)}  # the CLI's clock: none
     lost = cap["seconds"] - k * pre["seconds"]
     parts["rest"] = lost - sum(parts.values())
     return {"lost_s": round(lost, 3), **{key: round(v, 3) for key, v in parts.items()},

@@ -226,8 +226,11 @@ def target_only(name: str, target, args, bw: float, variant: str, eager: bool) -
     n = st["verify_forwards"] or 1
     budget = SB.budget(SB.op_table(step, fd.dev.type == "cuda"), SB.read_bytes(target.model, 1, SB.cache_tensors(fd)),
                        bw, 1e3 * st["decode_s"] / n, 1e3 * st["host_s"] / n, args.peak_bw)
+    peak = {"datasheet_bound_tok_s": args.peak_bw / wb, "fast_of_datasheet_bound": fast * wb / args.peak_bw} \
+        if args.peak_bw else {}  # the goal's convention: every parameter once (the embedding table too)
     return {"target": name, "variant": variant, "weight_gb": wb / 1e9, "bound_tok_s": bound, "fast_tok_s": fast,
-            "eager_tok_s": slow, "fast_of_bound": fast / bound, "speedup_vs_eager": fast / slow if slow else None,
+            "eager_tok_s": slow, "fast_of_bound": fast / bound, **peak,
+            "speedup_vs_eager": fast / slow if slow else None,
             "graphs": st["graphs"], "compiled": st["compiled"], "capture_s": st["capture_s"],
             "ms_per_token": 1e3 / fast, "kernels_per_token": kernels, "eager_equal_tokens": same,
             "eager_tokens": args.eager_tokens if eager else None, "step": budget, **prof}
@@ -535,14 +538,15 @@ def checks(out: dict) -> dict:
     for rows in (out.get("speculative_big") or {}).values():  # the goal: >= 75% of the datasheet's bound
         for name, r in rows.items():
             if name.startswith("chain") and (r.get("round") or {}).get("of_datasheet_bound") is not None:
-                c[f"8b_spec_round_ge_75pct_of_datasheet_bound ({name})"] = r["round"]["of_datasheet_bound"] >= 0.75
+                c[f"8b_spec_round_ge_75pct_of_datasheet_bound_read_bytes ({name})"] = \
+                    r["round"]["of_datasheet_bound"] >= 0.75
     ref_rows = [t for t in out["targets"] if t["target"] not in ("llama-3.1-8b-shape", "tiny", "tiny-llama-shape")]
     if big_rows:
         best = max(big_rows, key=lambda t: t["fast_tok_s"])
         c[f"8b_fast_ge_180_tok_s ({best['variant']})"] = best["fast_tok_s"] >= 180
         c["8b_fast_ge_60pct_of_bound"] = best["fast_of_bound"] >= 0.6
-        if best["step"].get("of_datasheet_bound") is not None:
-            c["8b_fast_ge_75pct_of_datasheet_bound"] = best["step"]["of_datasheet_bound"] >= 0.75
+        if best.get("fast_of_datasheet_bound") is not None:  # 299 tok/s on an H200: 224 tok/s
+            c["8b_fast_ge_75pct_of_datasheet_bound"] = best["fast_of_datasheet_bound"] >= 0.75
     if ref_rows:
         c["reference_fast_ge_1500_tok_s"] = max(t["fast_tok_s"] for t in ref_rows) >= 1500
     variants = out.get("spec_variants") or []

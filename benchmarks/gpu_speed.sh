@@ -21,7 +21,8 @@
 #   BIG_VARIANTS variant (the first also eagerly: rate and equal tokens) and, with the same target and a random
 #   drafter, target-only + EAGLE chain k=5 on BIG_SPEC_VARIANTS (per round: draft, verify, host; outputs checked
 #   against target-only, near-ties classified). Each step split against the bound (bytes read / bandwidth): gemm,
-#   other kernels, gaps, host. Goal: >= 75% of the datasheet's bound (4.8 TB/s) target-only and per spec round.
+#   other kernels, gaps, host. Goal: >= 75% of the bound target-only (the goal's bound: every weight over the
+#   datasheet's 4.8 TB/s, 299 tok/s) and per spec round (there counted strictly: the bytes the round reads).
 #
 # Results under $OUT (default ./gpu-speed-out, at most 7 files): env.txt, capture.json (the bench's JSON line),
 # capture.log, capture_trace.json.gz, decode.json, decode.log, summary.txt; the summary is printed last.
@@ -140,9 +141,11 @@ if d:
     print(f"decode ({d['device']}, copy {d['copy_gb_s']:.0f} GB/s, datasheet {d.get('datasheet_gb_s')} GB/s)")
     for t in d["targets"]:
         s = t["step"]
-        print(f"  {t['target']} {t['variant']}: {t['fast_tok_s']:.1f} tok/s, {s['ms']:.3f} ms/step: "
-              f"{100 * s['of_bound']:.1f}% of the copy-bw bound"
-              + (f", {100 * s['of_datasheet_bound']:.1f}% of the datasheet's" if "of_datasheet_bound" in s else "")
+        goal = (f" = {100 * t['fast_of_datasheet_bound']:.1f}% of {t['datasheet_bound_tok_s']:.0f} tok/s (every weight "
+                f"over the datasheet's bandwidth, the goal's bound)" if "fast_of_datasheet_bound" in t else "")
+        print(f"  {t['target']} {t['variant']}: {t['fast_tok_s']:.1f} tok/s{goal}; {s['ms']:.3f} ms/step: "
+              f"{100 * s['of_bound']:.1f}% of the bytes it reads over the copy bandwidth"
+              + (f", {100 * s['of_datasheet_bound']:.1f}% over the datasheet's" if "of_datasheet_bound" in s else "")
               + "; over the bound: "
               + ", ".join(f"{k} {v:+.3f} ms" for k, v in s["over_bound_ms"].items())
               + (f"; eager tokens equal {t['eager_equal_tokens']}/{t['eager_tokens']}" if t.get("eager_tokens") else ""))
