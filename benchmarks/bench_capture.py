@@ -46,6 +46,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -180,23 +181,27 @@ def pass_profile(prof: CaptureProfile | None, syncs: SyncCounter | None, writer:
 
 
 def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, shape: dict, shard_tokens: int,
-                  queue_size: int, dev, tail: bool = True, writeback: bool = True, profile: bool = True) -> dict:
+                  queue_size: int, dev, tail: bool = True, writeback: bool = True, profile: bool = True,
+                  split_last: bool = False) -> dict:
     """One timed capture pass. `tail`: tell the writer how many tokens are coming (StoreWriter.expect, what `hstap
     capture` does), so the shards shrink toward the end; False measures fixed-size shards. `writeback`: the writer
     starts each piece's writeback as soon as it is written (hstap.store.shard_file.START_WRITEBACK, the default).
-    `profile`: where the pass's time goes (the module docstring)."""
+    `profile`: where the pass's time goes (the module docstring). `split_last`: the last batch runs one sample at a
+    time, so that the writer writes each while the GPU computes the next (what is left after the last forward: one
+    sample's bytes instead of a batch's)."""
     directory.mkdir(parents=True, exist_ok=True)
     seq = len(batches[0][0]["input_ids"])
     bps = store_bytes_per_token(len(layers), target.hidden_size, dtype) * seq
     use = fit_batches(batches, bps, directory)
     if len(use) < 2:
         return {"skipped": f"not enough free space in {directory} ({shutil.disk_usage(directory).free / 1e9:.1f} GB)"}
+    use = split_tail(use) if split_last else use
     out = Path(tempfile.mkdtemp(prefix="hstap-bench-store-", dir=directory))
     pool = PinnedPool() if dev.type == "cuda" else None
     prev, shard_file.START_WRITEBACK = shard_file.START_WRITEBACK, writeback
     try:
         w = StoreWriter(out / "warm", header(target, layers, dtype, shape), shard_tokens=shard_tokens)
-        run_capture(target, layers, w, use[:1], dtype=dtype, queue_size=queue_size, pool=pool)  # warm-up: kernels
+        run_capture(target, layers, w, use[:1] + use[-1:], dtype=dtype, queue_size=queue_size, pool=pool)  # warm-up
         w.close()
         if pool is not None:
             # the staging buffers a long capture allocates in its first batches and then reuses: queue + copy + writer
@@ -231,7 +236,7 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
         return {"dir": str(directory), "dtype": dtype, "samples": len(s), "tokens": tok, "seconds": round(dt, 3),
                 "tok_per_s": round(tok / dt, 1), "gb": round(nbytes / 1e9, 3), "gb_per_s": round(nbytes / 1e9 / dt, 3),
                 "gpu_done_s": round(gpu_s, 3), "tok_per_s_until_gpu_done": round(tok / gpu_s, 1),
-                "drain_s": round(dt - gpu_s, 3), "tail": tail, "writeback": writeback,
+                "drain_s": round(dt - gpu_s, 3), "tail": tail, "writeback": writeback, "split_last": split_last,
                 "shards": len(s.manifest["shards"]), "last_shard_tokens": int(s.manifest["shards"][-1]["tokens"]),
                 "bytes_per_token": round(nbytes / tok, 2),
                 "bytes_per_token_formula": store_bytes_per_token(len(layers), target.hidden_size, dtype),
@@ -245,6 +250,11 @@ def bench_capture(target: Target, layers, batches, directory: Path, dtype: str, 
 
 def _tokens(batch) -> int:
     return sum(len(s["input_ids"]) for s in batch)
+
+
+def split_tail(batches: list[list[dict]]) -> list[list[dict]]:
+    """The same samples in the same order, the last batch split into one-sample batches."""
+    return batches[:-1] + [[s] for s in batches[-1]]
 
 
 def loss_vs_prefill(cap: dict, pre: dict) -> dict | None:
@@ -322,8 +332,9 @@ def bench_cli(target: Target, prepared: Path, work: Path, out: Path, dtype: str,
 
 
 def bytes_check(target: Target, layers, batches, directory: Path, shape: dict, dev) -> dict:
-    """The stores of `batches` (bf16 and fp8) written by this tree's capture and by the gather it replaced (demux
-    always index_select'ing the real rows, also of a batch without padding): equal shard checksums, per dtype."""
+    """The stores of `batches` (bf16 and fp8) written by this tree's capture, by the gather it replaced (demux always
+    index_select'ing the real rows, also of a batch without padding) and with the last batch split into one-sample
+    batches (split_tail): shard checksums equal to this tree's, per dtype."""
     real_demux = hf_mod.demux
 
     def gather(aux, final, rows):  # the old path: the real rows gathered even when they are all the rows
@@ -336,16 +347,17 @@ def bytes_check(target: Target, layers, batches, directory: Path, shape: dict, d
     try:
         for dtype in ("bf16", "fp8"):
             sums = []
-            for name, fn in (("now", real_demux), ("gather", gather)):
+            for name, fn, bs in (("now", real_demux, batches), ("gather", gather, batches),
+                                 ("split", real_demux, split_tail(batches))):
                 hf_mod.demux = fn
                 try:
                     with StoreWriter(out / f"{dtype}-{name}", header(target, layers, dtype, shape),
                                      shard_tokens=_tokens(batches[0])) as w:
-                        run_capture(target, layers, w, batches, dtype=dtype)
+                        run_capture(target, layers, w, bs, dtype=dtype)
                 finally:
                     hf_mod.demux = real_demux
                 sums.append([e["sha256"] for e in open_store(out / f"{dtype}-{name}").manifest["shards"]])
-            res[dtype] = {"shards": len(sums[0]), "equal": sums[0] == sums[1]}
+            res[dtype] = {"shards": len(sums[0]), "equal": sums[0] == sums[1], "split_last_equal": sums[0] == sums[2]}
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return res
@@ -441,8 +453,9 @@ def bench_json_vs_binary(tokens: int, hidden: int, dev: torch.device, directory:
             "binary_dir": str(directory), "speedup": round(t_json / t_bin, 1)}
 
 
-VARIANTS = {"default": (True, True), "fixed": (False, True), "nowb": (True, False), "old": (False, False)}
-"""--disk-variants: (tail shards, early writeback) of each disk pass."""
+VARIANTS = {"default": (True, True, False), "fixed": (False, True, False), "nowb": (True, False, False),
+            "old": (False, False, False), "tailsplit": (True, True, True)}
+"""--disk-variants: (tail shards, early writeback, the last batch one sample at a time) of each disk pass."""
 
 
 def run_passes(a, res: dict, target, layers, batches, shape, dev, variants, disk_dtypes, sink_gb, work) -> None:
@@ -460,9 +473,9 @@ def run_passes(a, res: dict, target, layers, batches, shape, dev, variants, disk
     if disk is not None:
         for dtype in disk_dtypes:
             for v in variants if dtype == "bf16" else ["default"]:
-                tail, wb = VARIANTS[v]
+                tail, wb, split = VARIANTS[v]
                 res[f"capture_disk_{dtype}" + ("" if v == "default" else f"_{v}")] = bench_capture(
-                    target, layers, batches, disk, dtype, tail=tail, writeback=wb, **common)
+                    target, layers, batches, disk, dtype, tail=tail, writeback=wb, split_last=split, **common)
         res["sink_disk"] = bench_sink(disk, sink_gb)
     if a.trace_batches > 0:
         res["trace"] = bench_trace(target, layers, batches[1:1 + a.trace_batches], shm, "bf16", shape, dev,
@@ -499,6 +512,14 @@ def batches_tokens(batches) -> int:
     return max(map(_tokens, batches))
 
 
+class Stopped(Exception):
+    """SIGTERM during the passes."""
+
+
+def _stop(signum, frame):
+    raise Stopped(f"signal {signum}")
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -517,7 +538,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 capture pass")
     ap.add_argument("--disk-variants", default="default",
                     help="comma list of disk passes, run in this order: default (shards shrink at the end + early "
-                         "writeback), fixed (fixed-size shards), nowb (no early writeback), old (neither)")
+                         "writeback), fixed (fixed-size shards), nowb (no early writeback), old (neither), tailsplit "
+                         "(default + the last batch one sample at a time)")
     ap.add_argument("--disk-dtypes", default="bf16",
                     help="store dtypes of the disk passes: bf16 (every --disk-variants pass) and/or fp8 (the default "
                          "writer), e.g. bf16,fp8: the fp8 store's half-size writes beside bf16's")
@@ -578,7 +600,11 @@ def main(argv=None) -> dict:
             batches = batches_from_prepared(work / "prepared", batch_tokens)
         else:
             batches = make_batches(samples, seq, batch_tokens, shape["vocab_size"], a.seed)
+        signal.signal(signal.SIGTERM, _stop)  # a `timeout` around the run: report what was measured
         run_passes(a, res, target, layers, batches, shape, dev, variants, disk_dtypes, sink_gb, work)
+    except Stopped as e:
+        res["stopped"] = str(e)
+        print(f"bench_capture: stopped ({e}): the results so far", file=sys.stderr)
     finally:
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
@@ -586,7 +612,11 @@ def main(argv=None) -> dict:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         res["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
-    res["json_vs_binary"] = bench_json_vs_binary(json_tokens, json_hidden, dev, shm)
+    if "stopped" not in res:
+        res["json_vs_binary"] = bench_json_vs_binary(json_tokens, json_hidden, dev, shm)
+    if "prefill" not in res:
+        print(json.dumps(res, separators=(",", ":")))
+        return res
     pre = res["prefill"]["tok_per_s"]
     for k in [k for k in res if k.startswith("capture_") or k == "cli"]:
         if "tok_per_s" in res[k]:
@@ -619,6 +649,7 @@ def report(r: dict) -> None:
                        ("capture_disk_bf16_fixed", "(c) capture bf16 -> disk, fixed shards"),
                        ("capture_disk_bf16_nowb", "(c) capture bf16 -> disk, no writeback"),
                        ("capture_disk_bf16", "(c) capture bf16 -> disk"),
+                       ("capture_disk_bf16_tailsplit", "(c) capture bf16 -> disk, last batch split"),
                        ("capture_disk_fp8", "(c) capture fp8 -> disk")):
         c = r.get(key)
         if c is None:
@@ -647,17 +678,19 @@ def report(r: dict) -> None:
         print(f"{'(b) capture bf16 -> shm, no mask sync':40s} {c['tok_per_s']:12,.0f} {c['vs_prefill']:10.3f}  (vs "
               f"the prefill without it)")
     b = r.get("bytes_check") or {}
-    print("stores of 3 batches, this tree's capture vs the gather it replaced: " + ", ".join(
-        f"{d} {'bitwise equal' if v['equal'] else 'DIFFERENT'} ({v['shards']} shards)" for d, v in b.items()))
+    print("stores of 3 batches, this tree's capture vs the gather it replaced / vs the last batch split: " + ", ".join(
+        f"{d} {'bitwise equal' if v['equal'] else 'DIFFERENT'} / {'bitwise equal' if v['split_last_equal'] else 'DIFFERENT'}"
+        f" ({v['shards']} shards)" for d, v in b.items()))
     report_profiles(r)
     if "trace" in r:
         t = r["trace"]
         print(f"(h) trace of {t['batches']} batches: {t['trace']}; by {t['sort']}: "
               + "; ".join(f"{n} {ms:.1f} ms" for n, _, ms in t["top_ops"][:5]))
-    j = r["json_vs_binary"]
-    print(f"(e) one {j['tokens']} x {j['width']} bf16 sample: .cpu().tolist() {j['tolist_s']:.2f} s, + json.dumps "
-          f"{j['tolist_json_s']:.2f} s ({j['json_mb']:.0f} MB); binary D2H + store {j['binary_s'] * 1e3:.1f} ms "
-          f"({j['binary_mb']:.0f} MB) -> {j['speedup']:,.0f}x")
+    j = r.get("json_vs_binary")
+    if j:
+        print(f"(e) one {j['tokens']} x {j['width']} bf16 sample: .cpu().tolist() {j['tolist_s']:.2f} s, + json.dumps "
+              f"{j['tolist_json_s']:.2f} s ({j['json_mb']:.0f} MB); binary D2H + store {j['binary_s'] * 1e3:.1f} ms "
+              f"({j['binary_mb']:.0f} MB) -> {j['speedup']:,.0f}x")
     print(f"total {r['total_s']} s (model init {r['init_s']} s)")
 
 

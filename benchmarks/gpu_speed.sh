@@ -5,17 +5,19 @@
 #
 #   bash benchmarks/gpu_speed.sh wheels     # beforehand, on a machine with the registry: datasets, dill and
 #                                           # multiprocess wheels into .whl (the GPU image lacks them; carry .whl)
-#   bash benchmarks/gpu_speed.sh capture    # ~6.5 min: benchmarks/bench_capture.py, 512 x 2048 tokens a pass
+#   bash benchmarks/gpu_speed.sh capture    # ~7.5 min: benchmarks/bench_capture.py, 512 x 2048 tokens a pass
 #   bash benchmarks/gpu_speed.sh decode     # ~8 min: benchmarks/bench_decode.py, the 8B target and its spec loop
 #   bash benchmarks/gpu_speed.sh all        # both, one after the other (no per-command limit)
 #   SMOKE=1 bash benchmarks/gpu_speed.sh all   # the same commands in their --tiny forms on the CPU (a minute or two)
 #
 # capture: the plain HF prefill of the batches (the baseline), then capture into /dev/shm (bf16, fp8) and into a local
-#   disk (bf16, fp8), `hstap capture` itself (--cli, needs `datasets`), a torch.profiler trace of 4 batches, the
-#   prefill again (the baseline's spread) and the prefill + /dev/shm capture without transformers' per-forward host
-#   sync (--ab-mask-sync); the stores of 3 batches compared bitwise with the pre-change gather path. Every pass says
-#   where its time goes (device stages from CUDA events, host stages per thread, the writer's write/hash/fsync/commit,
-#   host syncs by site) and how its loss against the prefill splits (forward slower, demux + convert, idle, drain).
+#   disk (bf16, fp8; bf16 also with the last batch run one sample at a time: the drain after the last forward shrinks
+#   to one sample's write, if its stores stay bitwise equal), `hstap capture` itself (--cli, needs `datasets`), a
+#   torch.profiler trace of 4 batches, the prefill again (the baseline's spread) and the prefill + /dev/shm capture
+#   without transformers' per-forward host sync (--ab-mask-sync); the stores of 3 batches compared bitwise with the
+#   pre-change gather path and with the last batch split. Every pass says where its time goes (device stages from
+#   CUDA events, host stages per thread, the writer's write/hash/fsync/commit, host syncs by site) and how its loss
+#   against the prefill splits (forward slower, demux + convert, idle, drain).
 #   Goal: capture_disk_bf16.vs_prefill >= 0.99; fp8 beside it says whether half the bytes close the disk's part.
 # decode: copy bandwidth, then target-only decoding of the random 8B-shaped bf16 target on the fast engine for each
 #   BIG_VARIANTS variant (the first also eagerly: rate and equal tokens) and, with the same target and a random
@@ -75,8 +77,8 @@ capture() {
     cli=""
     echo "gpu_speed: no \`datasets\` (carry .whl: bash benchmarks/gpu_speed.sh wheels): the CLI pass is left out"
   fi
-  local args=(--disk-dir "$DISK" --disk-dtypes bf16,fp8 $cli --trace-batches 4 --out-dir "$W" --repeat-prefill
-              --ab-mask-sync)
+  local args=(--disk-dir "$DISK" --disk-dtypes bf16,fp8 --disk-variants default,tailsplit $cli --trace-batches 4
+              --out-dir "$W" --repeat-prefill --ab-mask-sync)
   if [ "$SMOKE" = 1 ]; then
     args+=(--tiny --shm-dir "$W" --sink-gb 0.02)
   else
@@ -132,7 +134,9 @@ if c:
                   + (f"; lost: {split}" if split else "")
                   + f"; syncs on the launching thread {((v.get('profile') or {}).get('syncs') or {}).get('main_syncs')}")
     b = c.get("bytes_check") or {}
-    print("  bytes: " + ", ".join(f"{k} {'equal' if x['equal'] else 'DIFFERENT'}" for k, x in b.items()))
+    print("  bytes vs the old gather: " + ", ".join(f"{k} {'equal' if x['equal'] else 'DIFFERENT'}" for k, x in b.items())
+          + "; with the last batch split: " + ", ".join(f"{k} {'equal' if x['split_last_equal'] else 'DIFFERENT'}"
+                                                       for k, x in b.items()))
     disk = c.get("capture_disk_bf16", {})
     if "vs_prefill" in disk:
         print(f"  goal capture -> disk bf16 >= 0.99x prefill: {'met' if disk['vs_prefill'] >= 0.99 else 'not met'} "

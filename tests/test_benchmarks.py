@@ -180,7 +180,7 @@ def test_bench_capture_tiny_profiles_every_pass(tmp_path):
                               "--disk-dir", str(disk), "--disk-dtypes", "bf16,fp8", "--sink-gb", "0.01", "--cli",
                               "--trace-batches", "1", "--out-dir", str(tmp_path / "out"), "--repeat-prefill"])
     assert out["prefill"]["profile"]["host_s"]["forward"] > 0 and out["prefill_again"]["tok_per_s"] > 0
-    assert all(v["equal"] and v["shards"] >= 1 for v in out["bytes_check"].values())
+    assert all(v["equal"] and v["split_last_equal"] and v["shards"] >= 1 for v in out["bytes_check"].values())
     for key in ("capture_shm_bf16", "capture_shm_fp8", "capture_disk_bf16", "capture_disk_fp8", "cli"):
         c = out[key]
         assert c["tokens"] == 8 * 32 and c["vs_prefill"] > 0, key
@@ -243,5 +243,6 @@ def test_gpu_speed_protocol_smoke(tmp_path):
                      "summary.txt"]
     summary = (out / "summary.txt").read_text()
     assert "capture_disk_bf16" in summary and "capture_disk_fp8" in summary and "cli" in summary, summary
-    assert "bytes: bf16 equal, fp8 equal" in summary and "spec cdt/chain5" in summary, summary
+    assert "bytes vs the old gather: bf16 equal, fp8 equal" in summary and "spec cdt/chain5" in summary, summary
+    assert "capture_disk_bf16_tailsplit" in summary, summary
     assert json.loads((out / "decode.json").read_text())["checks"]["big_spec_no_violations"]
