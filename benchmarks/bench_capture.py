@@ -550,6 +550,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeat-prefill", action="store_true",
                     help="measure the plain prefill again after the capture passes (the baseline's own spread)")
     ap.add_argument("--no-profile", action="store_true", help="no per-stage profile, no sync counting")
+    ap.add_argument("--no-json-baseline", action="store_true", help="skip (e), the return_hidden_states baseline")
     ap.add_argument("--ab-mask-sync", action="store_true",
                     help="the plain prefill and the bf16 /dev/shm capture again without the host sync transformers' "
                          "mask construction makes in every forward (no_mask_sync): what that sync costs")
@@ -612,7 +613,7 @@ def main(argv=None) -> dict:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         res["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
-    if "stopped" not in res:
+    if "stopped" not in res and not a.no_json_baseline:
         res["json_vs_binary"] = bench_json_vs_binary(json_tokens, json_hidden, dev, shm)
     if "prefill" not in res:
         print(json.dumps(res, separators=(",", ":")))

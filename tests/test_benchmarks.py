@@ -230,8 +230,9 @@ def test_bench_decode_tiny_says_where_each_step_goes():
 
 
 def test_gpu_speed_protocol_smoke(tmp_path):
-    """benchmarks/gpu_speed.sh in its SMOKE form: both parts run, every result file is there (within what the device
-    tool brings back: at most 8 files), and the summary has the capture passes, the bytes check and the decode rows."""
+    """benchmarks/gpu_speed.sh in its SMOKE form: its three parts run, every result file is there (each part writes
+    at most 6: the device tool brings back 8 a command), and the summary has the capture passes, the bytes check and
+    the decode rows."""
     out = tmp_path / "out"
     env = {**os.environ, "SMOKE": "1", "OUT": str(out), "W": str(tmp_path / "w"), "DISK": str(tmp_path / "disk"),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -239,10 +240,11 @@ def test_gpu_speed_protocol_smoke(tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     files = sorted(f.name for f in out.iterdir())
-    assert files == ["capture.json", "capture.log", "capture_trace.json.gz", "decode.json", "decode.log", "env.txt",
-                     "summary.txt"]
+    assert files == ["capture.json", "capture.log", "capture_trace.json.gz", "capture_where.json", "capture_where.log",
+                     "decode.json", "decode.log", "env.txt", "summary.txt"]
     summary = (out / "summary.txt").read_text()
     assert "capture_disk_bf16" in summary and "capture_disk_fp8" in summary and "cli" in summary, summary
+    assert "capture_shm_bf16_no_mask_sync" in summary and "goal capture -> disk bf16" in summary, summary
     assert "bytes vs the old gather: bf16 equal, fp8 equal" in summary and "spec cdt/chain5" in summary, summary
     assert "capture_disk_bf16_tailsplit" in summary, summary
     assert json.loads((out / "decode.json").read_text())["checks"]["big_spec_no_violations"]
