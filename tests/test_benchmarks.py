@@ -2,7 +2,9 @@
 quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter);
 bench_ngram.py on a few streams (its index and its scan propose the same drafts); peer_speculators.py --tiny
 (speculators' trainer on a tiny store, hstap's reading of its checkpoints equal to speculators' model); bench_wide.py
---tiny (a SmolLM2-like tiny target widened, every method lossless)."""
+--tiny (a SmolLM2-like tiny target widened, every method lossless); bench_capture.py --tiny (every pass profiled, the
+stores bitwise equal to the old gather path's); bench_decode.py --tiny --big-spec (every step split against the bound);
+gpu_speed.sh's SMOKE form (the H200 protocol's two parts and its summary)."""
 
 from __future__ import annotations
 
@@ -161,3 +163,88 @@ def test_bench_generate_tiny():
     c, lock = out["continuous"], out["lockstep"]
     assert c["generated"] == lock["generated"] > 0 and c["decode_steps"] > 0
     assert c["prefilled_tokens"] + c["reused_tokens"] >= lock["prefilled_tokens"] > c["prefilled_tokens"]
+
+
+def test_bench_capture_tiny_profiles_every_pass(tmp_path):
+    """bench_capture.py --tiny --cli --trace-batches 1: every pass (the plain prefill, bf16 and fp8 into a RAM-backed
+    and a disk directory, `hstap capture` itself on the same samples) reports where its time went: the runner's stages on
+    both threads, the store writer's split, the host syncs by site; each store at its formula's bytes per token."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_capture
+    finally:
+        sys.path.pop(0)
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    shm.mkdir()
+    out = bench_capture.main(["--tiny", "--samples", "8", "--seq", "32", "--batch-tokens", "64", "--shm-dir", str(shm),
+                              "--disk-dir", str(disk), "--disk-dtypes", "bf16,fp8", "--sink-gb", "0.01", "--cli",
+                              "--trace-batches", "1", "--out-dir", str(tmp_path / "out"), "--repeat-prefill"])
+    assert out["prefill"]["profile"]["host_s"]["forward"] > 0 and out["prefill_again"]["tok_per_s"] > 0
+    assert all(v["equal"] and v["split_last_equal"] and v["shards"] >= 1 for v in out["bytes_check"].values())
+    for key in ("capture_shm_bf16", "capture_shm_fp8", "capture_disk_bf16", "capture_disk_fp8", "cli"):
+        c = out[key]
+        assert c["tokens"] == 8 * 32 and c["vs_prefill"] > 0, key
+        formula = bench_capture.store_bytes_per_token(3, 128, c["dtype"])  # + each shard's header and offsets
+        assert formula <= c["bytes_per_token"] < 1.01 * formula, key
+        p = c["profile"]
+        assert p["batches"] == 4 and p["host_s"]["forward"] > 0 and p["host_s"]["store"] > 0, key
+        assert p["store"]["samples"] == 8 and p["store"]["shards"] >= 1 and p["store"]["write_s"] > 0, key
+        assert p["syncs"]["main_syncs"] >= 0 and "sites" in p["syncs"], key
+        assert c["loss_vs_prefill"] is None  # the split against the prefill needs device events (CUDA)
+    assert (tmp_path / "out" / "capture_trace.json").is_file() and out["trace"]["top_ops"]
+    assert not list(shm.iterdir()) and not [f for f in disk.iterdir() if f.name.startswith("hstap-bench")]
+
+
+def test_bench_decode_tiny_says_where_each_step_goes():
+    """bench_decode.py --tiny --big-spec: every target-only step and every speculative round is split against the
+    weight-bandwidth bound (bound + gemm + other kernels + gaps + host = the step's time), for the reference stand-in,
+    the big-shape stand-in and its speculative loop; fp32 outputs equal the eager engine's and target-only decoding's."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_decode
+    finally:
+        sys.path.pop(0)
+    out = bench_decode.main(["--tiny", "--big-spec", "--spec-variants", "lean+cdt", "--variants", "base",
+                             "--chains", "5", "--new-tokens", "12"])
+
+    def adds_up(b):
+        o = b["over_bound_ms"]
+        assert abs(b["bound_ms"] + o["gemm"] + o["other"] + o["gaps"] + o["host"] - b["ms"]) < 1e-6 * max(1, b["ms"])
+        assert b["bound_ms"] > 0 and b["kernels"] > 0 and b["kinds"]["gemm"]["kernels"] > 0 and b["read_gb"] > 0
+
+    assert {t["target"] for t in out["targets"]} == {"tiny", "tiny-llama-shape"}
+    for t in out["targets"]:
+        adds_up(t["step"])
+        assert t["step"]["ms"] == pytest.approx(t["ms_per_token"], rel=1e-6)
+        if t["eager_tokens"]:
+            assert t["eager_equal_tokens"] == t["eager_tokens"]  # fp32 on the CPU: the same greedy tokens
+    for store in (out["speculative"], out["speculative_big"]):
+        rows = next(iter(store.values()))
+        assert "chain5" in rows and all(r["lossless"] for r in rows.values())
+        rb = rows["chain5"]["round"]
+        adds_up(rb["verify"])
+        adds_up(rb["draft"])
+        assert rb["bound_ms"] == pytest.approx(rb["verify"]["bound_ms"] + rb["draft"]["bound_ms"])
+        assert rb["ms"] == pytest.approx(rows["chain5"]["draft_ms_per_round"] + rows["chain5"]["verify_ms_per_round"]
+                                         + rows["chain5"]["host_ms_per_round"])
+
+
+def test_gpu_speed_protocol_smoke(tmp_path):
+    """benchmarks/gpu_speed.sh in its SMOKE form: its three parts run, every result file is there (each part writes
+    at most 6: the device tool brings back 8 a command), and the summary has the capture passes, the bytes check and
+    the decode rows."""
+    out = tmp_path / "out"
+    env = {**os.environ, "SMOKE": "1", "OUT": str(out), "W": str(tmp_path / "w"), "DISK": str(tmp_path / "disk"),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_speed.sh"), "all"], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    files = sorted(f.name for f in out.iterdir())
+    assert files == ["capture.json", "capture.log", "capture_trace.json.gz", "capture_where.json", "capture_where.log",
+                     "decode.json", "decode.log", "env.txt", "summary.txt"]
+    summary = (out / "summary.txt").read_text()
+    assert "capture_disk_bf16" in summary and "capture_disk_fp8" in summary and "cli" in summary, summary
+    assert "capture_shm_bf16_no_mask_sync" in summary and "goal capture -> disk bf16" in summary, summary
+    assert "bytes vs the old gather: bf16 equal, fp8 equal" in summary and "spec cdt/chain5" in summary, summary
+    assert "capture_disk_bf16_tailsplit" in summary, summary
+    assert json.loads((out / "decode.json").read_text())["checks"]["big_spec_no_violations"]

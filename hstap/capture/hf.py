@@ -47,6 +47,7 @@ from hstap import dist as D
 from hstap.batching import pack_by_tokens
 from hstap.capture.config import CaptureConfig
 from hstap.capture.inputs import check_out, copy_vocab_map, progress_bar, resolve, store_totals
+from hstap.capture.profile import NO_PROFILE, CaptureProfile
 from hstap.capture.staging import (PinnedPool, staging_layout, staging_nbytes, staging_pack, staging_views,
                                    to_store_dtype)
 from hstap.common import HstapError, write_run_config
@@ -63,17 +64,31 @@ ZERO_COPY_MAX_SHARD = 4 << 30  # larger shards: copy batches out of pinned memor
 # Batching and demultiplexing
 
 
-def _pad(seqs: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad with 0 -> (input_ids (B, T), rows (S,) flat indices b*T+t of the real tokens), both on `device`."""
+def _pad(seqs: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right-pad with 0 -> (input_ids (B, T), rows (S,) flat indices b*T+t of the real tokens, or None when every
+    sample has T tokens), both on `device`."""
     lens = [int(s.shape[0]) for s in seqs]
     B, T = len(seqs), max(lens)
     ids = torch.zeros(B, T, dtype=torch.long)  # (B, T); the pad id is irrelevant: causal attention hides it
     for b, s in enumerate(seqs):
         ids[b, : lens[b]] = s
-    rows = torch.cat([torch.arange(L, dtype=torch.long) + b * T for b, L in enumerate(lens)])  # (S,)
+    rows = None
+    if sum(lens) < B * T:
+        rows = torch.cat([torch.arange(L, dtype=torch.long) + b * T for b, L in enumerate(lens)])  # (S,)
     if device.type == "cuda":  # pinned + non_blocking: the host does not wait for the GPU to drain before each batch
-        return ids.pin_memory().to(device, non_blocking=True), rows.pin_memory().to(device, non_blocking=True)
+        ids = ids.pin_memory().to(device, non_blocking=True)
+        rows = rows.pin_memory().to(device, non_blocking=True) if rows is not None else None
     return ids, rows
+
+
+def demux(aux: torch.Tensor, final: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, K, H), (B, T, H) -> the real rows, sample after sample: (S, K, H), (S, H). Padding rows are dropped on
+    the device before anything is copied; a batch without padding (rows None) is only reshaped (no copy)."""
+    B, T, K, H = aux.shape
+    aux, final = aux.reshape(B * T, K, H), final.reshape(B * T, H)
+    if rows is None:
+        return aux, final
+    return aux.index_select(0, rows), final.index_select(0, rows)
 
 
 def forward_packed(target: Target, seqs: Sequence[torch.Tensor | Sequence[int]], layers: list[int]):
@@ -84,9 +99,7 @@ def forward_packed(target: Target, seqs: Sequence[torch.Tensor | Sequence[int]],
         raise HstapError("capture: a sample has no tokens")
     ids, rows = _pad(seqs, target.device)
     aux, final, _ = target.capture(ids, layers)  # (B, T, K, H), (B, T, H)
-    B, T, K, H = aux.shape
-    aux = aux.reshape(B * T, K, H).index_select(0, rows)  # (S, K, H): padding rows dropped before any copy
-    final = final.reshape(B * T, H).index_select(0, rows)  # (S, H)
+    aux, final = demux(aux, final, rows)  # (S, K, H), (S, H)
     return aux, final, [int(s.shape[0]) for s in seqs]
 
 
@@ -123,7 +136,7 @@ class CaptureRunner:
     StoreWriter until `close()`. `samples`, `tokens`, `bytes` count what the writer thread has handed to the store."""
 
     def __init__(self, target: Target, layers: list[int], writer, dtype: str = "bf16", queue_size: int = 4,
-                 pool: PinnedPool | None = None):
+                 pool: PinnedPool | None = None, profile: CaptureProfile | None = None):
         if queue_size < 1:
             raise HstapError(f"--queue-size: must be >= 1, got {queue_size}")
         self.target, self.layers, self.writer, self.dtype = target, list(layers), writer, dtype
@@ -134,6 +147,7 @@ class CaptureRunner:
         # the CPU path hands the store its own tensors: nothing to copy either way
         self.zero_copy = self.cuda and zero_copy_ok(writer)
         self.side = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.prof = profile or NO_PROFILE  # where the time goes, stage by stage (capture/profile.py)
         self.samples = self.tokens = self.bytes = 0
         self.submitted_tokens = 0
         self.writer_wait_s = 0.0  # time the main thread spent blocked on a full queue (the GPU waiting for storage)
@@ -152,6 +166,28 @@ class CaptureRunner:
         self._raise_if_failed()
         if not samples:
             return
+        prof = self.prof
+        with prof.stage("inputs"):
+            seqs, metas = self._inputs(samples)
+        f0 = prof.event()
+        with prof.stage("forward"):
+            ids, rows = _pad(seqs, self.device)
+            aux, final, _ = self.target.capture(ids, self.layers)  # (B, T, K, H), (B, T, H)
+        f1 = prof.event()
+        with prof.stage("demux"):
+            aux, final = demux(aux, final, rows)  # (S, K, H), (S, H)
+        dm = prof.event()
+        with prof.stage("convert"):
+            payload = to_store_dtype(aux, final, self.dtype)  # name -> (S, ...) on the device
+        del aux, final
+        with prof.stage("copy"):
+            item = self._copy_to_host(payload, metas, (f0, f1, dm)) if self.cuda else (None, None, payload, metas, None)
+        self.submitted_tokens += sum(m["len"] for m in metas)
+        with prof.stage("queue"):
+            self._put(item)
+
+    def _inputs(self, samples: list[dict]) -> tuple[list[torch.Tensor], list[dict]]:
+        """The batch's token ids (T,) each and the metadata the store gets, after checking every sample."""
         seqs, metas = [], []
         for s in samples:
             ids = torch.as_tensor(s["input_ids"], dtype=torch.long).reshape(-1)  # (T,)
@@ -168,30 +204,25 @@ class CaptureRunner:
             seqs.append(ids)
             metas.append({"id": str(s["id"]), "input_ids": ids.to(torch.int32), "loss_mask": mask,
                           "len": int(ids.numel())})
-        aux, final, _ = forward_packed(self.target, seqs, self.layers)  # (S, K, H), (S, H)
-        payload = to_store_dtype(aux, final, self.dtype)  # name -> (S, ...) on the device
-        del aux, final
-        if self.cuda:
-            item = self._copy_to_host(payload, metas)
-        else:
-            item = (None, None, payload, metas)
-        self.submitted_tokens += sum(m["len"] for m in metas)
-        self._put(item)
+        return seqs, metas
 
-    def _copy_to_host(self, payload: dict[str, torch.Tensor], metas: list[dict]):
+    def _copy_to_host(self, payload: dict[str, torch.Tensor], metas: list[dict], marks: tuple):
+        """Queue item of a batch on CUDA: (done event, pinned buffer, its layout, metas, profile marks or None)."""
         layout, nbytes = staging_layout(payload)
         buf = self.pool.acquire(nbytes)  # (cap,) uint8, pinned
         compute = torch.cuda.current_stream(self.device)
-        ready = torch.cuda.Event()
+        timing = self.prof.cuda  # profiling: timing events (capture/profile.py reads them in the writer thread)
+        ready = torch.cuda.Event(enable_timing=timing)
         ready.record(compute)  # payload is complete on the compute stream once this fires
         with torch.cuda.stream(self.side):
             self.side.wait_event(ready)  # the side stream waits; the compute stream goes on with the next batch
+            c0 = self.prof.event()
             staging_pack(buf, payload, layout, non_blocking=True)  # D2H into pinned memory: truly asynchronous
             for t in payload.values():
                 t.record_stream(self.side)  # the allocator must not reuse t's memory before this copy has run
-            done = torch.cuda.Event(blocking=True)  # blocking: the writer thread sleeps instead of spinning a core
+            done = torch.cuda.Event(enable_timing=timing, blocking=True)  # blocking: the writer thread sleeps
             done.record(self.side)
-        return (done, buf, layout, metas)
+        return (done, buf, layout, metas, (*marks, ready, c0, done) if timing else None)
 
     def _put(self, item) -> None:
         t0 = time.perf_counter()
@@ -247,10 +278,12 @@ class CaptureRunner:
             item = self._q.get()
             if item is None:
                 return
-            done, buf, tensors, metas = item
+            done, buf, tensors, metas, marks = item
             try:
                 if done is not None:
-                    done.synchronize()  # the D2H copy into buf has landed (also before a discard: buf is reused)
+                    with self.prof.stage("wait_copy"):
+                        done.synchronize()  # the D2H copy into buf has landed (also before a discard: buf is reused)
+                    self.prof.batch_done(marks)
                     if self._error is not None or self._abort:
                         self.pool.release(buf)
                         continue
@@ -267,6 +300,7 @@ class CaptureRunner:
                         buf = None
                         self._write(tensors, metas)
                 elif self._error is None and not self._abort:
+                    self.prof.batch_done(None)
                     self._write(tensors, metas)
             except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
                 if self._error is None:
@@ -275,6 +309,10 @@ class CaptureRunner:
                     self.pool.release(buf)  # only when it never reached the store (synchronize failed)
 
     def _write(self, t: dict[str, torch.Tensor], metas: list[dict]) -> None:
+        with self.prof.stage("store"):
+            self._add_samples(t, metas)
+
+    def _add_samples(self, t: dict[str, torch.Tensor], metas: list[dict]) -> None:
         off = 0
         fp8 = "aux_scale" in t
         for m in metas:
@@ -297,13 +335,14 @@ def zero_copy_ok(writer) -> bool:
 
 
 def run_capture(target: Target, layers: list[int], writer, batches: Iterable[list[dict]], dtype: str = "bf16",
-                queue_size: int = 4, progress=None, pool: PinnedPool | None = None) -> dict:
+                queue_size: int = 4, progress=None, pool: PinnedPool | None = None,
+                profile: CaptureProfile | None = None) -> dict:
     """Drive a CaptureRunner over `batches` (lists of sample dicts) into `writer`; returns counts and timings.
 
     `progress(runner, batch)` is called after each submitted batch. The caller closes the writer (which commits the
-    last shard)."""
+    last shard). `profile`: where the time goes (hstap.capture.profile)."""
     t0 = time.perf_counter()
-    with CaptureRunner(target, layers, writer, dtype=dtype, queue_size=queue_size, pool=pool) as run:
+    with CaptureRunner(target, layers, writer, dtype=dtype, queue_size=queue_size, pool=pool, profile=profile) as run:
         for batch in batches:
             run.submit(batch)
             if progress is not None:

@@ -10,6 +10,7 @@ back as typed views (`staging_views`). The buffers come from a `PinnedPool`, whi
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -44,6 +45,8 @@ class PinnedPool:
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.allocated = 0  # pinned allocations made (a reuse costs nothing)
+        self.allocated_bytes = 0  # their capacity (torch's pinned allocator may round each up to a power of two)
+        self.alloc_s = 0.0  # seconds spent allocating them (pinning is slow: this is where it shows)
 
     @staticmethod
     def capacity(nbytes: int) -> int:
@@ -58,7 +61,12 @@ class PinnedPool:
             # requests grew past every free buffer: let the smaller ones go (unpinned) rather than keep them forever
             self._free.clear()
             self.allocated += 1
-        return torch.empty(self.capacity(nbytes), dtype=torch.uint8, pin_memory=self.pin)
+        t0 = time.perf_counter()
+        buf = torch.empty(self.capacity(nbytes), dtype=torch.uint8, pin_memory=self.pin)
+        with self._lock:
+            self.allocated_bytes += buf.numel()
+            self.alloc_s += time.perf_counter() - t0
+        return buf
 
     def release(self, buf: torch.Tensor) -> None:
         with self._lock:

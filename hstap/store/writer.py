@@ -1,62 +1,37 @@
 """Writing a store (`hstap.store.format` holds the format spec and the checksum, `hstap.store.reader` the reader):
-`StoreWriter` appends samples to shards and commits them with the protocol of the spec; `_write_safetensors` lays out
-one shard file and writes it while hashing its chunks."""
+`StoreWriter` appends samples to shards and commits them with the protocol of the spec; `hstap.store.shard_file` lays
+out one shard file and writes it while hashing its chunks."""
 
 from __future__ import annotations
 
-import bisect
-import concurrent.futures as futures
-import ctypes
 import datetime
-import hashlib
 import json
 import logging
-import math
 import os
 import shutil
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from hstap.common import HstapError, fsync_dir
 from hstap.store.consumer import RECORD, wait_for_room
-from hstap.store.format import (CHECKSUM, CHUNK_BYTES, FORMAT, PART_FORMAT, SHARD_RE, ST_NAMES, TEMP_RE, TORCH_DTYPES,
-                                VERSION, check_header, combine_digests, header_diff, io_pool, load_manifest, load_parts,
-                                merge_manifest, quantize_fp8, refuse_other_header, store_bytes_per_token, union_entries,
-                                write_json)
+from hstap.store.format import (CHECKSUM, FORMAT, PART_FORMAT, SHARD_RE, TEMP_RE, TORCH_DTYPES, VERSION, check_header,
+                                header_diff, load_manifest, load_parts, merge_manifest, quantize_fp8,
+                                refuse_other_header, store_bytes_per_token, union_entries, write_json)
+from hstap.store.shard_file import write_shard
 
 _NEW_SLACK_S = 60.0  # see StoreWriter._wait_for_rank0
 log = logging.getLogger("hstap.store")
 
-
-START_WRITEBACK = True
-"""Start the sink's writeback of a shard file every WRITEBACK_BYTES as it is written (Linux `sync_file_range`).
-Without it the kernel keeps a whole shard as dirty pages until the commit's fsync, and the disk idles while the next
-shard is copied into the page cache: bursty I/O below the disk's sequential speed (benchmarks/bench_capture.py
---disk-variants old,nowb turns it off for its comparison passes)."""
-WRITEBACK_BYTES = 8 << 20
-
-_SFR_WRITE = 2  # SYNC_FILE_RANGE_WRITE: initiate writeback of dirty pages in the range, do not wait for it
-_sfr = None
-if sys.platform.startswith("linux"):
-    try:
-        _sfr = ctypes.CDLL(None, use_errno=True).sync_file_range
-        _sfr.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        _sfr.restype = ctypes.c_int
-    except (OSError, AttributeError):  # a libc without it: the fsync at commit still makes the data durable
-        _sfr = None
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
-    """Ask the kernel to start writing [offset, offset + nbytes) of `fd` to the sink now (no wait, no durability:
-    the commit's fsync is what makes it durable). Returns False where unsupported (a no-op there)."""
-    if _sfr is None or not START_WRITEBACK:
-        return False
-    return _sfr(fd, offset, nbytes, _SFR_WRITE) == 0
+STATS = ("samples", "shards", "bytes", "prepare_s", "flush_s", "room_wait_s", "write_s", "hash_s", "fsync_s",
+         "commit_s")
+"""`StoreWriter.stats`: samples added, shards committed and their bytes; seconds in `add`'s checks and conversions
+(prepare_s) and in committing shards (flush_s: from waiting for a consumer's room, room_wait_s, to the commit point),
+of which the shard file's sequential write (write_s), its fsync (fsync_s), the rename, directory fsync and part file
+(commit_s); hash_s is the chunks' hashing, which runs beside the write on other threads (CPU seconds, summed)."""
 
 
 class _Shard:
@@ -75,83 +50,6 @@ class _Shard:
         self.lengths.append(int(tensors["input_ids"].shape[0]))
         for k, t in tensors.items():
             self.parts.setdefault(k, []).append(t)
-
-
-def _write_safetensors(path: Path, tensors: list[tuple[str, list[torch.Tensor], list[int]]], metadata: dict[str, str]
-                       ) -> tuple[str, int]:
-    """Write a safetensors file from per-piece tensors (no concatenation); returns (file_checksum, size).
-
-    `tensors` is [(name, pieces, shape)]: tensor `name` is the pieces' bytes back to back. Pieces are contiguous CPU
-    tensors of one dtype. The file is laid out first, then its 16 MiB chunks are written (`pwrite`) and hashed in
-    parallel straight from the tensors' memory. The data is fsynced here; the caller renames."""
-    header: dict = {"__metadata__": metadata}
-    off = 0
-    for name, pieces, shape in tensors:
-        n = sum(p.numel() * p.element_size() for p in pieces)
-        if n != math.prod(shape) * pieces[0].element_size():
-            raise AssertionError(f"{name}: {n} bytes of pieces for shape {shape}")
-        header[name] = {"dtype": ST_NAMES[pieces[0].dtype], "shape": list(shape), "data_offsets": [off, off + n]}
-        off += n
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)  # safetensors pads with spaces so the data starts 8-byte aligned
-    segs: list[tuple[int, memoryview]] = [(0, memoryview(len(hb).to_bytes(8, "little") + hb))]
-    pos = len(segs[0][1])
-    for _, pieces, _ in tensors:
-        for p in pieces:
-            if p.numel():
-                # raw bytes straight from the tensor's memory (bf16/fp8 have no numpy dtype: view as uint8)
-                mv = memoryview(p.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-                segs.append((pos, mv))
-                pos += mv.nbytes
-    size = pos
-    starts = [o for o, _ in segs]
-
-    def span(lo: int, hi: int) -> Iterator[tuple[int, memoryview]]:
-        """(file offset, bytes) pieces covering [lo, hi) of the file."""
-        i = bisect.bisect_right(starts, lo) - 1
-        while i < len(segs) and segs[i][0] < hi:
-            so, mv = segs[i]
-            yield max(lo, so), mv[max(lo, so) - so: min(hi, so + mv.nbytes) - so]
-            i += 1
-
-    def hash_chunk(c: int) -> bytes:
-        h = hashlib.sha256()
-        for _, piece in span(c * CHUNK_BYTES, min(size, (c + 1) * CHUNK_BYTES)):
-            h.update(piece)
-        return h.digest()
-
-    stop = threading.Event()
-
-    def write_all() -> None:
-        # One sequential writer: the kernel serialises writes to one file anyway (inode lock), and large in-order
-        # writes are what the sink's bandwidth is measured with. The hashes run beside it on the other threads.
-        handed = 0  # bytes [0, handed) already handed to the disk's writeback (whole pages, WRITEBACK_BYTES at a time)
-        for at, piece in span(0, size):
-            done = 0
-            while done < piece.nbytes and not stop.is_set():
-                done += os.pwrite(fd, piece[done: done + (64 << 20)], at + done)
-                end = (at + done) & ~4095  # whole pages only: a partly written page would be written twice
-                if end - handed >= WRITEBACK_BYTES:
-                    start_writeback(fd, handed, end - handed)  # keep the disk streaming while the rest is copied
-                    handed = end
-        if size > handed and not stop.is_set():
-            start_writeback(fd, handed, size - handed)  # the tail: its fsync follows at once, but the disk can start
-
-    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    wrote = None
-    try:
-        os.ftruncate(fd, size)
-        pool = io_pool()
-        wrote = pool.submit(write_all)
-        digests = list(pool.map(hash_chunk, range(max(1, -(-size // CHUNK_BYTES)))))
-        wrote.result()
-        os.fsync(fd)
-    finally:
-        if wrote is not None:  # never close fd under a running writer: its number could be reused by another file
-            stop.set()
-            futures.wait([wrote])
-        os.close(fd)
-    return combine_digests(digests), size
 
 
 class StoreWriter:
@@ -201,6 +99,8 @@ class StoreWriter:
         self._closed = False
         self._failed: str | None = None
         self.summary: dict | None = None  # merge_manifest's result after close() on rank 0
+        self.stats: dict[str, float] = dict.fromkeys(STATS, 0)
+        """Where this writer's time went, summed over its shards (STATS; a few clock reads per sample and per shard)."""
 
         if rank == 0:
             self._prepare(new)
@@ -310,8 +210,10 @@ class StoreWriter:
         the store dtype or any float dtype (converted; quantized for fp8 stores); with aux_scale (T, K) and
         final_scale (T,) given, aux/final are already float8_e4m3fn (fp8 stores only)."""
         sample_id = str(sample_id)
+        t0 = time.perf_counter()
         t = self._prepare_sample(sample_id, input_ids, loss_mask, aux, final, aux_scale, final_scale)
         with self._lock:
+            self.stats["prepare_s"] += time.perf_counter() - t0
             if self._failed:
                 raise HstapError(f"{self.path}: writer stopped after an error ({self._failed})")
             if self._closed or not self.claim:
@@ -321,6 +223,7 @@ class StoreWriter:
             if sample_id in self._open.id_set:
                 raise HstapError(f"{self.path}: sample id {sample_id!r} was added twice")
             self._open.append(sample_id, t)
+            self.stats["samples"] += 1
             T = int(t["input_ids"].shape[0])
             self._open_tokens += T
             if self._expect is not None:
@@ -441,9 +344,11 @@ class StoreWriter:
                     ("loss_mask", sh.parts["loss_mask"], [T])]
         meta = {"format": FORMAT, "version": str(VERSION), "ids": json.dumps(sh.ids), "dtype": self.dtype,
                 "layers": json.dumps(self.header["layers"]), "rank": str(self.rank)}
-        wait_for_room(self.path, self.rank, self.world_size)  # a consuming trainer's window (no-op without one)
+        st, t0 = self.stats, time.perf_counter()
+        st["room_wait_s"] += wait_for_room(self.path, self.rank, self.world_size)  # a consuming trainer's window
         try:
-            sha, size = _write_safetensors(tmp, tensors, meta)
+            sha, size = write_shard(tmp, tensors, meta, st)
+            t1 = time.perf_counter()
             os.replace(tmp, final_path)
             fsync_dir(self.shards_dir)
         except OSError as e:
@@ -459,6 +364,11 @@ class StoreWriter:
             self._entries.pop()
             final_path.unlink(missing_ok=True)  # not committed: do not leave it for a reader to wonder about
             raise self._fail(str(self.part_path), e) from e
+        t2 = time.perf_counter()
+        st["commit_s"] += t2 - t1
+        st["flush_s"] += t2 - t0
+        st["shards"] += 1
+        st["bytes"] += size
         self._committed.update(sh.ids)
         self._next_seq += 1
         self._open, self._open_tokens = _Shard(), 0

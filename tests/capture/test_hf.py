@@ -187,6 +187,50 @@ def test_capture_runner_handles_writer_errors(tiny_llama, tmp_path):
             run.submit([{"id": "big", "input_ids": [1, target.vocab_size], "loss_mask": [1, 1]}])
 
 
+def test_demux_drops_exactly_the_padding_and_leaves_an_unpadded_batch_uncopied():
+    from hstap.capture.hf import demux
+
+    B, T, K, H = 3, 5, 2, 4
+    aux = torch.randn(B, T, K, H)
+    final = torch.randn(B, T, H)
+    lens = [5, 2, 4]
+    rows = torch.cat([torch.arange(L) + b * T for b, L in enumerate(lens)])  # (11,) what a right-padded batch has
+    a, f = demux(aux, final, rows)  # (11, K, H), (11, H)
+    keep = [(b, t) for b, L in enumerate(lens) for t in range(L)]
+    assert torch.equal(a, torch.stack([aux[b, t] for b, t in keep]))
+    assert torch.equal(f, torch.stack([final[b, t] for b, t in keep]))
+    a, f = demux(aux, final, None)  # every sample T tokens long: no rows to drop
+    assert a.data_ptr() == aux.data_ptr() and f.data_ptr() == final.data_ptr()
+    assert torch.equal(a, aux.reshape(B * T, K, H)) and torch.equal(f, final.reshape(B * T, H))
+
+
+def test_capture_profile_times_every_stage_of_a_cpu_pass(tiny_llama, tmp_path):
+    """CaptureRunner(profile=...): every stage of both threads is timed, the batches counted, the store writer's own
+    split filled; without a profile the same store results."""
+    from hstap.capture.hf import run_capture
+    from hstap.capture.profile import MAIN_STAGES, WRITER_STAGES, CaptureProfile
+
+    target, _ = load_target(tiny_llama)
+    header = {"target": {}, "engine": {}, "dtype": "bf16", "layers": [1, 2], "hidden_size": 64}
+    g = torch.Generator().manual_seed(0)
+    batches = [[{"id": f"{b}-{i}", "input_ids": torch.randint(0, target.vocab_size, (3 + 4 * i,), generator=g),
+                 "loss_mask": torch.ones(3 + 4 * i, dtype=torch.uint8)} for i in range(3)] for b in range(4)]
+    sums = []
+    for prof in (CaptureProfile(torch.device("cpu")), None):
+        with StoreWriter(tmp_path / f"s{prof is None}", header, shard_tokens=40) as w:
+            run_capture(target, [1, 2], w, batches, dtype="bf16", queue_size=1, profile=prof)
+        sums.append([e["sha256"] for e in open_store(tmp_path / f"s{prof is None}").manifest["shards"]])
+        if prof is not None:
+            d = prof.as_dict()
+            assert d["batches"] == 4 and "device_s" not in d  # device times are CUDA events: none on the CPU
+            assert all(d["host_s"][k] > 0 for k in ("inputs", "forward", "convert", "store"))
+            assert set(d["host_s"]) == set(MAIN_STAGES + WRITER_STAGES)
+            st = w.stats
+            assert st["samples"] == 12 and st["shards"] >= 2 and st["bytes"] > 0
+            assert st["flush_s"] >= st["write_s"] > 0 and st["hash_s"] > 0 and st["commit_s"] > 0
+    assert sums[0] == sums[1]
+
+
 
 
 def test_data_rendered_with_another_chat_template_is_refused_unless_allowed(tiny_tokenizer, tiny_llama, tmp_path):

@@ -103,11 +103,11 @@ def test_expect_shrinks_the_last_shards_and_stores_the_same_samples(tmp_path):
 
 
 def test_early_writeback_hands_every_byte_over_once_in_page_aligned_ranges(tmp_path, monkeypatch):
-    import hstap.store.writer as writer_mod
+    import hstap.store.shard_file as shard_file
 
     calls = []
-    monkeypatch.setattr(writer_mod, "_sfr", lambda fd, off, n, flags: calls.append((off, n, flags)) or 0)
-    monkeypatch.setattr(writer_mod, "WRITEBACK_BYTES", 4096)
+    monkeypatch.setattr(shard_file, "_sfr", lambda fd, off, n, flags: calls.append((off, n, flags)) or 0)
+    monkeypatch.setattr(shard_file, "WRITEBACK_BYTES", 4096)
     write(tmp_path / "on", 60, shard_tokens=300)
     files = [tmp_path / "on" / e["file"] for e in open_store(tmp_path / "on").manifest["shards"]]
     assert len(files) > 2 and len(calls) > 2 * len(files) and all(f == 2 for _, _, f in calls)  # while writing
@@ -121,7 +121,7 @@ def test_early_writeback_hands_every_byte_over_once_in_page_aligned_ranges(tmp_p
         pos += n
     assert pos == sizes[k] and k == len(files) - 1
     calls.clear()
-    monkeypatch.setattr(writer_mod, "START_WRITEBACK", False)
+    monkeypatch.setattr(shard_file, "START_WRITEBACK", False)
     write(tmp_path / "off", 60, shard_tokens=300)
     assert calls == []
     a, b = open_store(tmp_path / "on").manifest["shards"], open_store(tmp_path / "off").manifest["shards"]
@@ -331,7 +331,7 @@ def test_enospc_on_a_small_tmpfs_keeps_committed_data(tmp_path):
 def test_a_failing_hash_never_leaves_the_writer_running_on_a_closed_fd(tmp_path, monkeypatch):
     """If hashing fails mid-shard, the sequential writer thread is stopped and joined before the fd is closed:
     bytes of the shard must not land in a file opened right after (its fd number could be the reused one)."""
-    import hstap.store.writer as W
+    import hstap.store.shard_file as W
 
     class Boom:
         def __init__(self):
