@@ -30,7 +30,7 @@
 #   bandwidth): gemm, other kernels, gaps, host. Goal: >= 75% of the bound target-only (the goal's bound: every weight
 #   over the datasheet's 4.8 TB/s, 299 tok/s) and per spec round (there counted strictly: the bytes the round reads).
 #
-# Results under $OUT (default ./gpu-speed-out; each part writes at most 6 files): env.txt, <part>.json (the bench's JSON
+# Results under $OUT (default ./runs/gpu-speed, ignored by git; each part writes at most 6 files): env.txt, <part>.json (the bench's JSON
 # line), <part>.log, capture_trace.json.gz (capture-where), summary.txt; the summary is printed last.
 # Environment: OUT, W (scratch, default /dev/shm/hstap-speed), DISK (a directory on the local disk, default
 # /tmp/hstap-speed), SAMPLES (512), BIG_VARIANTS (cdt,fused+cdt), BIG_SPEC_VARIANTS (cdt), PART_S (500): each bench's
@@ -39,7 +39,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 cd "$(dirname "$0")/.." || exit 1
 PART=${1:-all}
-OUT=${OUT:-$PWD/gpu-speed-out}
+OUT=${OUT:-$PWD/runs/gpu-speed}
 W=${W:-/dev/shm/hstap-speed}
 DISK=${DISK:-/tmp/hstap-speed}
 SMOKE=${SMOKE:-0}
