@@ -7,7 +7,7 @@ import hashlib
 import shutil
 
 import pytest
-from _tokenizer_fixtures import CHATML, variant_tokenizer
+from helpers.tokenizer import CHATML, variant_tokenizer
 
 from hstap.common import HstapError
 from hstap.model_dir import load_target, load_tokenizer, target_fingerprint, tokenizer_sha256, weights_fingerprint
