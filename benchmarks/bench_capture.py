@@ -42,6 +42,7 @@ from hstap.batching import pack_by_tokens  # noqa: E402
 from hstap.capture.hf import run_capture  # noqa: E402
 from hstap.capture.staging import PinnedPool  # noqa: E402
 from hstap.layers import default_aux_layers  # noqa: E402
+from hstap.model_dir import auto_device  # noqa: E402
 from hstap.models.target import Target  # noqa: E402
 from hstap.store.format import store_bytes_per_token  # noqa: E402
 from hstap.store.reader import open_store  # noqa: E402
@@ -269,8 +270,7 @@ def main(argv=None) -> dict:
     if bad:
         ap.error(f"--disk-variants: unknown or repeated {bad} (choose from {', '.join(VARIANTS)})")
 
-    dev = torch.device("cuda" if (a.device == "auto" and torch.cuda.is_available()) else
-                       ("cpu" if a.device == "auto" else a.device))
+    dev = torch.device(auto_device(a.device))
     shape = TINY if a.tiny else LLAMA_8B
     samples = a.samples or (16 if a.tiny else 512)
     seq = a.seq or (128 if a.tiny else 2048)

@@ -136,14 +136,6 @@ class ServeLoopConfig:
             raise HstapError(f"{w}: --requests must be >= 0 and --lr > 0")
 
 
-def _device(cfg: ServeLoopConfig) -> str:
-    if cfg.device != "auto":
-        return cfg.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def stop_ids(target: str) -> list[int]:
     """The ids that end an answer (eos and end of turn: `hstap.data.decode.stop_token_ids`), sent with each request."""
     from types import SimpleNamespace
@@ -296,6 +288,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     from hstap.serve_loop.requests import Client, Stream, post, server_counters
     from hstap.serve_loop.updates import Updater, export_vllm, summarize
     from hstap.engines.vllm import vllm_server
+    from hstap.model_dir import auto_device, auto_dtype
 
     out = Path(cfg.out)
     if out.exists() and any(out.iterdir()):
@@ -303,8 +296,8 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
             raise HstapError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    device = _device(cfg)
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    device = auto_device(cfg.device)
+    dtype = auto_dtype(cfg.dtype, device)
     prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
     ref = read_reference(cfg.reference) if cfg.reference else None
     write_run_config(out, "serve-loop", cfg)
