@@ -66,6 +66,7 @@ def _commits(out) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume(tiny_llama, data, reference, tmp_path):
     out = tmp_path / "store"
     rng = random.Random(1234)

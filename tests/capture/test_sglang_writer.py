@@ -56,6 +56,7 @@ def _check(store, ds) -> list[str]:
     return list(s.ids)
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_hook_writer_mid_stream_then_a_new_hook_resumes(tiny_llama, prepared, tmp_path):
     store = tmp_path / "store"
     create_store(tiny_llama, prepared, store, LAYERS)

@@ -316,6 +316,7 @@ def test_server_rejections_and_give_up(server, tmp_path):
     assert c.retried == 2
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill(server, tiny_llama, tmp_path):
     n = 48
     recs = [{"id": f"r{i:02d}", "conversations": [{"role": "user", "content": f"resume {i} " + "wrap " * (i % 5)},
