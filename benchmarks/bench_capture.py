@@ -63,6 +63,7 @@ from hstap.capture.hf import run_capture  # noqa: E402
 from hstap.capture.profile import CaptureProfile, spread  # noqa: E402
 from hstap.capture.staging import PinnedPool, staging_layout, to_store_dtype  # noqa: E402
 from hstap.layers import default_aux_layers  # noqa: E402
+from hstap.model_dir import auto_device  # noqa: E402
 from hstap.models.target import Target  # noqa: E402
 from hstap.store.format import store_bytes_per_token  # noqa: E402
 from hstap.store.reader import open_store  # noqa: E402
@@ -564,8 +565,7 @@ def main(argv=None) -> dict:
     if not disk_dtypes or any(d not in ("bf16", "fp8") for d in disk_dtypes):
         ap.error(f"--disk-dtypes: expected bf16 and/or fp8, got {a.disk_dtypes!r}")
 
-    dev = torch.device("cuda" if (a.device == "auto" and torch.cuda.is_available()) else
-                       ("cpu" if a.device == "auto" else a.device))
+    dev = torch.device(auto_device(a.device))
     shape = TINY if a.tiny else LLAMA_8B
     samples = a.samples or (16 if a.tiny else 512)
     seq = a.seq or (128 if a.tiny else 2048)

@@ -64,8 +64,9 @@ def make_target(out: Path, shape: dict, dtype: str, device: str, seed: int, forc
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    from hstap.model_dir import auto_device
+
+    dev = torch.device(auto_device(device))
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     cfg = LlamaConfig(**shape, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
     t0 = time.perf_counter()

@@ -1,22 +1,25 @@
 """Small shared utilities: user-facing errors, atomic writes, hashing, run metadata.
 
 Every artifact hstap writes goes through `atomic_write_*` (temp file in the same directory, fsync, rename, fsync of the
-directory) so a crash leaves either the old file or the new one, never a torn one. `write_run_config` puts the resolved
+directory) so a crash leaves either the old file or the new one, never a torn one; a directory is built beside its
+destination and published whole (`publishing_dir`, `publish_dir`). `write_run_config` puts the resolved
 stage config, the git commit and the package version as `config.json` next to each output.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import hstap
 
@@ -63,6 +66,64 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file below `root` and every directory, each after its contents."""
+    for dirpath, _, names in os.walk(root, topdown=False):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)
+
+
+EXISTING = ("refuse", "aside", "remove")
+
+
+def publish_dir(tmp: Path, out: Path, existing: str = "refuse", refusal: str = "exists",
+                aside: Path | None = None) -> None:
+    """Publish the finished directory `tmp` (beside `out`: the same file system) at `out`: everything in it fsynced,
+    one rename, the parent fsynced, so that `out` is either absent, the old one or the new one, never half-written.
+
+    `existing` says what becomes of a directory already at `out`:
+      "refuse": HstapError `{out}: {refusal}`, nothing moved (`tmp` stays the caller's);
+      "aside": renamed to `aside` (default: a hidden sibling) just before the rename and removed after it, so that `out`
+        is missing only between two renames; a fixed `aside` lets the caller's recovery put it back after a crash;
+      "remove": removed first (for what a later run writes again: a crash there leaves no `out`)."""
+    if existing not in EXISTING:
+        raise ValueError(f"publish_dir: existing must be one of {EXISTING}, got {existing!r}")
+    fsync_tree(tmp)
+    if existing == "refuse" and out.exists():
+        raise HstapError(f"{out}: {refusal}")
+    if existing == "remove":
+        shutil.rmtree(out, ignore_errors=True)
+    if existing == "aside":
+        aside = aside or out.parent / f".{out.name}.old-{os.getpid()}"
+        shutil.rmtree(aside, ignore_errors=True)
+        if out.exists():
+            os.rename(out, aside)
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+    if existing == "aside":
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def publishing_dir(out: Path, existing: str = "refuse", refusal: str = "exists") -> Iterator[Path]:
+    """`with publishing_dir(out) as tmp:` the block builds the result in `tmp`, a new hidden directory beside `out`
+    (`out`'s parent is made if missing); when the block ends it is published at `out` (`publish_dir`, with `existing`
+    and `refusal`). If the block or the publishing raises, `tmp` is removed and `out` is as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir_beside(out)
+    try:
+        yield tmp
+        publish_dir(tmp, out, existing, refusal)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> None:

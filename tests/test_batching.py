@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from _store_fixtures import H, K, sid, write
+from helpers.store import H, K, sid, write
 
 from hstap.batching import BucketBatchSampler, collate, pack_by_tokens
 from hstap.common import HstapError
@@ -65,6 +65,7 @@ def test_sampler_invariants_determinism_and_resume():
     assert [lengths[b[0]] for b in ordered] == sorted(lengths[b[0]] for b in ordered)
 
 
+@pytest.mark.procs
 def test_collate_and_dataloader_with_forked_worker(tmp_path):
     write(tmp_path / "s", 30, "bf16")
     s = open_store(tmp_path / "s")

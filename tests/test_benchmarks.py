@@ -44,6 +44,8 @@ def test_bench_train_tiny_both_shapes():
             assert r["profile_top5"]["cpu"] and r["tokens_per_step"] > 0
 
 
+@pytest.mark.procs
+@pytest.mark.slow
 def test_quality_variants_tiny(tmp_path):
     env = {**os.environ, "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"), "VARIANTS": "base,n2",
            "MEASURE": "n2", "NP": "1", "EP": "1", "STEPS": "1", "PAR": "2", "OMP_NUM_THREADS": "1"}
@@ -92,6 +94,8 @@ def peer_tiny(tmp_path_factory):
     return json.loads(p.stdout.strip().splitlines()[-1]), out_dir
 
 
+@pytest.mark.procs
+@pytest.mark.slow
 def test_peer_speculators_tiny(peer_tiny):
     """speculators' trainer on a tiny store built in-process, both configurations: validated with hstap's replay, each
     best checkpoint converted to an hstap drafter whose logits are speculators' (every TTT step)."""
@@ -110,6 +114,8 @@ def test_peer_speculators_tiny(peer_tiny):
     assert out["chosen"] in out["configs"] and out["chosen_drafter"] == out["configs"][out["chosen"]]["drafter"]
 
 
+@pytest.mark.procs
+@pytest.mark.slow
 def test_peer_replay_equals_hstap_train_replay(peer_tiny, tmp_path):
     """The selection figure is hstap's: a drafter trained by `hstap train` on the tiny store, exported for vLLM and run
     as speculators' Eagle3DraftModel through peer_speculators.replay_validation, gives the chain taus hstap train's
@@ -229,6 +235,8 @@ def test_bench_decode_tiny_says_where_each_step_goes():
                                          + rows["chain5"]["host_ms_per_round"])
 
 
+@pytest.mark.procs
+@pytest.mark.slow
 def test_gpu_speed_protocol_smoke(tmp_path):
     """benchmarks/gpu_speed.sh in its SMOKE form: its three parts run, every result file is there (each part writes
     at most 6: the device tool brings back 8 a command), and the summary has the capture passes, the bytes check and

@@ -85,6 +85,7 @@ def test_every_command_builds_its_parser():
         assert p.format_help()
 
 
+@pytest.mark.procs
 def test_console_entry_point():
     r = subprocess.run([sys.executable, "-m", "hstap.cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "prepare" in r.stdout
@@ -92,6 +93,7 @@ def test_console_entry_point():
     assert r.returncode == 2 and "unknown command" in r.stderr
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("argv", [
     ["train", "--config", "missing.json"],              # a config file that is not there
     ["train", "--steps", "x"],                           # a value of the wrong type
@@ -109,6 +111,8 @@ def test_errors_are_one_line_with_exit_2(argv, tmp_path):
     assert len(lines) == 1 or lines[0].startswith(f"usage: hstap {argv[0]} [options]")
 
 
+@pytest.mark.procs
+@pytest.mark.slow
 def test_cpus_busy_sees_other_processes_and_the_cli_then_waits_passively():
     """Two CPU-bound processes beside the CLI: it counts their CPUs, and a stage run then gets OMP_WAIT_POLICY=PASSIVE
     (idle OpenMP threads sleep instead of fighting them for the cores)."""
@@ -128,6 +132,7 @@ def test_cpus_busy_sees_other_processes_and_the_cli_then_waits_passively():
             q.wait()
 
 
+@pytest.mark.procs
 def test_dash_values_and_errors_raised_in_dataloader_workers():
     """`--layers -1,3,4` reaches the option as its value, for the stage's own check to name (argparse alone: "expected
     one argument"); an option followed by another option is still argparse's error. An HstapError raised in a real

@@ -10,7 +10,7 @@ import importlib
 import json
 
 import pytest
-from _train_fixtures import build_assets
+from helpers.train import build_assets
 
 from hstap.cli import COMMANDS, main, make_config, options
 

@@ -13,6 +13,8 @@ from hstap.cli import main
 from hstap.common import package_files
 
 
+@pytest.mark.real
+@pytest.mark.slow
 def test_real_smollm2_converts_exactly(smollm2):
     import torch
     from transformers import AutoTokenizer
@@ -59,6 +61,7 @@ def _gguf(path, arch: str, qtype_name: str):
     return path
 
 
+@pytest.mark.real
 @pytest.mark.parametrize("arch,qtype,message", [
     ("llama", "Q8_K", "tensor token_embd.weight: quantization Q8_K cannot be dequantized by gguf"),
     ("nonesuch", "Q4_0", "GGUF architecture 'nonesuch' cannot be loaded by transformers"),

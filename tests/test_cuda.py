@@ -2,7 +2,7 @@
 buffers, writer thread) against a CPU fp32 capture; compiled flex_attention TTT against the SDPA mask, with gradients;
 greedy speculative decoding on the GPU; a few bf16-autocast training steps. Fault tolerance (issue #19): flex compiles
 for the shape a resumed run failed on; SIGKILL + resume of CUDA training and of CUDA capture, and a capture filling a
-small tmpfs, in fresh `python -m hstap.cli` processes (tests/_cuda_procs.py)."""
+small tmpfs, in fresh `python -m hstap.cli` processes (tests/helpers/cuda.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _capture(target, prepared, out, device, compute, dtype, **kw):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_gpu_capture_matches_cpu_fp32(tiny_llama, tmp_path, dtype):
-    from _capture_fixtures import make_prepared
+    from helpers.capture import make_prepared
 
     from hstap.store.reader import open_store
     from hstap.verify.stage import compare_stores
@@ -54,7 +54,7 @@ def test_gpu_capture_matches_cpu_fp32(tiny_llama, tmp_path, dtype):
 @pytest.mark.parametrize("num_layers,loss,compile_", [(1, "ce", False), (2, "lk", False), (3, "ce+tv", True),
                                                       (1, "ce+hard", True), (1, "ce+topk", True)])
 def test_flex_ttt_matches_sdpa_with_grads(monkeypatch, num_layers, loss, compile_):
-    import _drafter_fixtures as td
+    from helpers import drafter as td
 
     from hstap.train.ttt import TTTModel, plan_rows, target_distribution
 
@@ -85,7 +85,7 @@ def _wide(**kw):
 
 
 def test_gpu_speculative_greedy_equals_target(tiny_llama):
-    from _speculate_fixtures import random_drafter
+    from helpers.speculate import random_drafter
 
     from hstap.model_dir import load_target
     from hstap.speculative.drivers import speculative_generate, target_generate
@@ -100,7 +100,7 @@ def test_gpu_speculative_greedy_equals_target(tiny_llama):
 
 
 def test_gpu_training_bf16_runs(tiny_llama, tmp_path):
-    from _capture_fixtures import make_prepared
+    from helpers.capture import make_prepared
 
     from hstap.train.stage import TrainConfig, train
 
@@ -149,7 +149,7 @@ def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_ll
 
 # --- the fast decoder (hstap.speculative.fast): CUDA graphs == eager, one host sync per round ---------------------------
 def _fast_setup(path, vocab_draft=None, aux=(1, 2, 3)):
-    from _speculate_fixtures import random_drafter
+    from helpers.speculate import random_drafter
 
     from hstap.model_dir import load_target
 
@@ -278,7 +278,7 @@ def test_flex_first_call_on_a_short_static_batch_compiles(dtype):
     than 128 (query (7, 4, 79, 16), 2 query heads per kv head). Inductor's flex-decoding kernel had no config for it
     (BLOCK_M 256 > the 128-row query block): NoValidChoicesError. FLEX_KERNEL_OPTIONS takes the main kernel; here it
     must compile (no SDPA fallback) and agree with the SDPA path (fp32: to 1e-4)."""
-    import _drafter_fixtures as td
+    from helpers import drafter as td
 
     from hstap.models.drafter import DrafterConfig, Eagle3Drafter
     from hstap.train.ttt import TTTModel, step_rows, target_distribution
@@ -319,7 +319,7 @@ def test_flex_first_call_on_a_short_static_batch_compiles(dtype):
 @pytest.fixture(scope="module")
 def train_assets(tiny_tokenizer, tmp_path_factory):
     """tests/train/test_train.py's assets (28 samples, an fp32 store): the run that failed on resume ran on these."""
-    from _train_fixtures import build_assets
+    from helpers.train import build_assets
 
     return build_assets(tmp_path_factory.mktemp("cuda-train"), tiny_tokenizer[0])
 
@@ -334,6 +334,7 @@ def _train_argv(a, out, **kw) -> list[str]:
     return argv
 
 
+@pytest.mark.procs
 def test_cuda_training_sigkill_then_resume_follows_the_uninterrupted_trajectory(train_assets, tmp_path):
     """`hstap train --device cuda` (bf16 autocast, compiled flex) killed with SIGKILL at a random moment after its
     first, second or third checkpoint, then `--resume`d: every run completes on flex (no fallback), and the 16 logged
@@ -347,8 +348,8 @@ def test_cuda_training_sigkill_then_resume_follows_the_uninterrupted_trajectory(
     batch to the next here. The data position and the schedule are checked exactly (tokens seen, lr)."""
     import random
 
-    from _cuda_procs import Cli, record, wait_for
-    from _train_fixtures import metrics
+    from helpers.cuda import Cli, record, wait_for
+    from helpers.train import metrics
 
     rng = random.Random(19)
     ref = Cli(_train_argv(train_assets, tmp_path / "ref"), tmp_path / "ref.log")
@@ -395,7 +396,7 @@ def test_cuda_training_sigkill_then_resume_follows_the_uninterrupted_trajectory(
 def capture_data(tiny_llama, tmp_path_factory):
     """120 prepared samples and their store from one uninterrupted in-process CUDA capture (bf16 compute, bf16 store,
     one sample per batch: the resumed runs below pack the same batches, so their values must be bitwise equal)."""
-    from _capture_fixtures import make_prepared, store_samples
+    from helpers.capture import make_prepared, store_samples
 
     from hstap.capture.stage import CaptureConfig, capture
 
@@ -420,14 +421,15 @@ def _same_bitwise(got: dict, ref: dict) -> None:
         assert all(torch.equal(x[k], y[k]) for k in ("input_ids", "loss_mask", "aux", "final")), sid
 
 
+@pytest.mark.procs
 def test_cuda_capture_sigkill_then_resume_stores_every_sample_once_bitwise(tiny_llama, capture_data, tmp_path):
     """`hstap capture --device cuda` killed with SIGKILL at random moments (after 1-4 commits, plus jitter), then run
     again until done: after every kill the committed shards verify and hold no id twice; the finished store holds every
     sample once, bitwise equal to the uninterrupted capture (same compute dtype, one sample per batch)."""
     import random
 
-    from _capture_fixtures import store_samples
-    from _cuda_procs import Cli, commits, wait_for
+    from helpers.capture import store_samples
+    from helpers.cuda import Cli, commits, wait_for
 
     from hstap.store.reader import open_store
 
@@ -454,6 +456,7 @@ def test_cuda_capture_sigkill_then_resume_stores_every_sample_once_bitwise(tiny_
     assert not list((out / "shards").glob(".*.tmp"))
 
 
+@pytest.mark.procs
 def test_cuda_capture_on_a_full_disk_stops_with_one_error_line_then_resumes(tiny_llama, capture_data, tmp_path):
     """A 2 MiB tmpfs fills up during a CUDA capture (~6 MB of bf16 states): exit 2 with one `hstap: error:` line naming
     the store's file and 'no space left on device', no traceback; what was committed verifies; once the filesystem is
@@ -461,9 +464,9 @@ def test_cuda_capture_on_a_full_disk_stops_with_one_error_line_then_resumes(tiny
     run."""
     import gc
 
-    from _capture_fixtures import store_samples
-    from _cuda_procs import Cli
-    from _store_fixtures import grow_tmpfs, small_tmpfs
+    from helpers.capture import store_samples
+    from helpers.cuda import Cli
+    from helpers.store import grow_tmpfs, small_tmpfs
 
     from hstap.store.reader import open_store
 

@@ -5,7 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from hstap.demo.toy import stdlib_conversations
+
+pytestmark = [pytest.mark.procs, pytest.mark.slow]
 
 
 def test_demo_runs_every_stage_and_reports_a_lossless_tau(tmp_path):

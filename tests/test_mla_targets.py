@@ -174,7 +174,7 @@ def _quiet(fn, *a, **kw):
 def pipeline(targets, tmp_path_factory) -> dict[str, dict]:
     """prepare -> capture (hf, default layers) -> verify -> train (6 steps) -> export (sglang, vllm) -> eval, for each
     target: {kind: {"prepared", "store", "verify", "run", "train", "sglang", "vllm", "eval"}}."""
-    from _capture_fixtures import write_corpus
+    from helpers.capture import corpus
 
     from hstap.capture.stage import CaptureConfig, capture
     from hstap.data.prepare import PrepareConfig, prepare
@@ -184,7 +184,8 @@ def pipeline(targets, tmp_path_factory) -> dict[str, dict]:
     from hstap.verify.stage import recompute
 
     root = tmp_path_factory.mktemp("mla-pipeline")
-    chats = write_corpus(root / "chats.jsonl", 16, seed=2, max_chars=160)
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in corpus(16, seed=2, max_chars=160)))
     out = {}
     for kind, target in targets.items():
         d, r = root / kind, {}
@@ -216,7 +217,7 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def test_the_wrapper_changes_nothing_hstap_computes(pipeline):
-    from _capture_fixtures import store_samples
+    from helpers.capture import store_samples
 
     from hstap.data.prepare import load_prepared
     from hstap.store.reader import open_store
@@ -329,6 +330,7 @@ def sglang_captured(models: Path, ids: list[int] | None, num_layers: int) -> lis
     return list(lm.model.layers_to_capture)
 
 
+@pytest.mark.procs
 def test_sglang_reads_the_export(pipeline, targets):
     """SGLang's get_config (the server venv) reads the export's ids, widths and vocabularies and the Kimi target's
     shape; its DeepSeek capture rule turns the ids into the inputs of the layers after the trained taps."""

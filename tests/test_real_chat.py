@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 
-from _real_fixtures import NEW, quiet
+import pytest
+from helpers.real import NEW, quiet
+
+pytestmark = [pytest.mark.real, pytest.mark.slow]
 
 IM_END = 2  # <|im_end|>, SmolLM2's end of turn
 

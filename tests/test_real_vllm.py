@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from _real_fixtures import quiet
-from _vllm_fixtures import ENV, require_vllm
+from helpers.real import quiet
+from helpers.vllm import ENV, require_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.real]
 
 K, N_NEW, STEPS = 3, 16, 10
 
@@ -43,7 +45,7 @@ def vllm_store(env, smollm2, smollm2_prepared, tmp_path_factory):
 
 
 def test_vllm_capture_equals_hf(vllm_store, smollm2_store):
-    from _capture_fixtures import store_samples
+    from helpers.capture import store_samples
 
     from hstap.verify.stage import compare_stores
 

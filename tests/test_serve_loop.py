@@ -17,8 +17,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from _train_fixtures import greedy_drafter
-from _vllm_fixtures import require_vllm
+from helpers.train import greedy_drafter
+from helpers.vllm import require_vllm
 
 K, N_NEW, REQUESTS = 3, 24, 96
 
@@ -91,6 +91,7 @@ def _hf(vllm_llama):
     return target, tok, eos_ids(tok, target)
 
 
+@pytest.mark.vllm
 def test_every_request_answered_once_and_lossless(loop, vllm_llama):
     from hstap.model_dir import load_tokenizer
     from hstap.speculative.drivers import target_generate
@@ -107,6 +108,7 @@ def test_every_request_answered_once_and_lossless(loop, vllm_llama):
     assert s["counters_agree"] is True  # vLLM's per-request counters sum to its /metrics counters over the run
 
 
+@pytest.mark.vllm
 def test_drafter_updates_were_taken_up_while_serving(loop):
     s, _, root, _ = loop
     ups = s["updates"]
@@ -121,6 +123,7 @@ def test_drafter_updates_were_taken_up_while_serving(loop):
     assert s["windows"][0]["acceptance"] < 0.2  # the initialisation drafts almost nothing accepted
 
 
+@pytest.mark.vllm
 def test_the_store_stayed_within_its_window(loop):
     from hstap.store.consumer import read_consumer
 
@@ -131,6 +134,7 @@ def test_the_store_stayed_within_its_window(loop):
     assert sum(int(v) for v in consumed.values()) >= 1  # the trainer trained on shards and deleted them
 
 
+@pytest.mark.vllm
 def test_a_drafter_taken_up_drafts_in_vllm_as_in_hstap(loop, vllm_llama):
     from hstap.speculative.drivers import speculative_generate
     from hstap.speculative.evaluate import load_any_drafter
@@ -154,6 +158,7 @@ def test_a_drafter_taken_up_drafts_in_vllm_as_in_hstap(loop, vllm_llama):
     assert accepted > len(prompts)  # B is accepted: the equality says something
 
 
+@pytest.mark.vllm
 def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
     from hstap.verify.stage import recompute
 

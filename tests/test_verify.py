@@ -18,21 +18,17 @@ from hstap.verify.parity import TOLERANCES
 from hstap.verify.stage import VerifyConfig, compare_stores, quick_check, recompute, verify
 
 
-@pytest.fixture(scope="module")
-def prepared(tiny_llama, tmp_path_factory) -> Path:
-    from hstap.data.prepare import PrepareConfig, prepare
+PREPARE = {"max_len": 96}  # `prepare`'s settings of this module's `prepared` set (conftest.py)
+
+
+def prepared_records() -> list[dict]:
+    """The chats of this module's `prepared` set: five 500-character pieces of the toy documentation."""
     from hstap.demo.toy import sample_texts
 
-    d = tmp_path_factory.mktemp("verify-data")
     text = "\n".join(sample_texts())
-    with open(d / "conv.jsonl", "w") as f:
-        for i in range(5):
-            chunk = text[i * 500:(i + 1) * 500]
-            f.write(json.dumps({"id": f"c{i}", "conversations": [{"role": "user", "content": chunk[:40]},
-                                                                  {"role": "assistant", "content": chunk[40:]}]}) + "\n")
-    prepare(PrepareConfig(tokenizer=str(tiny_llama), data=[str(d / "conv.jsonl")], out=str(d / "prep"), max_len=96,
-                          draft_vocab=64))
-    return d / "prep"
+    chunks = [text[i * 500:(i + 1) * 500] for i in range(5)]
+    return [{"id": f"c{i}", "conversations": [{"role": "user", "content": c[:40]},
+                                              {"role": "assistant", "content": c[40:]}]} for i, c in enumerate(chunks)]
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +45,6 @@ def stores(tiny_llama, prepared, tmp_path_factory) -> dict[str, Path]:
         capture(CaptureConfig(target=str(tiny_llama), data=str(prepared), out=str(out[name]), layers=layers,
                               dtype=dtype, device="cpu", compute_dtype=compute))
     return out
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama):
-    from hstap.model_dir import load_target
-
-    return load_target(tiny_llama, "cpu", "fp32")[0]
 
 
 def _rewrite(src: Path, dst: Path, layers=None, edit=None, keep=None, extra=()) -> Path:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from _vllm_fixtures import require_vllm
+from helpers.vllm import require_vllm
 
 
 def test_cpu_kv_cache_fits_what_vllm_counts_free(monkeypatch):

@@ -51,7 +51,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import shutil
 import sys
 import time
 from collections import Counter, deque
@@ -63,7 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from hstap.common import (
-    HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, one_line, temp_dir_beside, write_run_config)
+    HstapError, atomic_write_bytes, atomic_write_json, one_line, publishing_dir, write_run_config)
 from hstap.config import absolute, at_least, settle
 from hstap.data.chat import assistant_spans, tokenize_conversation
 from hstap.data.conversations import BadRecord, count_skip, expand_paths, iter_records
@@ -240,17 +239,6 @@ def record_batch(rids: list[str], ids: list[np.ndarray], masks: list[np.ndarray]
         names=["id", "input_ids", "loss_mask"])
 
 
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(dirpath)
-
-
 def check_answers_kwargs(files: list[Path], kwargs: dict) -> None:
     """Refuse answers `hstap generate` made under other chat-template kwargs than this run renders with (their
     `<file>.config.json`: a thinking target's answers rendered with thinking off, or the reverse, are not what the
@@ -268,6 +256,7 @@ def check_answers_kwargs(files: list[Path], kwargs: dict) -> None:
             check_template_kwargs(f"{f} (hstap generate, {run.name})", got, kwargs, "--chat-template-kwargs")
 
 
+
 def prepare(cfg: PrepareConfig) -> dict:
     """Tokenize cfg.data into cfg.out (see the module docstring); prints and returns a summary."""
     t0 = time.perf_counter()
@@ -283,18 +272,8 @@ def prepare(cfg: PrepareConfig) -> dict:
         assistant_spans(tok, [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}], kwargs)
     except BadRecord as e:
         raise HstapError(f"{cfg.chat_template or cfg.tokenizer}: {e}") from None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir_beside(out)
-    try:
+    with publishing_dir(out, refusal="appeared while preparing; the result is not moved there") as tmp:
         summary = _prepare_into(cfg, files, tok, template, tmp)
-        _fsync_tree(tmp)
-        if out.exists():
-            raise HstapError(f"{out}: appeared while preparing; the result is not moved there")
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     elapsed = time.perf_counter() - t0
     summary.update(out=str(out), elapsed_s=round(elapsed, 3), num_proc=cfg.num_proc,
                    samples_per_s=round(summary["written"] / elapsed, 1),

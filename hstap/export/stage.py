@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, run_meta
+from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, publishing_dir, run_meta
 from hstap.config import at_least
 from hstap.drafter_dir import DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, validate_checkpoint
 from hstap.export.engines import (ENGINES, HF_DTYPE, VLLM_NUM_AUX, engine_state, export_readme, llama_fields,
@@ -94,21 +93,6 @@ def _write_safetensors(path: Path, state: dict[str, torch.Tensor], metadata: dic
         os.fsync(f.fileno())
 
 
-def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Rename the finished temp dir into place; an existing `out` (overwrite) is moved aside first, removed last."""
-    fsync_dir(tmp)
-    old = None
-    if out.exists():
-        if not overwrite:
-            raise HstapError(f"{out}: exists (pass --overwrite to replace it)")
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def export(cfg: ExportConfig) -> dict:
     """Validate the drafter, then write the chosen format to cfg.out (see the module docstring); returns a summary."""
     d = resolve_drafter_dir(cfg.run)
@@ -149,12 +133,8 @@ def export(cfg: ExportConfig) -> dict:
                                  "hf": "hstap canonical"}[cfg.to], "aux_layers": list(dcfg.aux_layers),
             "target_model_type": dcfg.target_model_type, "drafter_config": dcfg.to_dict(), "provenance": provenance}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    # --overwrite: the old directory is moved aside, the new one renamed into place, the old one removed
+    with publishing_dir(out, "aside" if cfg.overwrite else "refuse", "exists (pass --overwrite to replace it)") as tmp:
         if cfg.to == "hf":
             _write_safetensors(tmp / "drafter.safetensors", cast, {"format": DRAFTER_FORMAT})
             atomic_write_json(tmp / "drafter.json", {**meta, "export": {"source": str(d)}})
@@ -165,10 +145,6 @@ def export(cfg: ExportConfig) -> dict:
         atomic_write_json(tmp / "config.json", conf)
         atomic_write_json(tmp / "hstap_export.json", info)
         atomic_write_bytes(tmp / "README.md", export_readme(cfg.to, dcfg.aux_layers, conf).encode())
-        _publish(tmp, out, cfg.overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     summary = {"out": str(out), "format": cfg.to, "source": str(d), "dtype": HF_DTYPE[dtype], "weights": weights,
                "aux_layers": list(dcfg.aux_layers),
                "engine": ENGINES[cfg.to], "tensors": len(tensors)}

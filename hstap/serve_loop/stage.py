@@ -53,14 +53,6 @@ from hstap.serve_loop.config import ServeLoopConfig
 from hstap.train.config import TrainConfig
 
 
-def _device(cfg: ServeLoopConfig) -> str:
-    if cfg.device != "auto":
-        return cfg.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def stop_ids(target: str) -> list[int]:
     """The ids that end an answer (eos and end of turn: `hstap.data.decode.stop_token_ids`), sent with each request."""
     from types import SimpleNamespace
@@ -218,6 +210,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     from hstap.serve_loop.requests import Client, Stream, post, server_counters
     from hstap.serve_loop.updates import Updater, export_vllm, summarize
     from hstap.engines.vllm import vllm_server
+    from hstap.model_dir import auto_device, auto_dtype
 
     out = Path(cfg.out)
     if out.exists() and any(out.iterdir()):
@@ -225,8 +218,8 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
             raise HstapError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    device = _device(cfg)
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    device = auto_device(cfg.device)
+    dtype = auto_dtype(cfg.dtype, device)
     prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
     ref = read_reference(cfg.reference) if cfg.reference else None
     write_run_config(out, "serve-loop", cfg)

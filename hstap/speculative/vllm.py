@@ -90,8 +90,10 @@ def run_vllm(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[in
     except ImportError:
         raise HstapError("--engine vllm: the vllm package is not installed (CPU: pip install --no-deps -r "
                          "requirements-vllm.txt; GPU: pip install vllm)") from None
+    from hstap.model_dir import auto_device
+
     d = drafter_dir
-    device = "cuda" if str(cfg.device).startswith("cuda") else "cpu"
+    device = auto_device(cfg.device).partition(":")[0]  # "cuda" or "cpu", as the target was loaded
     ids = [p for _, p in prompts]
     print(f"hstap eval: vLLM {vllm.__version__}: target only, then EAGLE-3 with {d} (k={cfg.k})", file=sys.stderr)
     ref, t_ref, _ = _run(cfg.target, dtype, ids, cfg.max_new_tokens, cfg.temperature, eos, cfg.seed, None, device)

@@ -14,7 +14,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from hstap import dist as D
-from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir
+from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, publish_dir
 from hstap.models.drafter import Eagle3Drafter
 from hstap.train.plan import VocabMap
 
@@ -59,13 +59,7 @@ def save(run: Path, step: int, drafter: Eagle3Drafter, params: list, opt, state:
         save_file(flat, str(tmp / "optimizer.safetensors"))
         save_file(rt, str(tmp / "rng.safetensors"))
         atomic_write_json(tmp / "trainer_state.json", {**state, "rng": rjs})
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)  # the commit point: a step_* directory is complete or absent
-        fsync_dir(final.parent)
+        publish_dir(tmp, final, "remove")  # the commit point: a step_* directory is complete or absent
         for old in complete(run)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         if best:
@@ -76,16 +70,10 @@ def save(run: Path, step: int, drafter: Eagle3Drafter, params: list, opt, state:
 def _replace_best(src: Path, run: Path) -> None:
     """RUN/best := a copy of src (no optimizer/RNG), by renames: best is missing only between two renames, and
     `recover` puts .best.old back if a crash lands there."""
-    tmp, old, dst = run / ".best.tmp", run / ".best.old", run / "best"
+    tmp = run / ".best.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("optimizer.safetensors", "rng*.safetensors"))
-    fsync_dir(tmp)
-    shutil.rmtree(old, ignore_errors=True)
-    if dst.exists():
-        os.rename(dst, old)
-    os.rename(tmp, dst)
-    fsync_dir(run)
-    shutil.rmtree(old, ignore_errors=True)
+    publish_dir(tmp, run / "best", "aside", aside=run / ".best.old")
 
 
 def recover(run: Path) -> None:

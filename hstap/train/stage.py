@@ -81,6 +81,7 @@ import torch
 from hstap import dist as D
 from hstap.batching import TrainBatches
 from hstap.common import HstapError, atomic_write_json, write_run_config
+from hstap.model_dir import auto_dtype
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.data import Feed, TrainData
@@ -182,7 +183,7 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     """Data, drafter, trainer and batch stream of this rank from the resolved inputs (`hstap.train.inputs.resolve`),
     restored from RUN's newest checkpoint with --resume."""
     run, cuda = Path(cfg.out), dev.type == "cuda"
-    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and cuda)
+    bf16 = auto_dtype(cfg.dtype, dev) == "bf16"
     if bf16 and not cuda:
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
     inp = resolve(cfg, rank, world, dev, bf16)

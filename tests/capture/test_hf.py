@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from _capture_fixtures import assert_same_store, make_prepared, store_samples
+from helpers.capture import assert_same_store, corpus, make_prepared, store_samples
 
 from hstap.batching import pack_by_tokens
 from hstap.capture.hf import CaptureRunner, capture_batch, forward_packed
@@ -28,9 +28,9 @@ from hstap.store.writer import StoreWriter
 LAYERS = "0,2,4"  # HF hidden_states[1], [3], [5] of a 6-layer model; final = hidden_states[6]
 
 
-@pytest.fixture(scope="module")
-def prepared(tiny_tokenizer, tmp_path_factory):
-    return make_prepared(tiny_tokenizer[1], tmp_path_factory.mktemp("cap-hf") / "prepared", n=24, seed=1)
+def prepared_records() -> list[dict]:
+    """The chats of this module's `prepared` set (conftest.py)."""
+    return corpus(24, seed=1)
 
 
 def _capture(target, data, out, **kw):
@@ -329,7 +329,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, tiny_llama, prepared, r
     without weights or whose weights do not load (it left a store that refused the next, correct run), a raw data file
     for --data, data rendered with a template for a target that has none, --layers -1,3,4 (argparse's "expected one
     argument"), --max-samples 0 (an empty store reported as a success)."""
-    from _bad_inputs import refused
+    from helpers.refusals import refused
 
     out, target, data, opts, expect = tmp_path / "store", tiny_llama, prepared, [], []
     if case in ("truncated shard", "flipped byte"):

@@ -1,6 +1,6 @@
 """`hstap capture` as real processes: SIGKILL at random moments then resume, bad input, a disk that refuses writes,
 two torchrun-style ranks on gloo. Child processes come from a forkserver that imported torch once (see
-tests/_capture_fixtures.py); one run uses a fresh interpreter."""
+tests/helpers/capture.py); one run uses a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ import sys
 import time
 
 import pytest
-from _capture_fixtures import Run, assert_same_store, make_prepared, run_cli, store_samples
-from _procs import start_forkserver
+from helpers.capture import Run, assert_same_store, make_prepared, run_cli, store_samples
+from helpers.procs import start_forkserver
 
 from hstap.capture.stage import CaptureConfig, capture
 from hstap.common import free_port
 from hstap.store.reader import open_store
+
+pytestmark = pytest.mark.procs
 
 N = 40  # samples
 LAYERS = "1,3,4"
@@ -64,6 +66,7 @@ def _commits(out) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume(tiny_llama, data, reference, tmp_path):
     out = tmp_path / "store"
     rng = random.Random(1234)

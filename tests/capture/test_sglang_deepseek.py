@@ -27,7 +27,8 @@ if importlib.util.find_spec("sglang") is None:  # installed but broken must fail
     pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23, see docs/engines.md)",
                 allow_module_level=True)
 
-from _sglang_fixtures import create_store, forward_batch, import_sglang, make_prepared, records  # noqa: E402
+from helpers.capture import prepare_records  # noqa: E402
+from helpers.sglang import create_store, forward_batch, import_sglang, records  # noqa: E402
 
 from hstap.capture.sglang.plugin import capture_inputs_of, set_capture_layers  # noqa: E402
 from hstap.capture.sglang.protocol import ENV_LAYERS, hook_spec  # noqa: E402
@@ -81,7 +82,7 @@ def deepseek(tiny_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prepared(deepseek, tmp_path_factory):
-    return make_prepared(deepseek["dir"], tmp_path_factory.mktemp("ds-prep") / "prepared", records(5, seed=7,
+    return prepare_records(deepseek["dir"], tmp_path_factory.mktemp("ds-prep") / "prepared", records(5, seed=7,
                                                                                                      hostile=False))
 
 

@@ -1,6 +1,6 @@
 """`hstap capture --engine sglang` against a real local HTTP server process.
 
-The server (`tests/_sglang_fixtures.py serve`) is an emulation, not SGLang's server: it answers /server_info from a
+The server (`tests/helpers/sglang.py serve`) is an emulation, not SGLang's server: it answers /server_info from a
 real SGLang `ServerArgs` parsed from launch flags and resolved by SGLang's own code, attaches the `--forward-hooks`
 specs to SGLang's real LogitsProcessor with SGLang's `register_forward_hooks`, computes hidden states with the HF target
 and packs the prefill-only requests it receives into chunked EXTEND ForwardBatches (real sglang types). Everything on
@@ -25,7 +25,8 @@ if importlib.util.find_spec("sglang") is None:  # installed but broken must fail
     pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23, see docs/engines.md)",
                 allow_module_level=True)
 
-from _sglang_fixtures import import_sglang, make_prepared, records  # noqa: E402
+from helpers.capture import prepare_records  # noqa: E402
+from helpers.sglang import import_sglang, records  # noqa: E402
 
 from hstap.capture.sglang.driver import run_sglang_capture, server_problems  # noqa: E402
 from hstap.capture.sglang.protocol import hook_spec  # noqa: E402
@@ -34,19 +35,20 @@ from hstap.common import HstapError  # noqa: E402
 from hstap.store.reader import open_store  # noqa: E402
 
 LAYERS = [0, 2, 4]
-TESTS = Path(__file__).resolve().parents[1]  # the shared fixtures live in tests/
+TESTS = Path(__file__).resolve().parents[1]  # tests/: the emulated server is helpers.sglang
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_llama, tiny_tokenizer, tmp_path_factory):
     d = tmp_path_factory.mktemp("sg-drv")
-    data = make_prepared(tiny_tokenizer[1], d / "prepared", records(10, seed=5))
+    data = prepare_records(tiny_tokenizer[1], d / "prepared", records(10, seed=5))
     store = d / "store"
     port_file = d / "port"
     flags = ["--disable-prefill-cuda-graph", "--chunked-prefill-size", "48",
              "--forward-hooks", json.dumps([hook_spec(store, data, LAYERS, flush_s=0.1)])]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(TESTS / "_sglang_fixtures.py"), "serve", str(port_file),
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONPATH=path)
+    proc = subprocess.Popen([sys.executable, "-m", "helpers.sglang", "serve", str(port_file),
                              str(tiny_llama), "--", *flags], env=env, stdout=subprocess.DEVNULL,
                             stderr=open(d / "server.log", "w"))
     try:
@@ -73,6 +75,8 @@ def _run(cfg):
         return run_sglang_capture(cfg, poll_s=0.1, commit_timeout_s=60)
 
 
+@pytest.mark.procs
+@pytest.mark.slow
 def test_capture_through_server_equals_hf_and_resumes(setup, tiny_llama):
     from hstap.capture.hf import capture_batch
     from hstap.data.prepare import load_prepared
@@ -99,6 +103,8 @@ def test_capture_through_server_equals_hf_and_resumes(setup, tiny_llama):
     assert (setup["store"] / "config.json").is_file()
 
 
+@pytest.mark.procs
+@pytest.mark.slow
 def test_driver_refuses_a_hook_for_other_layers(setup, tiny_llama):
     with pytest.raises(HstapError, match=r"config\.layers is \[0, 2, 4\], this run needs \[1, 2, 3\].*--forward-hooks"):
         _run(_cfg(setup, tiny_llama, layers="1,2,3"))
@@ -114,6 +120,8 @@ def _info(tiny_llama, *flags):
     return json.loads(json.dumps(build_server_info(sa, {}), default=str))
 
 
+@pytest.mark.procs
+@pytest.mark.slow
 def test_server_settings_are_checked(setup, tiny_llama):
     store, data = setup["store"], setup["data"]
     hooks = ["--forward-hooks", json.dumps([hook_spec(store, data, LAYERS)])]
@@ -146,7 +154,7 @@ def test_layer_n_minus_1_is_refused_before_the_server_is_asked(tiny_llama, tmp_p
     it creates the store."""
     from hstap.cli import main
 
-    data = make_prepared(tiny_llama, tmp_path / "p", records(2, seed=1))
+    data = prepare_records(tiny_llama, tmp_path / "p", records(2, seed=1))
     capsys.readouterr()  # prepare's own warnings are not the driver's
     code = main(["capture", "--engine", "sglang", "--server", "http://127.0.0.1:9", "--target", str(tiny_llama),
                  "--data", str(data), "--out", str(tmp_path / "s"), "--layers", "1,3,5"])

@@ -17,13 +17,12 @@ if importlib.util.find_spec("sglang") is None:  # installed but broken must fail
     pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23, see docs/engines.md)",
                 allow_module_level=True)
 
-from _sglang_fixtures import (  # noqa: E402
+from helpers.sglang import (  # noqa: E402
     LAYERS,
     H,
     create_store,
     forward_batch,
     logits_root,
-    make_prepared,
     records,
 )
 
@@ -36,9 +35,9 @@ from hstap.store.reader import open_store  # noqa: E402
 
 
 
-@pytest.fixture(scope="module")
-def prepared(tiny_tokenizer, tmp_path_factory):
-    return make_prepared(tiny_tokenizer[1], tmp_path_factory.mktemp("sg-hook") / "prepared", records(8, seed=3))
+def prepared_records() -> list[dict]:
+    """The chats of this module's `prepared` set (conftest.py)."""
+    return records(8, seed=3)
 
 
 class Rig:

@@ -15,13 +15,15 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
-from _capture_fixtures import assert_same_store, committed_count, store_samples
-from _sglang_fixtures import make_prepared, records
-from _sglang_live import REPO, events, server, wait_for
+from helpers.capture import assert_same_store, committed_count, prepare_records, store_samples
+from helpers.sglang import records
+from helpers.sglang_live import REPO, events, server, wait_for
 
 from hstap.capture.session import encode_rid, http_json
 from hstap.capture.sglang.protocol import ENV_LAYERS, hook_spec
 from hstap.engines.sglang import generate
+
+pytestmark = pytest.mark.sglang
 
 LAYERS = [0, 2, 4]  # canonical ids in the 6-layer tiny target (5, the last layer's output, SGLang cannot capture)
 CHUNK = 64  # --chunked-prefill-size: most prompts here are longer (21 of 24: 56..154 tokens)
@@ -37,7 +39,7 @@ def _cmd(model, data, store, url) -> list[str]:
 @pytest.fixture(scope="module")
 def live(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang-live")
-    data = make_prepared(tiny_llama, root / "p", records(N, seed=3))  # hostile sample ids first
+    data = prepare_records(tiny_llama, root / "p", records(N, seed=3))  # hostile sample ids first
     store = root / "store"
     spec = hook_spec(str(store), str(data), LAYERS, flush_s=0.5, shard_tokens=400)
     srv = server(tiny_llama, root / "server.log", "--chunked-prefill-size", str(CHUNK),

@@ -14,10 +14,13 @@ import re
 import threading
 import urllib.request
 
-from _sglang_live import events, server, wait_for
+import pytest
+from helpers.sglang_live import events, server, wait_for
 
 from hstap.capture.sglang.protocol import ENV_LAYERS, hook_spec
 from hstap.engines.sglang import generate
+
+pytestmark = pytest.mark.sglang
 
 LAYERS = [0, 2, 4]
 

@@ -15,7 +15,8 @@ if importlib.util.find_spec("sglang") is None:  # installed but broken must fail
     pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23, see docs/engines.md)",
                 allow_module_level=True)
 
-from _sglang_fixtures import LAYERS, H, create_store, forward_batch, logits_root, make_prepared, records  # noqa: E402
+from helpers.capture import prepare_records  # noqa: E402
+from helpers.sglang import LAYERS, H, create_store, forward_batch, logits_root, records  # noqa: E402
 
 from hstap.capture.sglang.driver import server_problems, store_world  # noqa: E402
 from hstap.capture.sglang.protocol import EVENTS_DIR, hook_spec  # noqa: E402
@@ -35,7 +36,7 @@ def _info(model_dir, *flags):
 
 @pytest.fixture(scope="module")
 def prepared(tiny_tokenizer, tmp_path_factory):
-    return make_prepared(tiny_tokenizer[1], tmp_path_factory.mktemp("sg-scatter") / "prepared", records(3, seed=2))
+    return prepare_records(tiny_tokenizer[1], tmp_path_factory.mktemp("sg-scatter") / "prepared", records(3, seed=2))
 
 
 def test_scattered_layouts_refused_and_gathered_ones_accepted(sg, tiny_llama, tiny_deepseek, prepared, tmp_path):

@@ -20,7 +20,7 @@ if importlib.util.find_spec("sglang") is None:  # installed but broken must fail
     pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23, see docs/engines.md)",
                 allow_module_level=True)
 
-from _sglang_fixtures import H, LAYERS, forward_batch, logits_root  # noqa: E402
+from helpers.sglang import H, LAYERS, forward_batch, logits_root  # noqa: E402
 
 from hstap.capture.sglang.hook import CaptureHook  # noqa: E402
 from hstap.capture.sglang.protocol import EVENTS_DIR, hook_spec  # noqa: E402
@@ -175,7 +175,8 @@ def test_tap_over_extend_mixed_and_decode_batches(sg, tiny_llama, tmp_path):
 def test_ends_outside_the_stream_and_a_drivers_request_beside_tapped_ones(sg, tiny_llama, tiny_tokenizer, tmp_path):
     """A request SGLang ends outside its output stream (aborted while queued, preempted, retracted) is dropped; the
     wrappers are installed once; a driver's request in the same batches is stored as `hstap capture` stores it."""
-    from _sglang_fixtures import create_store, make_prepared, records
+    from helpers.capture import prepare_records
+    from helpers.sglang import create_store, records
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
@@ -183,7 +184,7 @@ def test_ends_outside_the_stream_and_a_drivers_request_beside_tapped_ones(sg, ti
     from hstap.capture.session import encode_rid
     from hstap.data.prepare import load_prepared
 
-    data = make_prepared(tiny_tokenizer[1], tmp_path / "prepared", records(2, seed=5, hostile=False))
+    data = prepare_records(tiny_tokenizer[1], tmp_path / "prepared", records(2, seed=5, hostile=False))
     ds = load_prepared(data)
     rig = TapRig(tmp_path, tiny_llama, data=str(data))
     create_store(tiny_llama, data, rig.store, LAYERS, "fp32")  # the driver's store; the tap adds to it

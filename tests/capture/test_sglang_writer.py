@@ -16,20 +16,26 @@ if importlib.util.find_spec("sglang") is None:  # installed but broken must fail
     pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23, see docs/engines.md)",
                 allow_module_level=True)
 
-from _hook_stream import LAYERS, attach, expected, feed, stream_child  # noqa: E402
-from _procs import Child, start_forkserver  # noqa: E402
-from _sglang_fixtures import create_store, make_prepared, records  # noqa: E402
+from helpers.sglang_hook import LAYERS, attach, expected, feed, stream_child  # noqa: E402
+from helpers.procs import Child, start_forkserver  # noqa: E402
+from helpers.sglang import create_store, records  # noqa: E402
 
 from hstap.data.prepare import load_prepared  # noqa: E402
 from hstap.store.reader import open_store  # noqa: E402
 
+pytestmark = pytest.mark.procs
+
 N = 30
 
 
-@pytest.fixture(scope="module")
-def prepared(tiny_tokenizer, tmp_path_factory):
-    start_forkserver()  # its imports overlap the prepare below
-    return make_prepared(tiny_tokenizer[1], tmp_path_factory.mktemp("sg-kill") / "prepared", records(N, seed=5))
+@pytest.fixture(scope="module", autouse=True)
+def forkserver():
+    start_forkserver()  # its imports overlap the prepare of `prepared`
+
+
+def prepared_records() -> list[dict]:
+    """The chats of this module's `prepared` set (conftest.py)."""
+    return records(N, seed=5)
 
 
 def _commits(store) -> int:
@@ -50,6 +56,7 @@ def _check(store, ds) -> list[str]:
     return list(s.ids)
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_hook_writer_mid_stream_then_a_new_hook_resumes(tiny_llama, prepared, tmp_path):
     store = tmp_path / "store"
     create_store(tiny_llama, prepared, store, LAYERS)

@@ -104,7 +104,7 @@ def test_a_target_that_does_not_load_leaves_no_store_and_no_output(tiny_llama, t
     its first answer; the store is made at the first answer, so neither it, the output nor its config exists."""
     import shutil
 
-    from _bad_inputs import refused
+    from helpers.refusals import refused
 
     t = tmp_path / "t"
     shutil.copytree(tiny_llama, t)

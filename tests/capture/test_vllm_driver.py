@@ -14,10 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from _capture_fixtures import assert_same_store, committed_count, make_prepared, store_samples
-from _vllm_fixtures import require_vllm, serve, vllm_env
+from helpers.capture import assert_same_store, committed_count, make_prepared, store_samples
+from helpers.vllm import require_vllm, serve, vllm_env
 
 from hstap.common import HstapError, free_port
+
+pytestmark = pytest.mark.vllm
 
 LAYERS = "1,2,3"
 N_SAMPLES = 120

@@ -5,7 +5,7 @@ path (vLLM's own forward, the connector, the store) is tests/test_serve_loop.py'
 from __future__ import annotations
 
 import torch
-from _vllm_fixtures import require_vllm
+from helpers.vllm import require_vllm
 
 L, H = 3, 4
 

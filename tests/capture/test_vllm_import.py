@@ -11,7 +11,8 @@ import pickle
 
 import pytest
 import torch
-from _sglang_fixtures import make_prepared, records
+from helpers.capture import prepare_records
+from helpers.sglang import records
 from safetensors.torch import save_file
 
 from hstap.capture.stage import CaptureConfig
@@ -31,7 +32,7 @@ def world(tiny_llama, tiny_tokenizer, tmp_path_factory):
     from hstap.data.prepare import load_prepared
 
     d = tmp_path_factory.mktemp("vllm")
-    data = make_prepared(tiny_tokenizer[1], d / "prepared", records(5, seed=9, hostile=False))
+    data = prepare_records(tiny_tokenizer[1], d / "prepared", records(5, seed=9, hostile=False))
     ds = load_prepared(data)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     last = {}

@@ -11,11 +11,14 @@ import subprocess
 import sys
 
 import pytest
-from _capture_fixtures import assert_same_store, make_prepared, store_samples
-from _vllm_fixtures import require_vllm, vllm_env
+from helpers.capture import assert_same_store, make_prepared, store_samples
+from helpers.vllm import require_vllm, vllm_env
 
 LAYERS = "1,2"
 N_SAMPLES = 12
+
+
+pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")

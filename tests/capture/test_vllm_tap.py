@@ -8,10 +8,13 @@ import json
 import time
 import urllib.request
 
-from _vllm_fixtures import require_vllm, serve
+import pytest
+from helpers.vllm import require_vllm, serve
 
 from hstap.capture.vllm.protocol import CONNECTOR, CONNECTOR_MODULE, speculative_config
 from hstap.common import free_port
+
+pytestmark = pytest.mark.vllm
 
 
 def _complete(url: str, prompt: list[int], max_tokens: int) -> dict:

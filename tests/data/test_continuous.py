@@ -5,12 +5,10 @@ number of rows."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from hstap.data.continuous import ContinuousEngine, Dialogue, Turn
 from hstap.data.decode import generate_batch
-from hstap.model_dir import load_target
 
 USER = [7, 8, 9, 10, 11]  # the next user message's tokens, appended after each answer
 
@@ -33,12 +31,6 @@ class Conv(Dialogue):
             return None
         self.ids += list(new_ids) + USER
         return self._turn()
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama):
-    tgt, _ = load_target(str(tiny_llama), device="cpu", dtype="fp32")
-    return tgt
 
 
 def _prompts(n, vocab, seed=0):

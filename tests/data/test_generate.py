@@ -23,6 +23,8 @@ from hstap.data.answers import recover_output
 from hstap.data.generate import GenerateConfig, generate
 from hstap.data.openai_client import ChatClient
 
+pytestmark = pytest.mark.procs
+
 REPO = Path(__file__).resolve().parents[2]
 NEW = 12  # max_new_tokens of the end-to-end runs: the tiny random model rarely stops by itself, so turns run to it
 FAIL_FIRST = 3  # 503s the server injects before answering
@@ -314,6 +316,7 @@ def test_server_rejections_and_give_up(server, tmp_path):
     assert c.retried == 2
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill(server, tiny_llama, tmp_path):
     n = 48
     recs = [{"id": f"r{i:02d}", "conversations": [{"role": "user", "content": f"resume {i} " + "wrap " * (i % 5)},
@@ -392,7 +395,7 @@ def test_a_sliding_window_cache_falls_back_to_reprefill(tiny_tokenizer, tmp_path
 def test_a_failed_start_leaves_no_output_and_no_config(case, tmp_path, capsys):
     """Issue 40: a server that does not answer, or a malformed first input line, left an empty output file and its
     `.config.json`. The output (and its directory) is created at the first record; before it, nothing is."""
-    from _bad_inputs import refused
+    from helpers.refusals import refused
 
     with socket.socket() as sk:  # a port nobody listens on: connection refused
         sk.bind(("127.0.0.1", 0))

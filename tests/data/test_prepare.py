@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _tokenizer_fixtures import CHATML, variant_tokenizer
+from helpers.tokenizer import CHATML, variant_tokenizer
 
 from hstap import cli
 from hstap.common import HstapError
@@ -261,6 +261,7 @@ def test_a_draft_vocab_larger_than_the_answers_warns(tiny_tokenizer, tmp_path, c
     assert "draft vocabulary" not in warned[len(tok) + 10] and "draft vocabulary" not in warned[seen]
 
 
+@pytest.mark.procs
 def test_num_proc_gives_identical_output(tiny_tokenizer, tmp_path):
     recs = [{"messages": [{"role": "user", "content": f"Question {i} about item {i * 7}?"},
                           {"role": "assistant", "content": f"Answer {i}: " + "value " * (i % 9)}]} for i in range(300)]
@@ -288,6 +289,7 @@ def test_reference_example_and_no_template(ref_target, tiny_tokenizer, tmp_path)
                               out=str(tmp_path / "q")))
 
 
+@pytest.mark.procs
 def test_cli_end_to_end_and_replay(tiny_tokenizer, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative paths: config.json must hold absolute ones to replay from anywhere
     data = _data_file(tmp_path, DATA[:2] + DATA[5:])

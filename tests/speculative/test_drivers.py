@@ -14,13 +14,8 @@ from hstap.common import HstapError
 from hstap.models.drafter import DrafterCache
 from hstap.speculative.drivers import (NgramIndex, drafter_extend, new_cache, ngram_generate, prefill, spec_step,
                                 speculative_generate, target_forward, target_generate)
-from tests._speculate_fixtures import (StubDrafter, StubTarget, chi2_pvalue, load_tiny_target, oracle_drafter,
-                                       random_drafter, random_prompts)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama):
-    return load_tiny_target(tiny_llama)[0]
+from helpers.speculate import (StubDrafter, StubTarget, chi2_pvalue, load_tiny_target, oracle_drafter,
+                               random_drafter, random_prompts)
 
 
 # --- exactness of the pieces ------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from hstap.common import HstapError
 from hstap.drafter_dir import save_drafter
 from hstap.speculative.drivers import target_generate
 from hstap.speculative.evaluate import EvalConfig, evaluate, prompt_from_mask, read_sim_tau, sim_chain_tau
-from tests._speculate_fixtures import load_tiny_target, random_drafter
+from helpers.speculate import load_tiny_target, random_drafter
 
 CONVERSATIONS = [
     {"id": "a", "messages": [{"role": "user", "content": "def parse(s):"}]},
@@ -204,6 +204,7 @@ def test_config_validation_and_cli_flags(tmp_path):
         load_prompts(str(tmp_path / "x.jsonl"), object())
 
 
+@pytest.mark.slow
 def test_training_sim_tau_is_the_tau_eval_measures(tiny_tokenizer, tmp_path):
     """One definition of tau (tokens per target forward, the bonus token included) in training and eval: on a store
     of the target's own greedy answers, the training run's sim_tau (its replayed chain of --ttt drafts) equals the tau
@@ -214,7 +215,7 @@ def test_training_sim_tau_is_the_tau_eval_measures(tiny_tokenizer, tmp_path):
     import torch
 
     from hstap.demo.toy import build_random_target
-    from tests._train_fixtures import greedy_drafter, metrics
+    from helpers.train import greedy_drafter, metrics
 
     tok, K, n_new = tiny_tokenizer[0], 3, 24
     model = build_random_target(tmp_path / "target", tok, num_layers=6, hidden_size=64, seed=5)
@@ -244,7 +245,7 @@ def other(tmp_path_factory):
     import contextlib
     import io
 
-    from _capture_fixtures import make_prepared
+    from helpers.capture import make_prepared
 
     from hstap.export.stage import ExportConfig, export
     from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts
@@ -271,7 +272,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, setup, other, tiny_llam
     directory that holds a report (overwritten without a word). Each is refused before any model loads."""
     import shutil
 
-    from _bad_inputs import refused
+    from helpers.refusals import refused
 
     _, _, jsonl, run, _ = setup
     out, data, drafter, opts = tmp_path / "report", jsonl, run, []

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from _speculate_fixtures import chi2_pvalue, load_tiny_target, oracle_drafter, random_drafter
+from helpers.speculate import chi2_pvalue, load_tiny_target, oracle_drafter, random_drafter
 
 from hstap.common import HstapError
 from hstap.models.drafter import DrafterCache

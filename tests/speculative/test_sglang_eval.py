@@ -15,9 +15,11 @@ import io
 import json
 
 import pytest
-from _sglang_live import server_venv
+from helpers.sglang_live import server_venv
 
 from hstap.common import HstapError
+
+pytestmark = pytest.mark.sglang
 
 K, N_NEW, PROMPTS = 3, 24, 8
 CPU_BLOCKERS = ("0 active drivers",  # triton: the KV-copy warm-up speculative decoding turns on (memory_pool.py)

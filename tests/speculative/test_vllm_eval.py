@@ -12,9 +12,11 @@ import json
 import shutil
 
 import pytest
-from _vllm_fixtures import require_vllm
+from helpers.vllm import require_vllm
 
 from hstap.common import HstapError
+
+pytestmark = pytest.mark.vllm
 
 K, N_NEW = 3, 24
 

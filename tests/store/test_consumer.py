@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from _store_fixtures import header, sample, sid, write
+from helpers.store import header, sample, sid, write
 
 from hstap.common import HstapError
 from hstap.store.consumer import read_consumer, wait_for_room, write_consumer

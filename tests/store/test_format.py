@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from _store_fixtures import H, K, header, raw, sample, sid, write
+from helpers.store import H, K, header, raw, sample, sid, write
 from safetensors import safe_open
 from safetensors.torch import load_file
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from _store_fixtures import H, K, grow_tmpfs, header, raw, sample, sid, small_tmpfs, write
+from helpers.store import H, K, grow_tmpfs, header, raw, sample, sid, small_tmpfs, write
 
 from hstap.common import HstapError
 from hstap.store.format import merge_manifest, store_bytes_per_token
@@ -199,6 +199,7 @@ def _killable_writer(path: str, n: int, ready) -> None:
     w.close()
 
 
+@pytest.mark.procs
 def test_resume_after_sigkill_at_random_moments(tmp_path):
     n, p = 400, tmp_path / "s"
     ctx = mp.get_context("fork")  # fork: a killed writer costs milliseconds, not a fresh interpreter
@@ -249,6 +250,7 @@ def _rank_writer(path: str, rank: int, n: int, importing_done) -> None:
     w.close()
 
 
+@pytest.mark.procs
 def test_two_processes_write_disjoint_ids_then_merge(tmp_path):
     p, n = tmp_path / "s", 80
     ctx = mp.get_context("spawn")

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from _drafter_fixtures import tiny_setup
+from helpers.drafter import tiny_setup
 from safetensors.torch import load_file
 
 from hstap.common import HstapError

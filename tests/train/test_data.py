@@ -34,7 +34,7 @@ def test_feed_padding_changes_no_figure():
     from types import SimpleNamespace
 
     import torch
-    from _drafter_fixtures import tiny_setup
+    from helpers.drafter import tiny_setup
 
     from hstap.train.data import Feed
     from hstap.train.ttt import TTTModel

@@ -17,18 +17,17 @@ import time
 from pathlib import Path
 
 import pytest
-from _capture_fixtures import Run
-from _train_fixtures import Child, build_assets, metrics, ranks, start_forkserver
+from helpers.capture import Run
+from helpers.train import Child, metrics, ranks
 
 from hstap.store.format import committed_ids_of, load_manifest, load_parts, union_entries
+
+pytestmark = pytest.mark.procs
 
 EPOCHS, KEEP = 2, 4
 
 
-@pytest.fixture(scope="module")
-def assets(tiny_tokenizer, tmp_path_factory):
-    start_forkserver()  # its imports overlap the asset building below
-    return build_assets(tmp_path_factory.mktemp("follow"), tiny_tokenizer[0], n=20, with_store=False)
+ASSETS = {"n": 20, "with_store": False}  # `build_assets`' settings of this module's `assets` (conftest.py)
 
 
 def _capture_argv(a, store, batch_tokens=1, shard_tokens=1) -> list[str]:
@@ -76,6 +75,7 @@ def _consumed_ids(store: Path) -> set[str]:
     return {i for e in entries if e["seq"] < rec["consumed"].get(str(e["rank"]), 0) for i in e["ids"]}
 
 
+@pytest.mark.slow
 def test_capture_and_follow_train_killed_and_resumed_equal_an_uninterrupted_run(assets, tmp_path):
     opts = dict(consume=True, keep_shards=KEEP, epochs=EPOCHS, replay_fraction=0.25)
     # The uninterrupted reference: capture first, then follow the finished store (in this process, one thread).

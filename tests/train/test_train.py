@@ -11,18 +11,14 @@ import time
 
 import pytest
 import torch
-from _train_fixtures import Child, build_assets, metrics, ranks, start_forkserver
+from helpers.train import Child, metrics, ranks
 from safetensors.torch import load_file
 
 from hstap.common import HstapError
 from hstap.train.stage import TrainConfig, train
 from hstap.train.trainer import Schedule
 
-
-@pytest.fixture(scope="module")
-def assets(tiny_tokenizer, tmp_path_factory):
-    start_forkserver()  # its imports overlap the asset building below
-    return build_assets(tmp_path_factory.mktemp("train"), tiny_tokenizer[0])
+pytestmark = pytest.mark.procs
 
 
 @pytest.fixture
@@ -94,6 +90,7 @@ def test_offline_training_learns_and_checkpoints(assets, tmp_path, capsys):
         train(_cfg(assets, run, steps=2))
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_reproduces_the_loss_trajectory(assets, tmp_path):
     common = dict(steps=16, save_every=4, eval_frac=0.2, lr=2e-3)
     ref = Child(_argv(assets, tmp_path / "ref", **common), tmp_path / "ref.log")
@@ -400,7 +397,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, assets, tmp_path, capsy
     first and said "512 ids is not 512 ids"; an empty training split left config.json behind."""
     import shutil
 
-    from _bad_inputs import refused
+    from helpers.refusals import refused
 
     store, run, opts = tmp_path / "store", tmp_path / "run", {}
     if case in ("truncated shard", "flipped byte"):

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _drafter_fixtures import tiny_setup
+from helpers.drafter import tiny_setup
 
 from hstap.train.ttt import (TOPK_K, TTTModel, ce_core, loss_core, plan_rows, replay_chain, soft_ce, soft_ce_rows,
                              step_rows, target_distribution, ttt_block_mask, ttt_flops, ttt_mask)

@@ -35,7 +35,7 @@ from hstap.capture.vllm.protocol import (EVENTS_DIR, HELLO_PREFIX, PARAMS_KEY, k
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
 from hstap.layers import to_vllm
-from hstap.model_dir import load_config
+from hstap.model_dir import auto_device, auto_dtype, load_config
 from hstap.store.format import committed_ids_of, merge_manifest
 from hstap.store.writer import StoreWriter
 from hstap.engines.vllm import start_llm, stop_llm
@@ -59,8 +59,8 @@ def run_vllm_capture(cfg: CaptureConfig, poll_s: float = 0.5, commit_timeout_s: 
                   "compute_dtype": _short_dtype(info["dtype"]), "model_path": info["model"], "vllm_layers": vids}
         max_len = int(info["max_model_len"])
     else:
-        dtype = _embedded_dtype(cfg)
-        engine = {"name": "vllm", "version": _vllm_version(), "device": _embedded_device(cfg),
+        dtype = auto_dtype(cfg.compute_dtype, cfg.device)
+        engine = {"name": "vllm", "version": _vllm_version(), "device": auto_device(cfg.device),
                   "compute_dtype": dtype, "model_path": cfg.target, "vllm_layers": vids}
         max_len = max((lens[i] for i in range(n)), default=1) + 1
     header = inputs.header(engine, cfg)
@@ -154,20 +154,6 @@ def _vllm_version() -> str:
     return vllm.__version__
 
 
-def _embedded_device(cfg: CaptureConfig) -> str:
-    import torch
-
-    if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.device
-
-
-def _embedded_dtype(cfg: CaptureConfig) -> str:
-    if cfg.compute_dtype != "auto":
-        return cfg.compute_dtype
-    return "bf16" if _embedded_device(cfg).startswith("cuda") else "fp32"
-
-
 def _start_llm(cfg: CaptureConfig, dtype: str, vids: list[int], max_len: int):
     """vLLM's LLM on the target with hstap's connector writing into cfg.out; --batch-tokens is vLLM's token budget per
     step (max_num_batched_tokens: a longer prompt is prefilled in chunks, which vLLM's block table stitches)."""
@@ -175,7 +161,7 @@ def _start_llm(cfg: CaptureConfig, dtype: str, vids: list[int], max_len: int):
         # vLLM wants prompt + 1 <= max_model_len; a capture request never runs its sampled token through the model
         # (max_tokens 1), so no position beyond the target's max_position_embeddings is ever computed
         os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-    return start_llm(cfg.target, dtype, _embedded_device(cfg), max_len, max_num_batched_tokens=cfg.batch_tokens,
+    return start_llm(cfg.target, dtype, auto_device(cfg.device), max_len, max_num_batched_tokens=cfg.batch_tokens,
                      speculative_config=speculative_config(vids), kv_transfer_config=kv_transfer_config(
                          cfg.out, cfg.data, shard_tokens=cfg.shard_tokens, flush_s=0.25))  # the last commit comes sooner
 

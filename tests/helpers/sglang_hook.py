@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import torch
-from _procs import redirect_output
-from _sglang_fixtures import H, LAYERS, forward_batch, import_sglang, logits_root, publish_server_args
+from helpers.procs import redirect_output
+from helpers.sglang import H, LAYERS, forward_batch, import_sglang, logits_root, publish_server_args
 
 
 def expected(ds, row: int) -> dict:

@@ -5,7 +5,7 @@ a drafter has something to learn), a prepared set of stdlib-documentation chats 
 vocabulary) and an fp32 store captured from it by the real capture stage (hstap.capture.stage, layers 1,3,4).
 
 Child processes: `hstap.train.stage` runs as real processes (gloo process groups across them), forked from the shared
-forkserver of `_procs`. Children run single-threaded, like the in-process reference runs.
+forkserver of `helpers.procs`. Children run single-threaded, like the in-process reference runs.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import random
 import sys
 from pathlib import Path
 
-import _procs
-from _procs import redirect_output, start_forkserver  # noqa: F401 (re-exported)
+from helpers import procs
+from helpers.procs import redirect_output, start_forkserver  # noqa: F401 (re-exported)
 
 from hstap.common import free_port
 
@@ -84,7 +84,7 @@ def _child(argv: list[str], env: dict, log_path: str) -> None:
     os._exit(code)
 
 
-class Child(_procs.Child):
+class Child(procs.Child):
     """`hstap train <argv>` in a forked child; env adds to the environment (RANK, WORLD_SIZE, ... for gloo ranks)."""
 
     timeout = 180.0

@@ -20,7 +20,7 @@ PRELOAD = ["torch", "numpy", "datasets", "pyarrow", "safetensors", "tqdm", "tran
            "transformers.models.llama.configuration_llama", "transformers.models.auto.modeling_auto",
            "transformers.models.auto.tokenization_auto", "hstap.cli", "hstap.capture.stage", "hstap.capture.hf",
            "hstap.store.reader", "hstap.store.writer", "hstap.data.prepare", "hstap.models.target", "hstap.layers", "hstap.train.stage",
-           "hstap.models.drafter", "hstap.export.stage", "hstap.dist", "_capture_fixtures", "_train_fixtures"]
+           "hstap.models.drafter", "hstap.export.stage", "hstap.dist", "helpers.capture", "helpers.train"]
 
 _CTX = None
 
@@ -29,9 +29,9 @@ def forkserver():
     """The multiprocessing context whose server has imported PRELOAD (started on first use)."""
     global _CTX
     if _CTX is None:
-        here = str(Path(__file__).resolve().parent)
-        if here not in sys.path:
-            sys.path.insert(0, here)
+        tests = str(Path(__file__).resolve().parents[1])  # the server imports `helpers.*` (PRELOAD) from tests/
+        if tests not in sys.path:
+            sys.path.insert(0, tests)
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         _CTX = ctx

@@ -1,5 +1,6 @@
 """Helpers for the capture tests: a small prepared set, store comparison, and CLI runs in real child processes
-(forked from the shared forkserver of `_procs`). One test still runs a fresh `sys.executable` (the real entry point).
+(forked from the shared forkserver of `helpers.procs`). One test still runs a fresh `sys.executable` (the real entry
+point).
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import signal
 import sys
 from pathlib import Path
 
-from _procs import Child, redirect_output
+from helpers.procs import Child, redirect_output
 
 
-def write_corpus(path: Path, n: int, seed: int = 0, min_chars: int = 10, max_chars: int = 260) -> Path:
+def corpus(n: int, seed: int = 0, min_chars: int = 10, max_chars: int = 260) -> list[dict]:
     """n chat records of varied length (answers cut to a random size) from the stdlib docs."""
     from hstap.demo.toy import stdlib_conversations
 
@@ -26,22 +27,29 @@ def write_corpus(path: Path, n: int, seed: int = 0, min_chars: int = 10, max_cha
         user, asst = c["conversations"]
         cut = rng.randint(min_chars, max_chars)
         out.append({"id": c["id"], "conversations": [user, {"role": "assistant", "content": asst["content"][:cut]}]})
-    path.write_text("".join(json.dumps(r) + "\n" for r in out))
-    return path
+    return out
 
 
-def make_prepared(tokenizer_dir: Path, out: Path, n: int, seed: int = 0, chat_template: str | None = None,
-                  **kw) -> Path:
+def prepare_records(tokenizer_dir: Path, out: Path, recs: list[dict], **settings) -> Path:
+    """`hstap prepare` (quiet; PrepareConfig `settings`, a draft vocabulary of 64 unless they set one) of the chat
+    records `recs`, written beside `out` as OUT.jsonl -> out."""
     import contextlib
     import io
 
     from hstap.data.prepare import PrepareConfig, prepare
 
-    jsonl = write_corpus(out.parent / f"{out.name}.jsonl", n, seed, **kw)
+    jsonl = out.parent / f"{out.name}.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in recs))
     with contextlib.redirect_stdout(io.StringIO()):
-        prepare(PrepareConfig(tokenizer=str(tokenizer_dir), data=[str(jsonl)], out=str(out), draft_vocab=64,
-                              chat_template=chat_template))
+        prepare(PrepareConfig(tokenizer=str(tokenizer_dir), data=[str(jsonl)], out=str(out),
+                              **{"draft_vocab": 64, **settings}))
     return out
+
+
+def make_prepared(tokenizer_dir: Path, out: Path, n: int, seed: int = 0, chat_template: str | None = None,
+                  **kw) -> Path:
+    """A prepared set of `corpus(n, seed, **kw)`."""
+    return prepare_records(tokenizer_dir, out, corpus(n, seed, **kw), chat_template=chat_template)
 
 
 def store_samples(path) -> dict[str, dict]:

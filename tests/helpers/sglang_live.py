@@ -18,7 +18,7 @@ import pytest
 
 from hstap.engines.sglang import VENV, SGLangServer, launch_args
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # tests/helpers/ -> the repository root
 PYTHON = REPO / VENV / "bin" / "python"
 
 

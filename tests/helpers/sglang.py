@@ -1,5 +1,5 @@
 """Helpers for the SGLang tests: import the real `sglang` package on a CPU-only box, build real `ForwardBatch`es, and an
-emulated SGLang HTTP server (run as `python tests/_sglang_fixtures.py serve ...`) for the driver test.
+emulated SGLang HTTP server (run as `python -m helpers.sglang serve ...` with tests/ on the path) for the driver test.
 
 Why a shim at import: `sglang.srt.configs` imports `torchvision.transforms` (VLM configs) and registers image
 processors with `transformers.AutoImageProcessor`. PyPI's torchvision wheels are CUDA builds: with this CPU torch their
@@ -72,19 +72,6 @@ def records(n: int, seed: int = 0, hostile: bool = True) -> list[dict]:
         sid = bad[k] if hostile and k < len(bad) else c["id"]
         answer = {"role": "assistant", "content": asst["content"][:rng.randint(20, 200)]}
         out.append({"id": sid, "conversations": [user, answer]})
-    return out
-
-
-def make_prepared(tokenizer_dir: Path, out: Path, recs: list[dict]) -> Path:
-    import contextlib
-    import io
-
-    from hstap.data.prepare import PrepareConfig, prepare
-
-    jsonl = out.parent / f"{out.name}.jsonl"
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    with contextlib.redirect_stdout(io.StringIO()):
-        prepare(PrepareConfig(tokenizer=str(tokenizer_dir), data=[str(jsonl)], out=str(out), draft_vocab=64))
     return out
 
 
@@ -271,5 +258,4 @@ def serve(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         serve(sys.argv[2:])
