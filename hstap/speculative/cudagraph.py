@@ -80,7 +80,7 @@ class Step:
         """What one run of the step launches, from torch.profiler over the step run outside its graph (the graph
         replays exactly that) with the state restored: on CUDA the device kernels (memcpy/memset included), on the
         CPU the top-level aten ops (each at least one kernel when run eagerly; a proxy for comparing step bodies).
-        Also fills `kernel_table`: [(name, calls, device us)] of the run, most device time first (CUDA).
+        Also fills `kernel_table`: [(name, calls, device us)] of the run, most GPU time first (CUDA).
 
         The run is under no_grad, as the decoding loops are: a compiled step called with grad enabled misses its
         guards and recompiles (with coordinate-descent tuning, thousands of benchmark kernels under the profiler)."""

@@ -16,7 +16,7 @@ Gumbel-top-1 draws from q, as speculative/drivers.py draws them); trees at T > 0
 No sort or torch.topk kernel runs at T = 0: the children are `top_k` of the logits (their log-probs: minus the
 logsumexp, log_softmax's values up to rounding), the level fronts and kept nodes come from `ranks` (pairwise
 comparisons), the accepted path from a cumulative sum. On the H200 torch.topk took ~30-44 us a call for the one or two
-rows of a draft level, `top_k` 7-12 us (benchmarks/RESULTS.md, ninth session).
+rows of a draft level, `top_k` 7-12 us (benchmarks/RESULTS.md, "Few-row products and top-k").
 
 Acceptance at T = 0: node i is good when its token is the target's argmax at its parent; the accepted nodes are those
 whose ancestors (itself included) are all good. Siblings carry distinct tokens (top-k of one distribution, mapped to

@@ -27,10 +27,10 @@ also runs drivers.py (one line): EAGLE-2's sampling rules (a)/(b) are not implem
 
 Timings (seconds, summed over the rounds of a call; the steps are compiled and captured before the loop's clock
 starts, so no one-time cost is inside them):
-    draft_s   device time of the draft steps: CUDA events recorded on the stream right before and after each draft
+    draft_s   GPU time of the draft steps: CUDA events recorded on the stream right before and after each draft
               replay (perf_counter around the call on the CPU, where kernels are synchronous). n-gram: the host
               clock around the NgramIndex lookup (its drafting runs on the host).
-    verify_s  device time of the verify steps (target-only decoding: decode_s, its one-token step), the same way.
+    verify_s  GPU time of the verify steps (target-only decoding: decode_s, its one-token step), the same way.
     host_s    the loop's wall time (host clock, start to the final synchronize) minus those device spans: time the
               device sat idle waiting for the host (Python, launches, the one read per round). Device spans of
               different rounds never overlap and all lie inside the loop, so host_s >= 0 up to the events'
@@ -261,7 +261,7 @@ class FastDecoder:
     def target_generate(self, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, eos_ids=(),
                         generator=None) -> tuple[list[int], dict]:
         """Plain autoregressive decoding (the baseline) in one-token steps; stats as drivers.target_generate's, plus
-        decode_s (device time of the steps) and host_s (the rest of the loop)."""
+        decode_s (GPU time of the steps) and host_s (the rest of the loop)."""
         prompt = prompt_list(prompt_ids, "speculative/fast.py")
         if self._eager("target-only decoding"):
             return drivers.target_generate(self.target, prompt, max_new_tokens, temperature, eos_ids, generator)
