@@ -55,11 +55,11 @@ def fuse_linears(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 FUSE_MAX_BYTES = 16 << 20
-"""Default largest weight a few-row product is written as a reduction for (`linear`'s fuse_bytes): it is read once per row,
-so it must sit in L2 (50 MB on an H200) for that to cost no more than one GEMM's read; the 8B shape's matrices do not.
-benchmarks/bench_rows.py (RESULTS.md, "Few-row products and top-k") finds the reduction slower than cuBLAS from ~3 MB up
-at 2-16 rows on the reference target's shapes (fused gate/up 3.1 MB, lm_head 12.6 MB); a lower cap has not been measured
-end to end yet (bench_decode's `fusedR/MB+cdt` variants)."""
+"""Default largest weight a few-row product is written as a reduction for (`linear`'s fuse_bytes): it is read once per
+row, so it must sit in L2 (50 MB on an H200) for that to cost no more than one GEMM's read; the 8B shape's matrices do
+not. benchmarks/bench_rows.py (RESULTS.md, "Few-row products and top-k") finds the reduction slower than cuBLAS from ~3
+MB up at 2-16 rows on the reference target's shapes (fused gate/up 3.1 MB, lm_head 12.6 MB); a lower cap has not been
+measured end to end yet (bench_decode's `fusedR/MB+cdt` variants)."""
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fuse_rows: int = 0,
