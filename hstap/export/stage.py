@@ -30,6 +30,7 @@ from hstap.export.engines import (ENGINES, HF_DTYPE, VLLM_NUM_AUX, engine_state,
                                   sglang_config, vllm_config)
 from hstap.export.fit import check_drafter_target
 from hstap.models.drafter import DrafterConfig
+from hstap.outputs import check_not_input, check_out_dir
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -41,7 +42,8 @@ class ExportConfig:
     to: str = field(metadata={"choices": ["sglang", "vllm", "hf"]})
     """Target format: sglang (LlamaForCausalLMEagle3), vllm (speculators Eagle3Speculator), hf (hstap format + config)."""
     out: str
-    """Output directory (written to a temp sibling, then renamed; must not exist unless --overwrite)."""
+    """Output directory (written to a temp sibling, then renamed; must not exist unless --overwrite, and never a
+    directory of the run's inputs)."""
     dtype: str = field(default="auto", metadata={"choices": ["auto", "bf16", "fp32"]})
     """Weight dtype: auto = bf16 for sglang/vllm, the checkpoint's own dtype for hf (so eval sees the same logits)."""
     store: str | None = None
@@ -51,7 +53,8 @@ class ExportConfig:
     speculative_tokens: int = 3
     """vllm only: speculative_tokens of the greedy proposal method (vLLM's default num_speculative_tokens)."""
     overwrite: bool = False
-    """Replace an existing output directory (the old one is removed only after the new one is in place)."""
+    """Replace an earlier export at --out (the old one is removed only after the new one is in place); a directory
+    hstap export did not write is never replaced (hstap/outputs.py)."""
 
     def __post_init__(self):
         if self.to not in ("sglang", "vllm", "hf"):
@@ -95,12 +98,12 @@ def _write_safetensors(path: Path, state: dict[str, torch.Tensor], metadata: dic
 
 
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Rename the finished temp dir into place; an existing `out` (overwrite) is moved aside first, removed last."""
+    """Rename the finished temp dir into place; an existing `out` (an earlier export, overwrite) is moved aside first,
+    removed last."""
     fsync_dir(tmp)
     old = None
     if out.exists():
-        if not overwrite:
-            raise HstapError(f"{out}: exists (pass --overwrite to replace it)")
+        check_out_dir(out, "export", overwrite)  # again: it may have changed while the export was written
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
     tmp.rename(out)
@@ -113,8 +116,8 @@ def export(cfg: ExportConfig) -> dict:
     """Validate the drafter, then write the chosen format to cfg.out (see the module docstring); returns a summary."""
     d = resolve_drafter_dir(cfg.run)
     out = Path(cfg.out)
-    if out.exists() and not cfg.overwrite:
-        raise HstapError(f"{out}: exists (pass --overwrite to replace it)")
+    check_not_input(out, [("--run", d), ("--store", cfg.store), ("--target", cfg.target)])
+    check_out_dir(out, "export", cfg.overwrite)
     meta, state = read_checkpoint(d)
     dcfg = validate_checkpoint(d, meta, state, cfg.store)
     src_dtype = state["lm_head.weight"].dtype

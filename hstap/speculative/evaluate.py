@@ -343,6 +343,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     prompts = load_prompts(cfg.data, tok, cfg.num_prompts)
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)  # after the input checks, before the long runs
+    write_run_config(out_dir, "eval", cfg)  # first: the record that makes the directory eval's (hstap.outputs)
     eos = eos_ids(tok, target)
     T, n = cfg.temperature, cfg.max_new_tokens
     dtype = str(target.dtype).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16")
