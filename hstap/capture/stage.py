@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hstap.common import HstapError, atomic_write_bytes, git_commit
+from hstap.common import HstapError, atomic_write_bytes, git_commit, sha256_bytes
 
 # --engine NAME -> "module:function" that runs it. Loaded on use: the config is checked before torch or any engine is
 # imported, and this module depends on no engine (each engine owns its capture loop and uses the pieces below).
@@ -157,10 +158,10 @@ def check_out(cfg, rank: int = 0, world: int = 1, header: dict | None = None) ->
     this run's target, layers and dtype (`header`, when given: refused before anything is loaded), and every committed
     shard present at its recorded size and hashed against its checksum (ranks split the shards). Returns whether there
     is a store to resume."""
-    from hstap.store.format import check_resumable
+    from hstap.store.format import check_resumable, check_store_dir
     from hstap.store.reader import open_store
 
-    if cfg.new or not (Path(cfg.out) / "manifest.json").is_file():
+    if not check_store_dir(cfg.out) or cfg.new:  # a directory of other files is refused, --new or not
         return False
     if header is not None:
         check_resumable(cfg.out, header)
@@ -176,9 +177,11 @@ def check_out(cfg, rank: int = 0, world: int = 1, header: dict | None = None) ->
 
 
 def store_header(target_block: dict, engine: dict, dtype: str, layers: list[int], cfg,
-                 data_meta: dict | None = None) -> dict:
+                 data_meta: dict | None = None, work: dict | None = None) -> dict:
     """The StoreWriter header (see hstap/store/format.py). `data` records what the samples were rendered and tokenized
-    with; `vocab_map` the prepared set's draft vocabulary map (`hstap.data.vocab.vocab_map_record`), when it has one."""
+    with; `vocab_map` the prepared set's draft vocabulary map (`hstap.data.vocab.vocab_map_record`), when it has one;
+    `work` the store's identity (format.py: kind, producer, data): `work`, else a capture of the prepared set
+    `data_meta` describes (its path, and the sha256 of its meta.json's content)."""
     from hstap.data.vocab import vocab_map_record
 
     h = {"target": target_block, "engine": engine, "dtype": dtype, "layers": list(layers),
@@ -188,9 +191,14 @@ def store_header(target_block: dict, engine: dict, dtype: str, layers: list[int]
     if data_meta is not None:
         keys = ("tokenizer", "tokenizer_sha256", "chat_template", "chat_template_sha256", "vocab_size", "max_len")
         h["data"] = {k: data_meta.get(k) for k in keys}
-        rec = vocab_map_record((cfg.get("data") if isinstance(cfg, dict) else getattr(cfg, "data", None)) or "")
+        path = (cfg.get("data") if isinstance(cfg, dict) else getattr(cfg, "data", None)) or ""
+        rec = vocab_map_record(path)
         if rec is not None:
             h["vocab_map"] = rec
+        work = work or {"kind": "prepared", "producer": "hstap capture",
+                        "data": {"path": path, "sha256": sha256_bytes(json.dumps(data_meta, sort_keys=True))}}
+    if work is not None:
+        h["work"] = work
     return h
 
 
