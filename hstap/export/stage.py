@@ -4,7 +4,9 @@
 
 - sglang / vllm: the engine's config.json and model.safetensors (`hstap/export/engines.py` says what each holds);
 - hf: the hstap format (`hstap/drafter_dir.py`), embedding included (`load_drafter(DIR)` reads it, for `hstap
-  eval`), plus a config.json that describes the model (not loadable by transformers).
+  eval`; a training checkpoint keeps the target's embedding out, and the export reads it back from --target, else the
+  target directory the checkpoint records, checked against its sha256), plus a config.json that describes the model
+  (not loadable by transformers).
 
 Every export also gets `hstap_export.json` (the export's run config and the drafter's provenance): `config.json` is the
 engine's model config here, so the run config cannot live there.
@@ -25,7 +27,8 @@ import torch
 from safetensors.torch import save_file
 
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, fsync_dir, run_meta
-from hstap.drafter_dir import DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, validate_checkpoint
+from hstap.drafter_dir import (DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, restore_embedding,
+                               validate_checkpoint)
 from hstap.export.engines import (ENGINES, HF_DTYPE, VLLM_NUM_AUX, engine_state, export_readme, llama_fields,
                                   sglang_config, vllm_config)
 from hstap.export.fit import check_drafter_target
@@ -119,6 +122,9 @@ def export(cfg: ExportConfig) -> dict:
     check_not_input(out, [("--run", d), ("--store", cfg.store), ("--target", cfg.target)])
     check_out_dir(out, "export", cfg.overwrite)
     meta, state = read_checkpoint(d)
+    if cfg.to == "hf":  # the portable format holds the embedding a training checkpoint keeps out (the target's)
+        restore_embedding(d, meta, state, target=cfg.target)
+        meta = {k: v for k, v in meta.items() if k != "embedding"}
     dcfg = validate_checkpoint(d, meta, state, cfg.store)
     src_dtype = state["lm_head.weight"].dtype
     dtype = DTYPE_NAMES[cfg.dtype] if cfg.dtype != "auto" else (src_dtype if cfg.to == "hf" else torch.bfloat16)

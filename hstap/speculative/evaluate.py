@@ -195,7 +195,7 @@ def load_any_drafter(path: str, target):
     p = Path(path)
     if (p / "model.safetensors").is_file() and not (p / "drafter.safetensors").is_file():
         return load_exported(p, embed_weight=target.embed_tokens.weight, device=target.device, dtype=target.dtype)
-    return load_drafter(p, device=target.device, dtype=target.dtype)
+    return load_drafter(p, device=target.device, dtype=target.dtype, embed=target.embed_tokens.weight)
 
 
 def sim_chain_tau(rec: dict | None, k: int) -> float | None:

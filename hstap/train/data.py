@@ -102,7 +102,8 @@ def build_data(cfg, store, layers: list[int], sel: list[int] | None, vocab: tupl
         ids_all, lengths_all = list(store.ids), list(store.lengths)
         prov = {**store.header, "layers": layers, "captured_layers": store.layers, "path": str(store.path)}
     from hstap.drafter_dir import vocab_map_sha256
-    meta = {"store": prov, "vocab_map_sha256": vocab_map_sha256(d2t, t2d), "vocab_map_source": vocab_src}
+    meta = {"store": prov, "vocab_map_sha256": vocab_map_sha256(d2t, t2d), "vocab_map_source": vocab_src,
+            "embedding": {"from": "target", "path": cfg.target}}  # kept out of checkpoints (hstap/drafter_dir.py)
 
     if cfg.eval_store:
         from hstap.store.reader import open_store
