@@ -57,7 +57,6 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 # Fields that name inputs which must exist before the stage starts: checked here, before the stage's module (torch,
 # transformers: seconds) is imported, so that a mistyped path is one line at once. The stages check them again.
 INPUT_PATHS: dict[str, tuple[str, ...]] = {
-    "convert": ("gguf",),
     "prepare": ("tokenizer", "data", "chat_template"),
     "generate": ("target", "data"),
     "capture": ("target", "data", "src"),
@@ -78,7 +77,7 @@ def check_input_paths(stage: str, cfg: Any) -> None:
         v = getattr(cfg, name, None)
         for p in v if isinstance(v, list) else [v]:
             if p and not os.path.exists(p):
-                raise HstapError(f"{p}: --{name.replace('_', '-')}: no such file or directory")
+                raise HstapError(f"{p}: --{name.replace('_', '-')}: does not exist")
 
 
 def stage_entry(stage: str):

@@ -61,7 +61,7 @@ def test_serve_loop_without_prompts_leaves_no_out(small_run, tmp_path, capsys):
     out = tmp_path / "loop"
     (tmp_path / "empty.jsonl").write_text("")
     refused(["serve-loop", "--target", small_run["target"], "--prompts", tmp_path / "missing.jsonl", "--out", out],
-            capsys, "missing.jsonl: --prompts: no such file or directory", untouched=[out])
+            capsys, "missing.jsonl: --prompts: does not exist", untouched=[out])
     refused(["serve-loop", "--target", small_run["target"], "--prompts", tmp_path / "empty.jsonl", "--out", out],
             capsys, "empty.jsonl: no usable prompt", untouched=[out])
 
@@ -78,4 +78,4 @@ def test_missing_inputs_are_refused_before_the_stage_loads(tmp_path, capsys):
                        (["export", "--run", nx, "--to", "vllm", "--out", tmp_path / "e"], "--run"),
                        (["prepare", "--tokenizer", tmp_path, "--data", nx, "--out", tmp_path / "p"], "--data"),
                        (["verify", "--a", tmp_path, "--b", nx], "--b")):
-        refused(argv, capsys, f"{nx}: {flag}: no such file or directory", untouched=[tmp_path])
+        refused(argv, capsys, f"{nx}: {flag}: does not exist", untouched=[tmp_path])
