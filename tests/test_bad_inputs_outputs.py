@@ -131,3 +131,19 @@ def test_a_run_record_of_another_stage_is_not_this_ones(tmp_path):
     with pytest.raises(HstapError, match="holds an earlier hstap eval output; pass --overwrite"):
         check_out_dir(d, "eval", False)
     assert check_out_dir(d, "eval", None) is True
+
+
+def test_a_store_is_created_beside_a_waiting_trainer_but_never_in_a_users_shards(tmp_path):
+    from hstap.common import HstapError
+    from hstap.store.format import check_store_dir
+
+    waiting = tmp_path / "waiting"  # `train --follow --consume` claims the store's window before it exists
+    waiting.mkdir()
+    (waiting / "consumer.json").write_text('{"format": "hstap-store-consumer"}')
+    (waiting / "vllm-events").mkdir()
+    assert check_store_dir(waiting) is False
+    mine = tmp_path / "mine"
+    (mine / "shards").mkdir(parents=True)
+    (mine / "shards" / "photos.tar").write_bytes(b"x")
+    with pytest.raises(HstapError, match="holds 'shards' and no manifest.json: not an hstap store"):
+        check_store_dir(mine)

@@ -98,9 +98,10 @@ Resume rules (a `StoreWriter` on an existing store):
    producer and data where both headers record them, data by its sha256 where both have one, else by path), else
    HstapError naming the field; `new=True` removes manifest.json, parts/ and shards/ first. Other keys (engine,
    capture_config, paths) may differ; the store keeps those it was created with.
- - A writer creates a store only in a new or empty directory, or one holding an interrupted creation (empty shards/,
-   parts/, an hstap run record); it never writes into, nor with `new=True` wipes, a directory of other files, nor one
-   whose manifest.json is not an hstap store's (`check_store_dir`).
+ - A writer creates a store only in a new or empty directory, or one holding a store's own files without a manifest
+   (an interrupted creation's shards/ and parts/, a waiting trainer's consumer.json, an hstap run record, an engine's
+   events); it never writes into, nor with `new=True` wipes, a directory of other files, nor one whose manifest.json
+   is not an hstap store's (`check_store_dir`).
  - Committed ids = the ids of all entries of manifest.json and of every part file. The caller skips them
    (`committed_ids()`, `committed_ids_of`); adding one raises. Consumed shards (below) keep their entries, so their
    samples stay committed: a resumed capture never captures them again.
@@ -272,9 +273,10 @@ STORE_FILES = ("manifest.json", "parts", "shards", "consumer.json", "vocab_map.s
 def check_store_dir(path: str | os.PathLike) -> bool:
     """Before a writer creates, resumes or replaces (--new) the store at `path`: whether there is a store to resume
     or replace (a manifest.json of the hstap-store format). HstapError naming the path when it is a file, holds a
-    manifest.json of another format, or holds other files than an interrupted creation of a store leaves (empty
-    shards/ and parts/, a run record, an engine's event directory): a store is never written into, nor wiped from, a
-    directory of the user's files."""
+    manifest.json of another format, or holds other files than a store's own (shards/ and parts/ of shard and part
+    files, a following trainer's consumer.json, a run record, an engine's event directory: what an interrupted
+    creation, or a trainer waiting for the store, leaves): a store is never written into, nor wiped from, a directory
+    of the user's files."""
     p = Path(path)
     if not p.exists():
         return False
@@ -284,10 +286,13 @@ def check_store_dir(path: str | os.PathLike) -> bool:
         load_manifest(p)  # one of another format is refused by name
         return True
     for f in sorted(p.iterdir()):
-        if f.name in ("shards", "parts") and f.is_dir() and not any(f.iterdir()):
+        if f.name == "shards" and f.is_dir() and all(SHARD_RE.match(x.name) or TEMP_RE.match(x.name)
+                                                     for x in f.iterdir()):
             continue
-        if f.is_dir() and f.name.endswith("-events"):
+        if f.name == "parts" and f.is_dir() and all(x.name.startswith(("rank", ".rank")) for x in f.iterdir()):
             continue
+        if f.name in STORE_FILES and f.is_file() or f.is_dir() and f.name.endswith("-events"):
+            continue  # e.g. a following trainer's consumer.json, written before the store is created
         if f.name == "config.json" and read_record(f) is not None:
             continue
         raise HstapError(f"{p}: holds {f.name!r} and no manifest.json: not an hstap store; a store is created only "
