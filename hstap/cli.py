@@ -63,6 +63,32 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+# Fields that name inputs which must exist before the stage starts: checked here, before the stage's module (torch,
+# transformers: seconds) is imported, so that a mistyped path is one line at once. The stages check them again.
+INPUT_PATHS: dict[str, tuple[str, ...]] = {
+    "prepare": ("tokenizer", "data", "chat_template"),
+    "generate": ("target", "data"),
+    "capture": ("target", "data", "src"),
+    "train": ("target", "store", "data", "vocab_map", "eval_store", "init_from"),
+    "export": ("run", "store", "target"),
+    "eval": ("target", "data", "drafter"),
+    "serve-loop": ("target", "prompts", "drafter", "reference", "vocab_map"),
+    "verify": ("store", "target", "a", "b"),
+    "demo": ("target", "data"),
+}
+
+
+def check_input_paths(stage: str, cfg: Any) -> None:
+    """HstapError naming the first input path of `cfg` (INPUT_PATHS) that does not exist."""
+    for name in INPUT_PATHS.get(stage, ()):
+        if stage == "train" and name == "store" and getattr(cfg, "follow", False):
+            continue  # --follow: the store may be created by a capture that starts later
+        v = getattr(cfg, name, None)
+        for p in v if isinstance(v, list) else [v]:
+            if p and not os.path.exists(p):
+                raise HstapError(f"{p}: --{name.replace('_', '-')}: does not exist")
+
+
 def stage_entry(stage: str):
     """The entry function of a COMMANDS stage (its "module:function" form resolved)."""
     mod_name, _, fn_name, _ = COMMANDS[stage]
@@ -376,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mod = importlib.import_module(mod_name)
         cfg = make_config(stage, getattr(mod, cls_name), argv[1:], helptext)
+        check_input_paths(stage, cfg)
         stage_entry(stage)(cfg)
     except HstapError as e:
         print(f"hstap: error: {user_message(e)}", file=sys.stderr)

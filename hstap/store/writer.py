@@ -25,9 +25,9 @@ import torch
 from hstap.common import HstapError, fsync_dir
 from hstap.store.consumer import RECORD, wait_for_room
 from hstap.store.format import (CHECKSUM, CHUNK_BYTES, FORMAT, PART_FORMAT, SHARD_RE, ST_NAMES, TEMP_RE, TORCH_DTYPES,
-                                VERSION, check_header, combine_digests, header_diff, io_pool, load_manifest, load_parts,
-                                merge_manifest, quantize_fp8, refuse_other_header, store_bytes_per_token, union_entries,
-                                write_json)
+                                VERSION, check_header, check_store_dir, combine_digests, header_diff, io_pool,
+                                load_manifest, load_parts, merge_manifest, quantize_fp8, refuse_other_header,
+                                store_bytes_per_token, union_entries, write_json)
 
 _NEW_SLACK_S = 60.0  # see StoreWriter._wait_for_rank0
 log = logging.getLogger("hstap.store")
@@ -232,9 +232,7 @@ class StoreWriter:
     def _prepare(self, new: bool) -> None:
         """Rank 0: wipe (new=True) and create the store if needed."""
         p = self.path
-        if p.exists() and not p.is_dir():
-            raise HstapError(f"{p}: exists and is not a directory")
-        has_manifest = (p / "manifest.json").is_file()
+        has_manifest = check_store_dir(p)  # a directory of other files is neither written into nor wiped
         if new:
             for name in ("manifest.json", "parts", "shards", RECORD):  # only the store's own files, never the whole directory
                 q = p / name

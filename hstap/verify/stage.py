@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+import hstap
 from hstap.common import HstapError, atomic_write_json
 from hstap.config import at_least
+from hstap.outputs import check_out_file
 from hstap.layers import EMBEDDINGS, last_layer, reference_ids, reference_index
 from hstap.verify.parity import compute_class, finish_stats, layer_stats, merge_stats, tolerance, violations
 
@@ -47,7 +49,10 @@ class VerifyConfig:
     max_tokens: int = 1024
     """Recompute mode: compare the first max_tokens tokens of each sample (all layer outputs are held in memory)."""
     report: str | None = None
-    """Also write the full report (per-layer metrics, problems) as JSON to this path."""
+    """Also write the full report (per-layer metrics, problems) as JSON to this path (an existing file only when it is
+    an earlier verify report, or with --overwrite)."""
+    overwrite: bool = False
+    """Replace a --report file that is not an earlier verify report."""
 
     def __post_init__(self):
         if (self.a is None) != (self.b is None):
@@ -358,6 +363,8 @@ def _fail(rep: dict, what: str) -> None:
 
 def verify(cfg: VerifyConfig) -> dict:
     """Run the chosen check, print the report, write it as JSON with --report; HstapError on failure."""
+    if cfg.report:  # before any work: a file of the user's is replaced only when asked
+        check_out_file(cfg.report, "verify", cfg.overwrite, "--report")
     if cfg.a is not None:
         rep = compare_stores(cfg.a, cfg.b, cfg.samples)
         what = f"{cfg.a} vs {cfg.b}"
@@ -369,7 +376,7 @@ def verify(cfg: VerifyConfig) -> dict:
         what = str(cfg.store)
     _print(rep)
     if cfg.report:
-        atomic_write_json(cfg.report, rep)
+        atomic_write_json(cfg.report, {"stage": "verify", "hstap_version": hstap.__version__, **rep})
     if not rep["ok"]:
         _fail(rep, what)
     return rep
