@@ -36,7 +36,8 @@ from hstap.common import HstapError, user_message
 # subcommand -> (module of its config, config class, entry function, one-line help). Only stages that work are listed.
 # An entry "module:function" lives in another module than its config: a config whose fields more than its entry module
 # reads has a module of its own below them all (`train`: hstap/train/config.py); `generate` is the capture stage's
-# composition (--capture).
+# composition (--capture). A config module loads no torch, numpy nor transformers: `hstap STAGE --help`, a bad value
+# and a missing input path (INPUT_PATHS) are answered before the stage's own module loads them.
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": ("hstap.demo.config", "DemoConfig", "hstap.demo.stage:demo",
              "the whole pipeline end to end, offline, on a toy target (or yours)"),
@@ -44,23 +45,51 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
                 "a GGUF file, or an installed package holding one, -> a plain HF model directory (checked)"),
     "data": ("hstap.data.sources", "DataConfig", "data",
              "ShareGPT (salvaged, cleaned) or MT-bench (turn 1 / turn 2 prompts) from their pip packages -> JSONL"),
-    "prepare": ("hstap.data.prepare", "PrepareConfig", "prepare", "conversations -> input_ids + assistant loss_mask + draft vocab map"),
+    "prepare": ("hstap.data.prepare_config", "PrepareConfig", "hstap.data.prepare:prepare",
+                "conversations -> input_ids + assistant loss_mask + draft vocab map"),
     "generate": ("hstap.data.generate_config", "GenerateConfig", "hstap.capture.tap:generate",
                  "regenerate assistant turns with the target (embedded, or an OpenAI-compatible server)"),
     "capture": ("hstap.capture.config", "CaptureConfig", "hstap.capture.stage:capture",
                 "run the target over a prepared set and store its hidden states"),
     "train": ("hstap.train.config", "TrainConfig", "hstap.train.stage:train",
               "train an EAGLE-3 drafter on a store (offline) or a live target (online)"),
-    "export": ("hstap.export.stage", "ExportConfig", "export", "drafter -> SGLang / vLLM (speculators) / hf checkpoint, validated"),
+    "export": ("hstap.export.config", "ExportConfig", "hstap.export.stage:export",
+               "drafter -> SGLang / vLLM (speculators) / hf checkpoint, validated"),
     "eval": ("hstap.speculative.config", "EvalConfig", "hstap.speculative.evaluate:evaluate",
              "speculative decoding (chain/tree) vs target-only: tau, per-position acceptance, speedup, losslessness"),
     "serve": ("hstap.data.serve", "ServeConfig", "serve",
               "a minimal OpenAI-compatible server over the embedded engine (tests, local generate --server runs)"),
     "serve-loop": ("hstap.serve_loop.config", "ServeLoopConfig", "hstap.serve_loop.stage:serve_loop",
                    "train as you serve: vLLM serves with an EAGLE-3 drafter and taps, a follow trainer, live updates"),
-    "verify": ("hstap.verify.stage", "VerifyConfig", "verify",
+    "verify": ("hstap.verify.config", "VerifyConfig", "hstap.verify.stage:verify",
                "store integrity, recompute vs the target, layer-offset detection, compare two stores"),
 }
+
+
+# Fields that name inputs which must exist before the stage starts: checked here, before the stage's module (torch,
+# transformers: seconds) is imported, so that a mistyped path is one line at once. The stages check them again.
+INPUT_PATHS: dict[str, tuple[str, ...]] = {
+    "prepare": ("tokenizer", "data", "chat_template"),
+    "generate": ("target", "data"),
+    "capture": ("target", "data", "src"),
+    "train": ("target", "store", "data", "vocab_map", "eval_store", "init_from"),
+    "export": ("run", "store", "target"),
+    "eval": ("target", "data", "drafter"),
+    "serve-loop": ("target", "prompts", "drafter", "reference", "vocab_map"),
+    "verify": ("store", "target", "a", "b"),
+    "demo": ("target", "data"),
+}
+
+
+def check_input_paths(stage: str, cfg: Any) -> None:
+    """HstapError naming the first input path of `cfg` (INPUT_PATHS) that does not exist."""
+    for name in INPUT_PATHS.get(stage, ()):
+        if stage == "train" and name == "store" and getattr(cfg, "follow", False):
+            continue  # --follow: the store may be created by a capture that starts later
+        v = getattr(cfg, name, None)
+        for p in v if isinstance(v, list) else [v]:
+            if p and not os.path.exists(p):
+                raise HstapError(f"{p}: --{name.replace('_', '-')}: does not exist")
 
 
 def stage_entry(stage: str):
@@ -376,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mod = importlib.import_module(mod_name)
         cfg = make_config(stage, getattr(mod, cls_name), argv[1:], helptext)
+        check_input_paths(stage, cfg)
         stage_entry(stage)(cfg)
     except HstapError as e:
         print(f"hstap: error: {user_message(e)}", file=sys.stderr)

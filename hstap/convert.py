@@ -77,8 +77,10 @@ def source_file(cfg: ConvertConfig) -> Path:
     """The GGUF file to convert: --gguf, or the one .gguf file of the installed --package."""
     if cfg.gguf is not None:
         path = Path(cfg.gguf)
+        if path.is_dir():
+            raise HstapError(f"{path}: --gguf: is a directory; give the .gguf file itself")
         if not path.is_file():
-            raise HstapError(f"{path}: no such file")
+            raise HstapError(f"{path}: --gguf: no such file")
         return path
     found = package_files(cfg.package, ".gguf")
     if len(found) != 1:
@@ -191,15 +193,15 @@ def check_prompt(tok) -> list[int]:
 
 def convert(cfg: ConvertConfig) -> dict:
     """Convert cfg's GGUF into cfg.out (module docstring); prints and returns what it did."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     t0 = time.perf_counter()
     out = Path(cfg.out)
     if out.exists():
         raise HstapError(f"{out}: already exists (convert never overwrites; remove it or choose another --out)")
-    src = source_file(cfg)
+    src = source_file(cfg)  # both checked before torch and transformers load (20 s on a busy 2-core machine)
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     meta = read_gguf(src)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
     sha = sha256_file(src)

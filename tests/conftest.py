@@ -48,6 +48,27 @@ def tiny_llama(tiny_tokenizer, tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def small_run(tiny_tokenizer, tmp_path_factory) -> dict:
+    """target/, chats.jsonl, prepared/ and store/ (fp32, layers 1,3,4) of `_train_fixtures.build_assets` on 12
+    conversations, and run/, a drafter trained 2 steps on the store: what the bad-input tests refuse things with."""
+    import contextlib
+    import io
+
+    from helpers.train import build_assets
+
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
+
+    root = tmp_path_factory.mktemp("small-run")
+    a = build_assets(root, tiny_tokenizer[0], n=12)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        train(TrainConfig(out=str(root / "run"), target=str(a["target"]), store=str(a["store"]), steps=2,
+                          eval_store=str(a["store"]),
+                          batch_tokens=2048, save_every=2, device="cpu", compile=False, tensorboard=False))
+    return {**a, "chats": root / "chats.jsonl", "run": root / "run"}
+
+
 @pytest.fixture(scope="module")
 def target(tiny_llama):
     """`tiny_llama` as hstap's Target (fp32, CPU), loaded once per module (tests switch its attention kernel)."""

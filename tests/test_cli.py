@@ -157,3 +157,45 @@ def test_dash_values_and_errors_raised_in_dataloader_workers():
         next(iter(torch.utils.data.DataLoader(Bad(), num_workers=1)))
     assert "\n" in str(e.value) and user_message(e.value) == "/s/shards/r000-000001.safetensors: sha256 differs"
     assert user_message(HstapError("a  plain\nline")) == "a plain line"
+
+
+_LIGHT = """
+import contextlib, io, json, sys
+from hstap.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+    out.append([argv[:2], rc, err.getvalue(), sorted(m for m in ("torch", "numpy", "transformers") if m in sys.modules)])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.procs
+def test_help_and_missing_inputs_are_answered_before_torch_loads(tmp_path):
+    """`hstap STAGE --help`, and a missing input path, are answered from the stage's config module alone (no torch,
+    numpy nor transformers: seconds on a busy machine), for every stage."""
+    nx = str(tmp_path / "nowhere")
+    missing = [["train", "--store", nx, "--target", nx, "--out", "o"],
+               ["prepare", "--tokenizer", nx, "--data", "x", "--out", "o"],
+               ["generate", "--target", nx, "--data", "x", "--out", "o"],
+               ["capture", "--target", nx, "--data", "x", "--out", "o"],
+               ["export", "--run", nx, "--to", "hf", "--out", "o"],
+               ["eval", "--target", nx, "--data", "x", "--out", "o"],
+               ["verify", "--store", nx],
+               ["convert", "--gguf", nx, "--out", "o"],
+               ["serve-loop", "--target", nx, "--prompts", "x", "--out", "o"],
+               ["demo", "--target", nx]]
+    argvs = [[name, "--help"] for name in COMMANDS] + missing
+    r = subprocess.run([sys.executable, "-c", _LIGHT, json.dumps(argvs)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    runs = json.loads(r.stdout)
+    for argv, rc, err, heavy in runs:
+        assert not heavy, f"hstap {' '.join(argv)} loaded {heavy}"
+    for argv, rc, err, _ in runs[len(COMMANDS):]:
+        assert rc == 2 and err.startswith(f"hstap: error: {nx}: --") and err.count("\n") == 1, (argv, err)
+    assert all(rc == 0 for _, rc, _, _ in runs[:len(COMMANDS)])

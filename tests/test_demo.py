@@ -43,4 +43,4 @@ def test_demo_runs_every_stage_and_reports_a_lossless_tau(tmp_path):
     (foreign / "keep.txt").write_text("x")
     r = subprocess.run([sys.executable, "-m", "hstap.cli", "demo", "--out", str(foreign)],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "is not an earlier hstap demo" in r.stderr and (foreign / "keep.txt").exists()
+    assert r.returncode == 2 and "holds files hstap did not write" in r.stderr and (foreign / "keep.txt").exists()

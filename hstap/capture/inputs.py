@@ -13,12 +13,13 @@ embedded one: its device and compute dtype go into it) calls `check_out` itself,
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from hstap.capture.config import CaptureConfig
-from hstap.common import HstapError, atomic_write_bytes, git_commit
+from hstap.common import HstapError, atomic_write_bytes, git_commit, sha256_bytes
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,10 +82,10 @@ def check_out(out: str, new: bool, rank: int = 0, world: int = 1, header: dict |
     captured: made with this run's target, layers and dtype (`header`, when given: refused before anything is loaded),
     and every committed shard present at its recorded size and hashed against its checksum (ranks split the shards).
     Returns whether there is a store to resume."""
-    from hstap.store.format import check_resumable
+    from hstap.store.format import check_resumable, check_store_dir
     from hstap.store.reader import open_store
 
-    if new or not (Path(out) / "manifest.json").is_file():
+    if not check_store_dir(out) or new:  # a directory of other files is refused, --new or not
         return False
     if header is not None:
         check_resumable(out, header)
@@ -100,11 +101,12 @@ def check_out(out: str, new: bool, rank: int = 0, world: int = 1, header: dict |
 
 
 def store_header(target_block: dict, engine: dict, dtype: str, layers: list[int], config: dict,
-                 data_meta: dict | None = None) -> dict:
+                 data_meta: dict | None = None, work: dict | None = None) -> dict:
     """The StoreWriter header (see hstap/store/format.py). `config`: what made the store (a capture config as a dict,
     or a tap's settings), recorded as `capture_config`; `data` records what the samples were rendered and tokenized
     with; `vocab_map` the prepared set's draft vocabulary map (`hstap.data.vocab.vocab_map_record`) of the prepared
-    set `config["data"]`, when it has one."""
+    set `config["data"]`, when it has one; `work` the store's identity (format.py: kind, producer, data): `work`, else
+    a capture of the prepared set `data_meta` describes (its path, and the sha256 of its meta.json's content)."""
     from hstap.data.vocab import vocab_map_record
 
     h = {"target": target_block, "engine": engine, "dtype": dtype, "layers": list(layers),
@@ -114,9 +116,14 @@ def store_header(target_block: dict, engine: dict, dtype: str, layers: list[int]
     if data_meta is not None:
         keys = ("tokenizer", "tokenizer_sha256", "chat_template", "chat_template_sha256", "vocab_size", "max_len")
         h["data"] = {k: data_meta.get(k) for k in keys}
-        rec = vocab_map_record(config.get("data") or "")
+        path = config.get("data") or ""
+        rec = vocab_map_record(path)
         if rec is not None:
             h["vocab_map"] = rec
+        work = work or {"kind": "prepared", "producer": "hstap capture",
+                        "data": {"path": path, "sha256": sha256_bytes(json.dumps(data_meta, sort_keys=True))}}
+    if work is not None:
+        h["work"] = work
     return h
 
 

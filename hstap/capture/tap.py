@@ -96,6 +96,7 @@ class GeneratedStore:
         import transformers
 
         from hstap.capture.inputs import check_out, store_header
+        from hstap.data.conversations import files_fingerprint
         from hstap.store.format import committed_ids_of
         from hstap.layers import parse_layers
         from hstap.model_dir import target_fingerprint
@@ -112,7 +113,9 @@ class GeneratedStore:
                 "max_len": None}
         # no prepared set: its data block is the target's
         header = store_header(tb, engine, dtype, self.layers, asdict(cfg))
-        header.update(data=data, contents=contents_block("generated"))
+        header.update(data=data, contents=contents_block("generated"),
+                      work={"kind": "generated", "producer": "hstap generate --capture",
+                            "data": {"path": list(cfg.data), "sha256": files_fingerprint(cfg.data)}})
         # A store to resume is checked now (its header, its shards), and the writer made at the first answer: a run
         # that fails before it has one (a target that does not load) leaves no store behind to refuse the next run.
         resume = check_out(store, new, header=header)

@@ -70,17 +70,28 @@ class Appender:
             self.f.close()
 
 
-def check_resume(cfg: GenerateConfig, keys: tuple[str, ...], out: Path, cfg_path: Path) -> None:
-    """Refuse to resume `out` with other settings than the ones its `<out>.config.json` recorded (the `keys` that
-    change what is generated: a resume with any of them changed would mix two distributions in one file)."""
-    if not cfg_path.exists() or not out.exists() or out.stat().st_size == 0:
+def check_resume(cfg: GenerateConfig, keys: tuple[str, ...], out: Path, cfg_path: Path, new: bool = False,
+                 data_fingerprint: str | None = None) -> None:
+    """Before anything loads: an existing, non-empty `out` must be generate's own (its run record `<out>.config.json`
+    says so: `hstap.outputs`), else it is refused, --new or not (generate appends to, or with --new replaces, only
+    its own answers, never a file of the user's, such as a copy of the input conversations). Without --new, refuse to
+    resume it with other settings than the ones its record holds (the `keys` that change what is generated: a
+    resume with any of them changed would mix two distributions, or two inputs, in one file); the input files
+    ("data") by their `data_fingerprint` where the record has one (the same files moved elsewhere resume)."""
+    from hstap.outputs import read_record
+
+    if not out.exists() or out.stat().st_size == 0:
         return
-    try:
-        old = json.loads(cfg_path.read_text()).get("config", {})
-    except ValueError:
-        return  # unreadable old config: nothing to compare against; it is rewritten below
-    diff = [k for k in keys if k in old and old[k] != getattr(cfg, k)]
+    rec = read_record(cfg_path)
+    if rec is None or rec.get("stage") != "generate":
+        raise HstapError(f"{out}: exists and was not written by hstap generate (no run record {cfg_path.name} beside "
+                         f"it): generate resumes or replaces only its own answers; choose another --out")
+    if new:
+        return
+    old = rec.get("config") or {}
+    moved = data_fingerprint is not None and rec.get("data_fingerprint") == data_fingerprint
+    diff = [k for k in keys if k in old and old[k] != getattr(cfg, k) and not (k == "data" and moved)]
     if diff:
-        was = ", ".join(f"{k}={old[k]!r}" for k in diff)
+        was = ", ".join(f"--{k.replace('_', '-')} {old[k]!r}" for k in diff)
         raise HstapError(f"{out}: existing output was generated with {was}; use the same settings to resume, "
                          f"or pass --new to start over")

@@ -28,7 +28,7 @@ equal to one-at-a-time decoding).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,7 +151,12 @@ class ContinuousEngine:
         self.rows = [_Row() for _ in range(rows)]
         self.reuse = reuse
         self.stats = {"prefilled_tokens": 0, "reused_tokens": 0, "restarts": 0, "decode_steps": 0,
-                      "prefill_passes": 0, "generated_tokens": 0}
+                      "prefill_passes": 0, "generated_tokens": 0, "answered_turns": 0}
+        self.on_step: Callable[[], object] | None = None  # called after every pass (a progress line's hook)
+
+    def tokens_now(self) -> int:
+        """Tokens generated so far, those of the answers in progress included."""
+        return self.stats["generated_tokens"] + sum(len(r.out) for r in self.rows if r.dialogue is not None)
 
     # ---------------------------------------------------------------------------------------------------- rows
     def _start_turn(self, r: int, turn: Turn) -> None:
@@ -186,6 +191,7 @@ class ContinuousEngine:
     def _end_turn(self, r: int, finish: str) -> Dialogue | None:
         row = self.rows[r]
         self.stats["generated_tokens"] += len(row.out)
+        self.stats["answered_turns"] += 1
         row.nxt = None
         nxt = row.dialogue.answered(list(row.out), finish)
         if nxt is not None:
@@ -282,5 +288,7 @@ class ContinuousEngine:
                     return
                 if pending and (len(pending) >= wait or not live):
                     yield from self._prefill(pending)
-                    continue
-                yield from self._decode(live)
+                else:
+                    yield from self._decode(live)
+                if self.on_step is not None:
+                    self.on_step()

@@ -67,6 +67,25 @@ def expand_paths(paths: str | Iterable[str]) -> list[Path]:
     return files
 
 
+def files_fingerprint(paths: str | Iterable[str], edge: int = 1 << 20) -> str:
+    """A fingerprint of conversation files' contents, NOT a full hash (as `hstap.model_dir.weights_fingerprint`):
+    sha256 over each file's size and its first and last `edge` bytes, in `expand_paths` order. The same files moved
+    elsewhere keep it; another file, a longer or shorter one, or one edited near either end changes it. What a resume
+    compares its input with (`hstap generate`'s answers file and --capture store), at the cost of 2 MiB read a file."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in expand_paths(paths):
+        size = f.stat().st_size
+        h.update(f"{size}\0".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(edge))
+            if size > edge:
+                fh.seek(max(edge, size - edge))
+                h.update(fh.read(edge))
+    return f"edges-sha256:{h.hexdigest()}"
+
+
 def _iter_jsonl(path: Path, f: Iterable[bytes]) -> Iterator[tuple[str, Any]]:
     for n, raw in enumerate(f, 1):
         if n == 1 and raw.startswith(b"\xef\xbb\xbf"):

@@ -44,7 +44,13 @@ on no closing token after it, since the target never produced one). Records are 
 completion order (which may differ from the input order; conversations the run skips are left out). Resume: rerunning the same command skips
 the ids already in the output; a truncated last line left by a crash is dropped first (the file is truncated at its
 last newline). `--new` starts over. The resolved config goes to `<out>.config.json` (`out` is a file, so not
-`config.json` in a directory); a resume refuses to mix in outputs made with other generation settings.
+`config.json` in a directory), with the input files' fingerprint: a resume refuses to mix in outputs made with other
+generation settings or another input, and an existing `out` without that record (not generate's: a copy of the input,
+say) is refused, with or without --new. An input of prompts only (no assistant turn to answer), or one whose every
+first prompt is longer than --max-len, is an error that says so, nothing written.
+
+Console (hstap/data/progress.py): a progress line that moves with the tokens (tokens/s, answers done, the time left),
+and a summary line at the end.
 
 Note: the regenerated text is what the target produced, decoded; re-rendering it through the chat template and
 re-tokenizing (as `prepare` does) gives the target's tokens except where the tokenizer's canonical split differs.
@@ -62,15 +68,18 @@ from pathlib import Path
 from hstap.common import HstapError, atomic_write_json, run_meta
 from hstap.data.answers import Appender, check_resume, recover_output
 from hstap.data.continuous import ContinuousEngine, Dialogue, Turn
+from hstap.data.conversations import files_fingerprint
 from hstap.data.decode import EmbeddedEngine
 from hstap.data.generate_config import GenerateConfig
 from hstap.data.openai_client import ChatClient, RequestRejected
+from hstap.data.progress import GenerateProgress, count_work, nothing_to_do, summary_line
 from hstap.data.reasoning import template_kwargs
 
 STAGE = "generate"
-# Settings that change what is generated: a resume with any of them changed would mix two distributions in one file.
-_RESUME_KEYS = ("target", "server", "model", "max_new_tokens", "max_len", "temperature", "top_p", "seed", "capture",
-                "chat_template_kwargs")
+# Settings that change what is generated: a resume with any of them changed would mix two distributions, or two
+# inputs, in one file.
+_RESUME_KEYS = ("data", "target", "server", "model", "max_new_tokens", "max_len", "temperature", "top_p", "seed",
+                "capture", "chat_template_kwargs")
 
 
 def turn_seed(seed: int, sample_id: str, turn: int) -> int:
@@ -158,7 +167,7 @@ class _Conversation(Dialogue):
         return self._turn()
 
 
-def _run_embedded(cfg: GenerateConfig, todo, emit, stats: dict, tap=None) -> None:
+def _run_embedded(cfg: GenerateConfig, todo, emit, stats: dict, tap=None, progress=None) -> None:
     # Continuous batching (hstap/data/continuous.py): `batch_size` conversations in KV rows of --max-len tokens; a
     # conversation keeps its row across its turns (only what each turn adds is prefilled), a finished one hands its
     # row to the next. With a tap (--capture), the last turn's prompt and answer come with their states. Targets the
@@ -172,6 +181,11 @@ def _run_embedded(cfg: GenerateConfig, todo, emit, stats: dict, tap=None) -> Non
     except ValueError as e:
         print(f"hstap generate: {e}: lockstep batches, each turn's prompt prefilled whole", file=sys.stderr)
         return _run_lockstep(cfg, eng, todo, emit, stats, tap)
+    if progress is not None:  # the line moves with every pass, not only when a conversation is done
+        progress.live = True
+        progress.start()
+        engine.on_step = lambda: progress.update(engine.tokens_now(), engine.stats["answered_turns"],
+                                                 stats["conversations"], engine.stats["generated_tokens"])
     t0 = time.perf_counter()
     for c in engine.run(_Conversation(sid, msgs, cfg, eng, limit) for sid, msgs in todo):
         stats["assistant_turns"] += len(c.finishes)
@@ -315,8 +329,8 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     if out.is_dir():
         raise HstapError(f"generate: out: {out} is a directory; give a .jsonl file path")
     cfg_path = out.with_name(out.name + ".config.json")
-    if not cfg.new:
-        check_resume(cfg, _RESUME_KEYS, out, cfg_path)
+    fingerprint = files_fingerprint(cfg.data)  # what the answers are answers to (the record keeps it)
+    check_resume(cfg, _RESUME_KEYS, out, cfg_path, cfg.new, fingerprint)
     done = set() if cfg.new else recover_output(out)  # --new: the old file goes at the first record, not before
     stats = {"conversations": 0, "already_done": 0, "duplicates": 0, "skipped": 0, "no_assistant": 0,
              "assistant_turns": 0, "truncated_turns": 0, "cut_at_max_len": 0, "dropped_turns": 0, "too_long": 0,
@@ -329,34 +343,45 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
         if cfg.new and out.exists():  # with --capture, the tap starts its store over at the first answer too
             out.unlink()
         out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(cfg_path, run_meta(STAGE, cfg))
+        atomic_write_json(cfg_path, {**run_meta(STAGE, cfg), "data_fingerprint": fingerprint})
 
     writer = Appender(out, on_open)
-    last_print = [time.perf_counter()]
+    progress = GenerateProgress(*count_work(cfg, done), cfg.max_new_tokens)
+    # Conversations with no assistant turn (prompts only) are written back unchanged, but only once one with an
+    # answer is: an input of nothing but prompts is refused with its reason, nothing written.
+    held: list[tuple[str, list[dict]]] = []
 
     def emit(sid: str, msgs: list[dict], no_assistant: bool, tapped: tuple | None = None) -> None:
         stats["conversations"] += 1
         stats["no_assistant"] += no_assistant
+        if no_assistant and writer.f is None and not done:
+            held.append((sid, msgs))
+            return
+        while held:
+            writer.write(*held.pop(0))
         if tap is not None and tapped is not None:
             tap.add(sid, *tapped, then=lambda: writer.write(sid, msgs))  # the line once the sample is committed
         else:
             writer.write(sid, msgs)
-        if time.perf_counter() - last_print[0] > 30:
-            last_print[0] = time.perf_counter()
-            print(f"hstap generate: {stats['conversations']} written, {stats['generated_tokens']} tokens",
-                  file=sys.stderr)
+        if not progress.live:  # else the continuous engine updates it, pass by pass
+            progress.update(stats["generated_tokens"], stats["assistant_turns"], stats["conversations"],
+                            stats["generated_tokens"])
 
     tap = make_tap() if cfg.capture is not None else None
     t0 = time.perf_counter()
     try:
         todo = _todo(cfg, done, stats)
         if cfg.target is not None:
-            _run_embedded(cfg, todo, emit, stats, tap)
+            _run_embedded(cfg, todo, emit, stats, tap, progress)
         else:
             _run_server(cfg, todo, emit, stats)
         if tap is not None:
             tap.close()  # commits the last shard: its conversations' lines are written now
+        nothing_to_do(cfg, stats, held, writer.f is None)
+        while held:
+            writer.write(*held.pop(0))
     finally:
+        progress.close()
         writer.close()
     secs = time.perf_counter() - t0
     gen_s = stats.pop("gen_seconds")
@@ -365,18 +390,6 @@ def generate(cfg: GenerateConfig, make_tap: Callable[[], object] | None = None) 
     summary = {"out": str(out), "engine": "embedded" if cfg.target is not None else "server", **stats,
                "seconds": round(secs, 3),
                "tokens_per_s": round(stats["generated_tokens"] / gen_s, 1) if gen_s > 0 else None}
-    tps = f", {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
-    print(f"hstap generate: {stats['conversations']} conversations written ({stats['assistant_turns']} answers, "
-          f"{stats['generated_tokens']:,} tokens, {stats['truncated_turns']} cut at --max-new-tokens"
-          + (f", {stats['cut_at_max_len']} at --max-len" if stats["cut_at_max_len"] else "")
-          + (f", {stats['dropped_turns']} turns past --max-len dropped" if stats["dropped_turns"] else "")
-          + f") in {secs:.1f} s"
-          f"{tps}; {stats['already_done']} already done, {stats['skipped']} skipped"
-          + (f", {stats['too_long']} left out (their first prompt does not fit --max-len)" if stats["too_long"] else "")
-          + f"; wrote {out}"
-          + (f"; prefilled {stats['prefilled_tokens']:,} of {stats['prompt_tokens']:,} prompt tokens "
-             f"({stats['prompt_tokens'] - stats['prefilled_tokens']:,} reused from the conversations' own caches)"
-             if cfg.target is not None and cfg.prefix_cache else "")
-          + (f"; captured {tap.samples} samples ({tap.tokens:,} tokens) into {cfg.capture}" if tap is not None else ""))
+    print(summary_line(cfg, stats, summary, writer.f is not None, tap))
     return summary
 

@@ -100,6 +100,9 @@ class GenerateConfig:
         settle(self, "chat_template_kwargs", canonical_kwargs(self.chat_template_kwargs, "generate: chat_template_kwargs"))
         if self.out in self.data:
             raise HstapError(f"generate: out: {self.out} is also an input file")
+        if self.layers and self.capture is None:
+            raise HstapError(f"generate: --layers {self.layers}: taps layers into a --capture store; without "
+                             f"--capture nothing is tapped (give --capture STORE, or leave --layers out)")
         if self.capture is not None:
             if self.server is not None:
                 raise HstapError("generate: --capture needs the embedded engine (--target); a server's traffic is "

@@ -23,7 +23,8 @@ TRAIN = {
 @dataclass(frozen=True)
 class DemoConfig:
     out: str = "hstap-demo"
-    """Work directory for every stage's outputs (removed first when it holds an earlier demo)."""
+    """Work directory for every stage's outputs (removed first when it holds an earlier demo; a directory the demo
+    did not write is refused)."""
     target: str | None = None
     """Target model directory; default: build and train a toy target under OUT/target."""
     data: list[str] | None = None

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_bytes, write_run_config
 from hstap.demo.config import DemoConfig
+from hstap.outputs import check_not_input, check_out_dir
 
 MIN_TOY_ACCURACY = 0.25  # the toy target's greedy next-token accuracy on held-out text below which drafting is moot
 
@@ -105,29 +106,60 @@ def split_records(cfg: DemoConfig) -> tuple[list[dict], list[dict]]:
     return records[n_eval:], records[:n_eval]
 
 
+def stage_configs(cfg: DemoConfig, out: Path) -> dict:
+    """The config of every stage the demo runs, built before any work: a value a stage refuses (`--lr 0`) is one line
+    at the start, not after the toy target has trained for minutes."""
+    from hstap.capture.config import CaptureConfig
+    from hstap.data.generate_config import GenerateConfig
+    from hstap.data.prepare import PrepareConfig
+    from hstap.speculative.config import EvalConfig
+    from hstap.train.config import TrainConfig
+
+    target, device = cfg.target or str(out / "target"), cfg.device
+    data = out / ("train.generated.jsonl" if cfg.generate else "train.jsonl")
+    return {
+        "generate": GenerateConfig(data=[str(out / "train.jsonl")], out=str(out / "train.generated.jsonl"),
+                                   target=target, max_new_tokens=cfg.generate_tokens, batch_size=64,
+                                   device=device if device != "auto" else "cpu"),
+        "prepare": PrepareConfig(tokenizer=target, data=[str(data)], out=str(out / "prepared"), max_len=1024,
+                                 draft_vocab=512),
+        "capture": CaptureConfig(target=target, data=str(out / "prepared"), out=str(out / "store"), dtype="bf16",
+                                 device=device, batch_tokens=8192),
+        # no --vocab-map: train takes the prepared set's map from the store (capture copied it there)
+        "train": TrainConfig(**asdict(cfg.train), out=str(out / "run"), target=target, store=str(out / "store"),
+                             device=device, seed=cfg.seed, tensorboard=False),
+        "eval": EvalConfig(target=target, data=str(out / "eval.jsonl"), out=str(out / "eval"),
+                           drafter=str(out / "run"), mode="chain", k=cfg.k, max_new_tokens=cfg.max_new_tokens,
+                           num_prompts=cfg.eval_prompts, baseline="ngram", device=device, dtype="fp32"),
+    }
+
+
 def demo(cfg: DemoConfig) -> dict:
     import torch
 
-    from hstap.capture.stage import CaptureConfig, capture
-    from hstap.data.prepare import PrepareConfig, prepare
-    from hstap.speculative.evaluate import EvalConfig, evaluate
-    from hstap.train.stage import TrainConfig, train
+    from hstap.capture.stage import capture
+    from hstap.data.prepare import prepare
+    from hstap.speculative.evaluate import evaluate
+    from hstap.train.stage import train
 
     t_start = time.perf_counter()
     out = Path(cfg.out).resolve()
-    if out.exists():
-        if not (out / "demo.json").exists() and any(out.iterdir()):
-            raise HstapError(f"{out}: exists and is not an earlier hstap demo; choose another --out")
+    check_not_input(out, [("--target", cfg.target)] + [("--data", d) for d in cfg.data or []])
+    replace = check_out_dir(out, "demo", None)  # an earlier demo's directory (its run record says so) is replaced
+    try:
+        configs = stage_configs(cfg, out)
+    except HstapError as e:
+        raise HstapError(f"demo: {e}") from None
+    train_recs, eval_recs = split_records(cfg)  # --data read (and refused) before anything is written
+    if replace:
         shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     write_run_config(out, "demo", cfg)
-    device = cfg.device
     threads = min(cfg.threads, os.cpu_count() or 1)
     torch.set_num_threads(threads)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bars: noise between the stages
 
-    train_recs, eval_recs = split_records(cfg)
     _write_jsonl(out / "train.jsonl", train_recs)
     _write_jsonl(out / "eval.jsonl", eval_recs)
     summary: dict = {"conversations": {"train": len(train_recs), "eval": len(eval_recs)}, "threads": threads,
@@ -148,13 +180,11 @@ def demo(cfg: DemoConfig) -> dict:
                      f"loss {r['loss']:.2f}, next-token accuracy {100 * r['accuracy']:.1f}% held out"
                      + (" (TOO WEAK)" if r["weak"] else ""), _rel(target)])
 
-    data_file = out / "train.jsonl"
     if cfg.generate:
-        data_file = _generate(cfg, target, data_file, out / "train.generated.jsonl", summary, rows)
+        _generate(configs["generate"], summary, rows)
 
     t0 = _stage(2, "prepare: chat template -> input_ids + assistant loss_mask + draft vocabulary")
-    p = prepare(PrepareConfig(tokenizer=target, data=[str(data_file)], out=str(out / "prepared"), max_len=1024,
-                              draft_vocab=512))
+    p = prepare(configs["prepare"])
     summary["prepare"] = {k: p.get(k) for k in ("written", "total_tokens", "masked_tokens", "draft_vocab",
                                                 "coverage_pct")}
     secs["prepare"] = time.perf_counter() - t0
@@ -163,8 +193,7 @@ def demo(cfg: DemoConfig) -> dict:
                  _rel(out / "prepared")])
 
     t0 = _stage(3, "capture: prefill the target, tap aux layers + final state into the shard store")
-    c = capture(CaptureConfig(target=target, data=str(out / "prepared"), out=str(out / "store"), dtype="bf16",
-                              device=device, batch_tokens=8192))
+    c = capture(configs["capture"])
     summary["capture"] = c
     secs["capture"] = time.perf_counter() - t0
     rows.append(["capture", f"layers {c['layers']} + final, {c['dtype']}",
@@ -172,9 +201,7 @@ def demo(cfg: DemoConfig) -> dict:
                  _rel(out / "store")])
 
     t0 = _stage(4, f"train: EAGLE-3 drafter, TTT {cfg.train.ttt}, {cfg.train.steps} steps")
-    # no --vocab-map: train takes the prepared set's map from the store (capture copied it there)
-    tr = train(TrainConfig(**asdict(cfg.train), out=str(out / "run"), target=target, store=str(out / "store"),
-                           device=device, seed=cfg.seed, tensorboard=False))
+    tr = train(configs["train"])
     summary["train"] = tr
     secs["train"] = time.perf_counter() - t0
     rows.append(["train", f"EAGLE-3, TTT {cfg.train.ttt}, {tr['steps']} steps",
@@ -182,9 +209,7 @@ def demo(cfg: DemoConfig) -> dict:
                  _rel(out / "run") + " (best/, curves.png)"])
 
     t0 = _stage(5, f"eval: lossless speculative decoding, chain k={cfg.k}, vs target-only and n-gram lookup")
-    ev = evaluate(EvalConfig(target=target, data=str(out / "eval.jsonl"), out=str(out / "eval"),
-                             drafter=str(out / "run"), mode="chain", k=cfg.k, max_new_tokens=cfg.max_new_tokens,
-                             num_prompts=cfg.eval_prompts, baseline="ngram", device=device, dtype="fp32"))
+    ev = evaluate(configs["eval"])
     summary["eval"] = ev
     secs["eval"] = time.perf_counter() - t0
     ngram = ev["methods"]["ngram"]["tau"]
@@ -199,18 +224,17 @@ def demo(cfg: DemoConfig) -> dict:
     return summary
 
 
-def _generate(cfg: DemoConfig, target: str, src: Path, dst: Path, summary: dict, rows: list) -> Path:
-    """Stage 1: the target's greedy answers to the training prompts -> dst."""
-    from hstap.data.generate import GenerateConfig, generate
+def _generate(gcfg, summary: dict, rows: list) -> None:
+    """Stage 1: the target's greedy answers to the training prompts (`gcfg`: its GenerateConfig)."""
+    from hstap.data.generate import generate
 
     t0 = _stage(1, "generate: the target rewrites the training answers (greedy)")
-    g = generate(GenerateConfig(data=[str(src)], out=str(dst), target=target, max_new_tokens=cfg.generate_tokens,
-                                batch_size=64, device=cfg.device if cfg.device != "auto" else "cpu"))
+    g = generate(gcfg)
+    dst = gcfg.out
     summary["generate"] = {k: g.get(k) for k in ("conversations", "generated_tokens", "tokens_per_s")}
     summary["seconds_by_stage"]["generate"] = time.perf_counter() - t0
     rows.append(["generate", f"{g['conversations']} greedy answers",
                  f"{g['generated_tokens']:,} tokens, {g['tokens_per_s'] or 0:,.0f} tokens/s", _rel(dst)])
-    return dst
 
 
 def _print_table(rows: list[list[str]], secs: dict, ev: dict, cfg: DemoConfig, out: Path, total: float) -> None:

@@ -52,6 +52,19 @@ def server_python(explicit: str | None = None) -> str:
     return sys.executable
 
 
+def require_sglang(python: str) -> None:
+    """HstapError when `python` (`server_python`) has no sglang package: checked before a run that launches a server
+    writes anything (a look-up of the package, not its minute-long import)."""
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('sglang') else 3)"
+    try:
+        ok = subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    if not ok:
+        raise HstapError(f"--engine sglang: {python} has no sglang package (the SGLang server venv: README.md command 2 "
+                         f"makes {VENV}; --sglang-python names another)")
+
+
 def cpu_args() -> list[str]:
     """The flags of SGLang's generic CPU path (module docstring)."""
     return ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",

@@ -20,6 +20,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from hstap.common import HstapError, one_line
+
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 """hstap's compute-dtype names -> vLLM's `dtype`."""
 
@@ -46,6 +48,16 @@ def cpu_kv_cache_bytes() -> int:
         with open("/proc/meminfo") as f:
             free = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
     return int(max(gib // 4, min(CPU_KV_CACHE_GIB * gib, free // 2)))
+
+
+def require_vllm(what: str) -> None:
+    """Before a run that needs vLLM writes anything: HstapError when this Python cannot import it (the run would fail
+    only after its first stages, with their outputs on disk)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - not installed, or an install that fails to import: the same to the user
+        raise HstapError(f"{what}: vLLM cannot be imported by this Python ({sys.executable}): {one_line(e)}; install "
+                         f"it (README.md: requirements-vllm.txt on the CPU, vllm==0.32.0 on a GPU)") from None
 
 
 def start_llm(target: str, dtype: str, device: str, max_model_len: int, **kw):

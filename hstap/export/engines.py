@@ -212,7 +212,7 @@ def load_exported(path: str | Path, embed_weight: torch.Tensor | None = None, de
     """
     p = Path(path)
     if (p / "drafter.safetensors").is_file():
-        return load_drafter(p, device=device, dtype=dtype)
+        return load_drafter(p, device=device, dtype=dtype, embed=embed_weight)
     wpath = p / "model.safetensors"
     conf, layer, aux, mtype, _ = read_export(p)
     flags = {}

@@ -4,7 +4,9 @@
 
 - sglang / vllm: the engine's config.json and model.safetensors (`hstap/export/engines.py` says what each holds);
 - hf: the hstap format (`hstap/drafter_dir.py`), embedding included (`load_drafter(DIR)` reads it, for `hstap
-  eval`), plus a config.json that describes the model (not loadable by transformers).
+  eval`; a training checkpoint keeps the target's embedding out, and the export reads it back from --target, else the
+  target directory the checkpoint records, checked against its sha256), plus a config.json that describes the model
+  (not loadable by transformers).
 
 Every export also gets `hstap_export.json` (the export's run config and the drafter's provenance): `config.json` is the
 engine's model config here, so the run config cannot live there.
@@ -17,48 +19,22 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, publishing_dir, run_meta
-from hstap.config import at_least
-from hstap.drafter_dir import DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, validate_checkpoint
+from hstap.drafter_dir import (DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, restore_embedding,
+                               validate_checkpoint)
+from hstap.export.config import ExportConfig
 from hstap.export.engines import (ENGINES, HF_DTYPE, VLLM_NUM_AUX, engine_state, export_readme, llama_fields,
                                   sglang_config, vllm_config)
 from hstap.export.fit import check_drafter_target
 from hstap.models.drafter import DrafterConfig
+from hstap.outputs import check_not_input, check_out_dir
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@dataclass(frozen=True)
-class ExportConfig:
-    run: str
-    """A training RUN directory (its best/, else newest checkpoint) or a drafter directory in the hstap format."""
-    to: str = field(metadata={"choices": ["sglang", "vllm", "hf"]})
-    """Target format: sglang (LlamaForCausalLMEagle3), vllm (speculators Eagle3Speculator), hf (hstap format + config)."""
-    out: str
-    """Output directory (written to a temp sibling, then renamed; must not exist unless --overwrite)."""
-    dtype: str = field(default="auto", metadata={"choices": ["auto", "bf16", "fp32"]})
-    """Weight dtype: auto = bf16 for sglang/vllm, the checkpoint's own dtype for hf (so eval sees the same logits)."""
-    store: str | None = None
-    """Optional store path: refuse unless its layers (and hidden size, target) are the ones the drafter was trained on."""
-    target: str | None = None
-    """Optional target model directory: verifier name/architectures for vllm, and a check of vocab/hidden sizes."""
-    speculative_tokens: int = 3
-    """vllm only: speculative_tokens of the greedy proposal method (vLLM's default num_speculative_tokens)."""
-    overwrite: bool = False
-    """Replace an existing output directory (the old one is removed only after the new one is in place)."""
-
-    def __post_init__(self):
-        if self.to not in ("sglang", "vllm", "hf"):
-            raise HstapError(f"export: to: expected sglang, vllm or hf, got {self.to!r}")
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise HstapError(f"export: dtype: expected auto, bf16 or fp32, got {self.dtype!r}")
-        at_least("export", self, ("speculative_tokens",))
 
 
 def _target_info(cfg: ExportConfig, dcfg: DrafterConfig, meta: dict) -> tuple[str | None, list[str]]:
@@ -97,9 +73,12 @@ def export(cfg: ExportConfig) -> dict:
     """Validate the drafter, then write the chosen format to cfg.out (see the module docstring); returns a summary."""
     d = resolve_drafter_dir(cfg.run)
     out = Path(cfg.out)
-    if out.exists() and not cfg.overwrite:
-        raise HstapError(f"{out}: exists (pass --overwrite to replace it)")
+    check_not_input(out, [("--run", d), ("--store", cfg.store), ("--target", cfg.target)])
+    check_out_dir(out, "export", cfg.overwrite)
     meta, state = read_checkpoint(d)
+    if cfg.to == "hf":  # the portable format holds the embedding a training checkpoint keeps out (the target's)
+        restore_embedding(d, meta, state, target=cfg.target)
+        meta = {k: v for k, v in meta.items() if k != "embedding"}
     dcfg = validate_checkpoint(d, meta, state, cfg.store)
     src_dtype = state["lm_head.weight"].dtype
     dtype = DTYPE_NAMES[cfg.dtype] if cfg.dtype != "auto" else (src_dtype if cfg.to == "hf" else torch.bfloat16)

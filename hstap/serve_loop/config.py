@@ -82,7 +82,7 @@ class ServeLoopConfig:
     port: int = 0
     """Server port (0: a free one)."""
     overwrite: bool = False
-    """Replace an existing --out."""
+    """Replace an earlier serve-loop's --out (a directory hstap serve-loop did not write is never replaced)."""
 
 
     def __post_init__(self):

@@ -209,19 +209,23 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     given (tests), runs against the server after the stream, the trainer stopped, before the server stops."""
     from hstap.serve_loop.requests import Client, Stream, post, server_counters
     from hstap.serve_loop.updates import Updater, export_vllm, summarize
-    from hstap.engines.vllm import vllm_server
+    from hstap.engines.vllm import require_vllm, vllm_server
     from hstap.model_dir import auto_device, auto_dtype
+    from hstap.outputs import check_not_input, check_out_dir
 
+    # Everything is checked before anything is written or removed: --out, the engine, the prompts, the reference.
     out = Path(cfg.out)
-    if out.exists() and any(out.iterdir()):
-        if not cfg.overwrite:
-            raise HstapError(f"{out}: exists and is not empty (pass --overwrite to replace it)")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_not_input(out, [("--target", cfg.target), ("--prompts", cfg.prompts), ("--drafter", cfg.drafter),
+                          ("--reference", cfg.reference), ("--vocab-map", cfg.vocab_map)])
+    replace = check_out_dir(out, "serve-loop", cfg.overwrite)
     device = auto_device(cfg.device)
     dtype = auto_dtype(cfg.dtype, device)
     prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
     ref = read_reference(cfg.reference) if cfg.reference else None
+    require_vllm("serve-loop")  # last of the checks (its import takes seconds), before anything is written
+    if replace:  # an earlier serve-loop's directory (its run record says so)
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
     write_run_config(out, "serve-loop", cfg)
     drafter0 = start_drafter(cfg, out) if cfg.mode != "target" else None
     if cfg.mode == "loop":  # the trainer's config, checked before the server starts

@@ -118,7 +118,7 @@ def load_any_drafter(path: str, target):
     p = Path(path)
     if (p / "model.safetensors").is_file() and not (p / "drafter.safetensors").is_file():
         return load_exported(p, embed_weight=target.embed_tokens.weight, device=target.device, dtype=target.dtype)
-    return load_drafter(p, device=target.device, dtype=target.dtype)
+    return load_drafter(p, device=target.device, dtype=target.dtype, embed=target.embed_tokens.weight)
 
 
 def sim_chain_tau(rec: dict | None, k: int) -> float | None:
@@ -266,6 +266,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     prompts = load_prompts(cfg.data, tok, cfg.num_prompts)
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)  # after the input checks, before the long runs
+    write_run_config(out_dir, "eval", cfg)  # first: the record that makes the directory eval's (hstap.outputs)
     eos = eos_ids(tok, target)
     T, n = cfg.temperature, cfg.max_new_tokens
     dtype = str(target.dtype).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16")

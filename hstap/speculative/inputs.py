@@ -1,9 +1,11 @@
 """What `hstap eval` checks before it loads a model or decodes a token: that its inputs belong together.
 
-- the report directory: one that holds a report (report.json) is replaced only with --overwrite;
+- the report directory: new, empty, or an earlier eval's (`hstap.outputs`: never a directory of the user's files, nor
+  one of the inputs); one that holds a report (report.json) is replaced only with --overwrite;
 - the target: a complete model directory (config, weights; `hstap.model_dir.target_fingerprint`);
 - the drafter against the target (`hstap.export.fit.check_drafter_target`: vocabulary, hidden size, tapped layers, the
   tokenizer it was trained with), for an hstap drafter, a training RUN and an SGLang or vLLM export alike;
+- the engine of --engine vllm / sglang: installed where it runs (`check_engine`);
 - prepared prompts against the target's tokenizer (`hstap.data.fits.check_tokenizer`, as capture checks them): ids of
   another tokenizer would be decoded as another vocabulary's text, and every figure would be about noise.
 
@@ -24,13 +26,15 @@ def check_inputs(cfg: EvalConfig) -> dict:
     from hstap.data.prepare import read_meta
     from hstap.export.fit import check_drafter_target
     from hstap.model_dir import target_fingerprint
+    from hstap.outputs import check_not_input, check_out_dir
 
     out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise HstapError(f"{out}: --out: exists and is not a directory")
+    check_not_input(out, [("--target", cfg.target), ("--drafter", cfg.drafter), ("--data", cfg.data)])
+    check_out_dir(out, "eval", None)
     if (out / "report.json").exists() and not cfg.overwrite:
         raise HstapError(f"{out}: --out: holds a report already (report.json); pass --overwrite to replace it, or "
                          f"choose another --out")
+    check_engine(cfg)
     target = target_fingerprint(cfg.target)
     if cfg.drafter is not None:
         check_drafter_target(cfg.drafter, target)
@@ -40,3 +44,14 @@ def check_inputs(cfg: EvalConfig) -> dict:
     elif not data.is_file():
         raise HstapError(f"{data}: --data: not found (a prepared dataset directory or a conversations file)")
     return target
+
+
+def check_engine(cfg) -> None:
+    """--engine vllm / sglang: the engine is there (vLLM importable here, SGLang in the server venv's python), checked
+    before the local runs: without it the eval would fail only after them, with an export on disk."""
+    if cfg.engine == "vllm":
+        from hstap.engines.vllm import require_vllm
+        require_vllm("--engine vllm")
+    elif cfg.engine == "sglang":
+        from hstap.engines.sglang import require_sglang, server_python
+        require_sglang(server_python(cfg.sglang_python))

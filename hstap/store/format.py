@@ -61,6 +61,13 @@ Nothing is ever padded.
     contents      optional (no version bump): {kind, what, loss_mask, ...} for samples that are not a prepared set's
                   conversations: "generated" (`hstap generate --capture`: the target's answers, captured while it
                   generated them) or "served traffic" (a server's tap: requests from any client); absent = prepared
+    work          optional (no version bump; every hstap writer records it): the store's identity beside its
+                  target, layers and dtype, {kind, producer, data}: kind "prepared" | "generated" | "served traffic"
+                  (as `contents`), producer the command that writes it ("hstap capture", "hstap generate --capture",
+                  "vllm tap", "sglang tap"), data what its samples come from ({"path": the prepared set, "sha256": of
+                  its meta.json's content} for capture, {"path": [conversation files], "sha256": their edges fingerprint,
+                  `hstap.data.conversations.files_fingerprint`} for generate --capture, null for served traffic); a store without it is read as {kind: `contents.kind`
+                  (absent: "prepared"), producer: unknown, data: unknown}
     capture_config, git_commit, ...   any other keys of the writer's header, stored as given
     created       ISO-8601 UTC creation time; created_unix: the same in seconds since the epoch
     checksum      "sha256-chunked-16MiB": how the shard entries' `sha256` field is computed (see below)
@@ -87,8 +94,14 @@ given by the caller). A rank-0 writer that resumes a store with another world si
 
 Resume rules (a `StoreWriter` on an existing store):
  - The header must match in target.{config_sha256, weights_fingerprint, tokenizer_sha256, chat_template_sha256},
-   layers, dtype and hidden_size, else HstapError naming the field; `new=True` removes manifest.json, parts/ and
-   shards/ first. Other keys (engine, capture_config, paths) may differ; the store keeps those it was created with.
+   layers, dtype and hidden_size, and the resume must continue the same work (`work`: the same kind always; the same
+   producer and data where both headers record them, data by its sha256 where both have one, else by path), else
+   HstapError naming the field; `new=True` removes manifest.json, parts/ and shards/ first. Other keys (engine,
+   capture_config, paths) may differ; the store keeps those it was created with.
+ - A writer creates a store only in a new or empty directory, or one holding a store's own files without a manifest
+   (an interrupted creation's shards/ and parts/, a waiting trainer's consumer.json, an hstap run record, an engine's
+   events); it never writes into, nor with `new=True` wipes, a directory of other files, nor one whose manifest.json
+   is not an hstap store's (`check_store_dir`).
  - Committed ids = the ids of all entries of manifest.json and of every part file. The caller skips them
    (`committed_ids()`, `committed_ids_of`); adding one raises. Consumed shards (below) keep their entries, so their
    samples stay committed: a resumed capture never captures them again.
@@ -154,6 +167,7 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError, atomic_write_bytes
+from hstap.outputs import read_record
 
 FORMAT = "hstap-store"
 PART_FORMAT = "hstap-store-part"
@@ -194,25 +208,97 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
+def work_of(header: dict) -> dict:
+    """The store's `work` (kind, producer, data; the spec above), read the same way for stores that predate it."""
+    w = header.get("work") if isinstance(header.get("work"), dict) else {}
+    kind = w.get("kind") or (header.get("contents") or {}).get("kind") or "prepared"
+    return {"kind": kind, "producer": w.get("producer"), "data": w.get("data")}
+
+
+def _same_data(a, b) -> bool:
+    if a is None or b is None:
+        return True  # unknown on one side (a store older than `work`): not compared
+    if isinstance(a, dict) and isinstance(b, dict) and a.get("sha256") and b.get("sha256"):
+        return a["sha256"] == b["sha256"]  # a prepared set by its content: one moved elsewhere is the same work
+    return a == b
+
+
 def header_diff(old: dict, new: dict) -> tuple[str, object, object] | None:
-    """The first of CHECKED_FIELDS that differs: (dotted name, old value, new value)."""
+    """The first of CHECKED_FIELDS, then of work.{kind, producer, data}, that differs: (dotted name, old value, new
+    value)."""
     for name in CHECKED_FIELDS:
         a, b = old, new
         for k in name.split("."):
             a, b = (a.get(k) if isinstance(a, dict) else None), (b.get(k) if isinstance(b, dict) else None)
         if a != b:
             return name, a, b
+    wa, wb = work_of(old), work_of(new)
+    if wa["kind"] != wb["kind"]:
+        return "work.kind", wa["kind"], wb["kind"]
+    if wa["producer"] and wb["producer"] and wa["producer"] != wb["producer"]:
+        return "work.producer", wa["producer"], wb["producer"]
+    if not _same_data(wa["data"], wb["data"]):
+        return "work.data", wa["data"], wb["data"]
     return None
 
 
 def refuse_other_header(path: Path, manifest: dict, header: dict) -> None:
-    """HstapError naming the first of `CHECKED_FIELDS` in which the store at `path` (its manifest) differs from the
+    """HstapError naming the first field (`header_diff`) in which the store at `path` (its manifest) differs from the
     header of a run that would extend it."""
     diff = header_diff(manifest, header)
     if diff:
         name, old, now = diff
+        if name.startswith("work."):
+            raise HstapError(f"{path / 'manifest.json'}:1: {name}: the store holds {_work_name(work_of(manifest))}; "
+                             f"this run writes {_work_name(work_of(header))}: a store is resumed only by the same "
+                             f"work; pass --new to replace it, or write to another directory")
         raise HstapError(f"{path / 'manifest.json'}:1: {name}: the store was made with {old!r}, this run has "
                          f"{now!r}; pass new=True (--new) to replace it, or write to another directory")
+
+
+_PRODUCERS = {"prepared": "hstap capture", "generated": "hstap generate --capture", "served traffic": "a server's tap"}
+
+
+def _work_name(w: dict) -> str:
+    """'prepared samples (hstap capture, from /data/prepared)': a store's work in words."""
+    data = w["data"].get("path") if isinstance(w["data"], dict) else None
+    src = f", from {', '.join(map(str, data)) if isinstance(data, list) else data}" if data else ""
+    return f"{w['kind']} samples ({w['producer'] or _PRODUCERS.get(w['kind'], 'an unknown producer')}{src})"
+
+
+STORE_FILES = ("manifest.json", "parts", "shards", "consumer.json", "vocab_map.safetensors")
+"""What a store's directory holds of its own (besides run records and engine event directories, `check_store_dir`)."""
+
+
+def check_store_dir(path: str | os.PathLike) -> bool:
+    """Before a writer creates, resumes or replaces (--new) the store at `path`: whether there is a store to resume
+    or replace (a manifest.json of the hstap-store format). HstapError naming the path when it is a file, holds a
+    manifest.json of another format, or holds other files than a store's own (shards/ and parts/ of shard and part
+    files, a following trainer's consumer.json, a run record, an engine's event directory: what an interrupted
+    creation, or a trainer waiting for the store, leaves): a store is never written into, nor wiped from, a directory
+    of the user's files."""
+    p = Path(path)
+    if not p.exists():
+        return False
+    if not p.is_dir():
+        raise HstapError(f"{p}: exists and is not a directory (a store is a directory)")
+    if (p / "manifest.json").is_file():
+        load_manifest(p)  # one of another format is refused by name
+        return True
+    for f in sorted(p.iterdir()):
+        if f.name == "shards" and f.is_dir() and all(SHARD_RE.match(x.name) or TEMP_RE.match(x.name)
+                                                     for x in f.iterdir()):
+            continue
+        if f.name == "parts" and f.is_dir() and all(x.name.startswith(("rank", ".rank")) for x in f.iterdir()):
+            continue
+        if f.name in STORE_FILES and f.is_file() or f.is_dir() and f.name.endswith("-events"):
+            continue  # e.g. a following trainer's consumer.json, written before the store is created
+        if f.name == "config.json" and read_record(f) is not None:
+            continue
+        raise HstapError(f"{p}: holds {f.name!r} and no manifest.json: not an hstap store; a store is created only "
+                         f"in a new or empty directory (nothing there was touched): choose another directory")
+    return False
+
 
 
 def check_resumable(path: str | os.PathLike, header: dict) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from hstap.common import HstapError
+from hstap.common import HstapError, one_line
 from hstap.store.consumer import is_consumed, read_consumer
 from hstap.store.format import (DTYPES, FORMAT, ST_NAMES, TORCH_DTYPES, dequantize_fp8, file_checksum, load_manifest,
                                 load_parts, union_entries)
@@ -96,14 +96,33 @@ class Store(torch.utils.data.Dataset):
             self._handles, self._pid = OrderedDict(), os.getpid()
         sl = self._handles.get(si)
         if sl is None:
-            e = self.manifest["shards"][si]
-            check_shard(self.path, e, checksum=False)  # missing or truncated: one line, not safetensors' error
-            h = safe_open(str(self.path / e["file"]), framework="pt")
-            sl = self._handles[si] = {name: h.get_tensor(name) for name in h.keys()}
+            sl = self._handles[si] = self.read_shard(self.manifest["shards"][si])
             if len(self._handles) > _MAX_OPEN_SHARDS:
                 self._handles.popitem(last=False)
         else:
             self._handles.move_to_end(si)
+        return sl
+
+    def read_shard(self, e: dict) -> dict[str, torch.Tensor]:
+        """The tensors of the shard of entry `e`, memory-mapped, each of the shape its entry and the header say. A
+        shard that is missing or truncated, that safetensors cannot open (a damaged header: safetensors' own error is
+        no OSError) or whose tensors have other shapes is one line naming the file, said after its checksum is
+        compared (a file changed since its commit is named as such), never a traceback."""
+        check_shard(self.path, e, checksum=False)  # missing or truncated: one line, not safetensors' error
+        f = self.path / e["file"]
+        T, K, H = int(e["tokens"]), self.num_aux, self.hidden_size
+        want = {"input_ids": [T], "loss_mask": [T], "aux": [T, K, H], "final": [T, H]}
+        try:
+            h = safe_open(str(f), framework="pt")
+            sl = {name: h.get_tensor(name) for name in h.keys()}
+            bad = [n for n, shape in want.items() if n not in sl or list(sl[n].shape) != shape]
+            why = f"tensor {bad[0]} is not of shape {want[bad[0]]}" if bad else None
+        except Exception as err:  # noqa: BLE001 - whatever safetensors raises on a damaged file
+            sl, why = {}, one_line(err)
+        if why is not None:
+            check_shard(self.path, e, checksum=True)  # a changed file: said by its checksum
+            raise HstapError(f"{f}: not a readable shard ({why}); the store is damaged (`hstap verify --store "
+                             f"{self.path}` lists every problem)")
         return sl
 
     def __getitem__(self, i: int) -> dict:
@@ -131,9 +150,9 @@ class Store(torch.utils.data.Dataset):
         V = vocab_size
         freq = np.zeros(V, dtype=np.int64)  # (V,)
         for e in self.manifest["shards"]:
-            check_shard(self.path, e, checksum=False)  # a truncated file: one line, not safetensors' error
-            with safe_open(str(self.path / e["file"]), framework="pt") as h:
-                ids, lm = h.get_tensor("input_ids").long(), h.get_tensor("loss_mask").bool()  # (T,), (T,)
+            sl = self.read_shard(e)  # a damaged file: one line naming it
+            ids, lm = sl["input_ids"].long(), sl["loss_mask"].bool()  # (T,), (T,)
+            del sl
             if ids.numel() and int(ids.max()) >= V:
                 raise HstapError(f"{self.path / e['file']}: token id {int(ids.max())} >= the target's vocab size {V}")
             freq += np.bincount(ids[lm].numpy(), minlength=V)

@@ -19,7 +19,7 @@ import torch
 from hstap.common import HstapError, fsync_dir
 from hstap.store.consumer import RECORD, wait_for_room
 from hstap.store.format import (CHECKSUM, FORMAT, PART_FORMAT, SHARD_RE, TEMP_RE, TORCH_DTYPES, VERSION, check_header,
-                                header_diff, load_manifest, load_parts, merge_manifest, quantize_fp8,
+                                check_store_dir, header_diff, load_manifest, load_parts, merge_manifest, quantize_fp8,
                                 refuse_other_header, store_bytes_per_token, union_entries, write_json)
 from hstap.store.shard_file import write_shard
 
@@ -132,9 +132,7 @@ class StoreWriter:
     def _prepare(self, new: bool) -> None:
         """Rank 0: wipe (new=True) and create the store if needed."""
         p = self.path
-        if p.exists() and not p.is_dir():
-            raise HstapError(f"{p}: exists and is not a directory")
-        has_manifest = (p / "manifest.json").is_file()
+        has_manifest = check_store_dir(p)  # a directory of other files is neither written into nor wiped
         if new:
             for name in ("manifest.json", "parts", "shards", RECORD):  # only the store's own files, never the whole directory
                 q = p / name

@@ -124,11 +124,17 @@ def check_vocab_map(ckpt: Path, vocab: VocabMap) -> None:
 
 def load_weights(ckpt: Path, drafter: Eagle3Drafter) -> None:
     """ckpt's weights into the unwrapped drafter, which already holds this run's vocab map (it must be the one the
-    checkpoint was trained with)."""
+    checkpoint was trained with) and the target's embedding (a checkpoint keeps it out: it must be the one it was
+    trained with)."""
+    from hstap.drafter_dir import EMBEDDING, check_embedding, kept_out
+
     check_vocab_map(ckpt, VocabMap(drafter.d2t, drafter.t2d, "this run"))
     weights = load_file(str(ckpt / "drafter.safetensors"))
+    rec = kept_out(json.loads((ckpt / "drafter.json").read_text()))
+    if rec is not None and EMBEDDING not in weights:  # the target's, which the drafter holds already (its init)
+        check_embedding(ckpt, rec, drafter.embed_tokens.weight)
     missing, unexpected = drafter.load_state_dict(weights, strict=False)
-    if [k for k in missing if not k.startswith("rotary.")] or unexpected:
+    if [k for k in missing if not k.startswith("rotary.") and not (rec is not None and k == EMBEDDING)] or unexpected:
         raise HstapError(f"{ckpt}/drafter.safetensors: does not fit this drafter ({missing} / {unexpected})")
 
 

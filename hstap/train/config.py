@@ -16,6 +16,18 @@ from dataclasses import dataclass, field
 from hstap.common import HstapError
 from hstap.config import LAYERS, absolute, at_least, layer_list
 
+LOSS_TERMS = ("ce", "tv", "rkl", "hard", "topk")
+"""Terms of `--loss`; "a+b" mixes two of them, "lk" is the adaptive ce/tv hybrid (`hstap.train.ttt.loss_core`)."""
+
+
+def loss_terms(loss: str) -> list[str]:
+    """The terms of a `--loss` value ("lk": ce and tv); ValueError naming it when it is none of the forms above. Read
+    here, without torch, so that a config is checked before the objective's module loads."""
+    names = loss.split("+") if loss != "lk" else ["ce", "tv"]
+    if len(names) > 2 or any(n not in LOSS_TERMS for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"loss: expected one of {LOSS_TERMS}, 'a+b' of two of them, or 'lk'; got {loss!r}")
+    return names
+
 
 @dataclass(frozen=True, kw_only=True)
 class HyperParams:
@@ -72,9 +84,8 @@ class HyperParams:
             raise HstapError(f"{w}: --warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1]")
         if self.lr <= 0 or self.grad_clip < 0:
             raise HstapError(f"{w}: --lr must be > 0 and --grad-clip >= 0")
-        from hstap.train.ttt import loss_core
         try:
-            loss_core(self.loss)
+            loss_terms(self.loss)
         except ValueError as e:
             raise HstapError(f"{w}: --{e}") from None
         if not 0.0 <= self.loss_mix <= 1.0 or self.lk_decay < 0:

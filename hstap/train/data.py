@@ -100,7 +100,8 @@ def build_data(cfg: TrainConfig, store, layers: list[int], sel: list[int] | None
         src = store
         ids_all, lengths_all = list(store.ids), list(store.lengths)
         prov = {**store.header, "layers": layers, "captured_layers": store.layers, "path": str(store.path)}
-    meta = {"store": prov, "vocab_map_sha256": vocab.sha256(), "vocab_map_source": vocab.source}
+    meta = {"store": prov, "vocab_map_sha256": vocab.sha256(), "vocab_map_source": vocab.source,
+            "embedding": {"from": "target", "path": cfg.target}}  # kept out of checkpoints (hstap/drafter_dir.py)
 
     if cfg.eval_store:
         from hstap.store.reader import open_store

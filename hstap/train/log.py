@@ -94,9 +94,24 @@ def print_summary(s: dict) -> None:
         last = f", last {s['sim_tau']:.3f}" if s["sim_tau"] is not None else ""  # none when a resume ran no step
         rows.append(["sim tau", f"best {s['best_sim_tau']:.3f}{last} tokens per target forward "
                                 f"(chain of {s['ttt']} drafts replayed on {s['eval_samples']} eval samples)"])
+    if s.get("checkpoint"):
+        rows.append(["checkpoint", checkpoint_sizes(Path(s["checkpoint"]), Path(s["run"]) / "best")])
     out = [f"{s['run']}/best", f"{s['run']}/metrics.jsonl"] + ([s["curves"]] if s["curves"] else [])
     rows.append(["outputs", ", ".join(out)])
     print("hstap train: done\n" + table(None, rows), flush=True)
+
+
+def checkpoint_sizes(ckpt: Path, best: Path) -> str:
+    """What a checkpoint holds, in MB: the drafter, the optimizer state, the RNG; and best/ (the drafter alone). The
+    target's frozen embedding is in neither (hstap/drafter_dir.py)."""
+    def mb(files) -> float:
+        return sum(f.stat().st_size for f in files if f.is_file()) / 1e6
+
+    parts = [("drafter", mb(ckpt.glob("drafter.*"))), ("optimizer state", mb(ckpt.glob("optimizer.safetensors"))),
+             ("RNG and trainer state", mb(ckpt.glob("rng*")) + mb(ckpt.glob("trainer_state.json")))]
+    text = (f"{ckpt.name}: {mb(ckpt.iterdir()):,.1f} MB (" + ", ".join(f"{k} {v:,.1f} MB" for k, v in parts) + ")"
+            + (f"; best/ {mb(best.iterdir()):,.1f} MB" if best.is_dir() else ""))
+    return text + "; without the target's frozen embedding (it comes back from the target at load)"
 
 
 def draw_curves(run: Path) -> None:

@@ -42,8 +42,10 @@ t+2+k < length for every step k (a target argmax outside the draft vocabulary is
 it). RUN/best follows the highest sim_tau. RUN/curves.png plots loss, accuracy and sim_tau from metrics.jsonl (rank 0,
 after every evaluation and at the end).
 
-Checkpoints: RUN/checkpoints/step_{step:08d}/ = drafter.safetensors + drafter.json (hstap.export.save_drafter),
-optimizer.safetensors (AdamW state as `state.{param_idx}.{exp_avg,exp_avg_sq,step}`; names in trainer_state.json),
+Checkpoints: RUN/checkpoints/step_{step:08d}/ = drafter.safetensors + drafter.json (hstap.drafter_dir.save_drafter:
+without the target's frozen embedding, which drafter.json records and loading takes from the target),
+optimizer.safetensors (AdamW state of the trainable parameters as `state.{param_idx}.{exp_avg,exp_avg_sq,step}`;
+names in trainer_state.json),
 rng.safetensors (rank 0's torch CPU/CUDA RNG; rng_rank{r}.safetensors for the others, their python/numpy state in the
 metadata) and trainer_state.json (step, data position, schedule, best_sim_tau and its tau_definition, rank 0's
 python/numpy RNG). Built in a hidden temp dir,

@@ -29,6 +29,7 @@ from torch import nn
 
 from hstap.models.compiled import FlexCompileError, compile_region
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter, new_drafter_cache
+from hstap.train.config import loss_terms
 
 
 def ttt_mask(T: int, step: int, device=None) -> torch.Tensor:
@@ -102,9 +103,6 @@ def ce_core(z: torch.Tensor, p: torch.Tensor, grad: bool = True):
     return loss, (torch.exp(z - lse) * psum - p if grad else None), z.argmax(-1)
 
 
-LOSS_TERMS = ("ce", "tv", "rkl", "hard", "topk")
-"""Terms of `--loss`; "a+b" mixes two of them, "lk" is the adaptive ce/tv hybrid (see `loss_core`)."""
-
 TOPK_K = 10
 """K of the "topk" term: HASS's harmonized objective distillation (Zhang et al., ICLR 2025) takes the target's 10 most
 likely ids; its recipe adds the term to the cross-entropy with weight 1: `--loss ce+topk --loss-mix 0.5` here, which
@@ -140,11 +138,9 @@ def loss_core(loss: str = "ce", mix: float = 0.5, lk_decay: float = 3.0):
     "a+b": (1 - mix) * a + mix * b. "lk" (LK-style lambda hybrid, per row): w * ce + (1 - w) * tv with
     w = exp(-lk_decay * (1 - tv)) held constant (no gradient through w): rows the drafter already accepts well are
     trained on acceptance, the others mostly on the cross-entropy."""
+    names = loss_terms(loss)
     if loss == "ce":
         return ce_core
-    names = loss.split("+") if loss != "lk" else ["ce", "tv"]
-    if len(names) > 2 or any(n not in LOSS_TERMS for n in names) or len(set(names)) != len(names):
-        raise ValueError(f"loss: expected one of {LOSS_TERMS}, 'a+b' of two of them, or 'lk'; got {loss!r}")
 
     def core(z: torch.Tensor, p: torch.Tensor, grad: bool = True):
         lse = torch.logsumexp(z, -1, keepdim=True)  # (n, 1)

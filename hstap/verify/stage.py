@@ -22,45 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+import hstap
 from hstap.common import HstapError, atomic_write_json
-from hstap.config import at_least
+from hstap.outputs import check_out_file
 from hstap.layers import EMBEDDINGS, last_layer, reference_ids, reference_index
+from hstap.verify.config import VerifyConfig
 from hstap.verify.parity import compute_class, finish_stats, layer_stats, merge_stats, tolerance, violations
-
-
-@dataclass(frozen=True)
-class VerifyConfig:
-    store: str | None = None
-    """Store to check: alone, a full integrity check; with --target, a recomputation of --samples samples."""
-    target: str | None = None
-    """Target model directory (HF format) to recompute the store's hidden states with."""
-    a: str | None = None
-    """First store of an --a/--b comparison (same samples captured twice: two engines, dtypes, fp8 vs bf16)."""
-    b: str | None = None
-    """Second store of an --a/--b comparison: the reference (put the more precise capture here)."""
-    samples: int | None = None
-    """Samples to compare: recompute mode default 4 (spread evenly over the store); --a/--b default all common ids."""
-    device: str = "cpu"
-    """Device for the recomputation: cpu, cuda, cuda:N or auto."""
-    compute_dtype: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
-    """Recomputation dtype: auto = fp32 on CPU, bf16 on CUDA. Tolerances follow the coarsest precision involved."""
-    max_tokens: int = 1024
-    """Recompute mode: compare the first max_tokens tokens of each sample (all layer outputs are held in memory)."""
-    report: str | None = None
-    """Also write the full report (per-layer metrics, problems) as JSON to this path."""
-
-    def __post_init__(self):
-        if (self.a is None) != (self.b is None):
-            raise HstapError("verify: --a and --b go together")
-        if self.a is not None and (self.store is not None or self.target is not None):
-            raise HstapError("verify: use either --store [--target] or --a/--b, not both")
-        if self.target is not None and self.store is None:
-            raise HstapError("verify: --target needs --store")
-        if self.a is None and self.store is None:
-            raise HstapError("verify: nothing to verify: pass --store S [--target DIR] or --a S1 --b S2")
-        at_least("verify", self, ("samples", "max_tokens"))
-        if self.compute_dtype not in ("auto", "fp32", "bf16"):
-            raise HstapError(f"verify: compute_dtype: expected auto, fp32 or bf16, got {self.compute_dtype!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -358,6 +325,8 @@ def _fail(rep: dict, what: str) -> None:
 
 def verify(cfg: VerifyConfig) -> dict:
     """Run the chosen check, print the report, write it as JSON with --report; HstapError on failure."""
+    if cfg.report:  # before any work: a file of the user's is replaced only when asked
+        check_out_file(cfg.report, "verify", cfg.overwrite, "--report")
     if cfg.a is not None:
         rep = compare_stores(cfg.a, cfg.b, cfg.samples)
         what = f"{cfg.a} vs {cfg.b}"
@@ -369,7 +338,7 @@ def verify(cfg: VerifyConfig) -> dict:
         what = str(cfg.store)
     _print(rep)
     if cfg.report:
-        atomic_write_json(cfg.report, rep)
+        atomic_write_json(cfg.report, {"stage": "verify", "hstap_version": hstap.__version__, **rep})
     if not rep["ok"]:
         _fail(rep, what)
     return rep

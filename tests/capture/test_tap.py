@@ -69,8 +69,10 @@ def test_a_line_lost_after_its_commit_is_written_again_once(tapped, tiny_llama, 
     from hstap.store.reader import open_store
 
     root, _ = tapped
-    for name in ("store", "c.jsonl", "g.jsonl"):  # not its config.json: it names the original paths
+    for name in ("store", "c.jsonl", "g.jsonl"):
         (shutil.copytree if name == "store" else shutil.copy)(root / name, tmp_path / name)
+    rec = (root / "g.jsonl.config.json").read_text()  # the answers' run record, its paths moved with them
+    (tmp_path / "g.jsonl.config.json").write_text(rec.replace(str(root), str(tmp_path)))
     lines = (tmp_path / "g.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "g.jsonl").write_text("".join(lines[:-2]))  # killed between two commits and their lines
     before = open_store(tmp_path / "store")

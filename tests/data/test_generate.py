@@ -361,8 +361,8 @@ def test_recover_output_and_resume_guards(tmp_path, corpus):
     out.write_bytes(good)
     cfg_path = Path(str(out) + ".config.json")
     old = {"server": "http://127.0.0.1:9", "temperature": 0.0}
-    cfg_path.write_text(json.dumps({"stage": "generate", "config": old}))
-    with pytest.raises(HstapError, match="temperature=0.0.*--new"):
+    cfg_path.write_text(json.dumps({"stage": "generate", "hstap_version": "0", "config": old}))
+    with pytest.raises(HstapError, match="--temperature 0.0.*--new"):
         generate(GenerateConfig(data=[str(corpus)], out=str(out), server="http://127.0.0.1:9", temperature=0.7))
     with pytest.raises(HstapError, match="exactly one of --target"):
         GenerateConfig(data=[str(corpus)], out=str(out))

@@ -560,7 +560,7 @@ def test_matching_store_and_overwrite(trained, tmp_path):
     store = _store(tmp_path / "store", header, AUX)
     out = tmp_path / "out"
     export(ExportConfig(run=str(run), to="sglang", out=str(out), store=str(store)))
-    with pytest.raises(HstapError, match="exists"):
+    with pytest.raises(HstapError, match="holds an earlier hstap export output; pass --overwrite"):
         export(ExportConfig(run=str(run), to="vllm", out=str(out)))
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     export(ExportConfig(run=str(run), to="vllm", out=str(out), overwrite=True))

@@ -411,7 +411,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, assets, tmp_path, capsy
         expect = [f"{store}: the store holds no sample"]
     elif case == "missing target":
         store, opts["target"] = assets["store"], tmp_path / "nope"
-        expect = [f"{tmp_path / 'nope'}: target model directory does not exist"]
+        expect = [f"{tmp_path / 'nope'}: --target: does not exist"]
     elif case == "resume with another store":
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             train(_cfg(assets, run, steps=1, eval_frac=0.0, tensorboard=False))

@@ -180,7 +180,8 @@ class HookWriter:
             engine = {"name": "sglang", "version": getattr(sglang, "__version__", "?"), "device": "server (tap)",
                       "compute_dtype": self.hook.compute_dtype}
             self._header = store_header(target_fingerprint(self.hook.tap_target), engine, c.tap_dtype, list(c.layers),
-                                        {"tap": True, "store": c.store})
+                                        {"tap": True, "store": c.store},
+                                        work={"kind": "served traffic", "producer": "sglang tap", "data": None})
             self._header["contents"] = contents_block("served traffic", tap_fraction=c.tap_fraction,
                                                       max_store_gb=c.max_store_gb)
         return self._header

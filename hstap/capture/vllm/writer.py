@@ -138,7 +138,8 @@ class VllmWriter:
         tb = target_fingerprint(self.model_dir)
         engine = {"name": "vllm", "version": vllm.__version__, "device": "server (tap)",
                   "compute_dtype": {"float32": "fp32", "bfloat16": "bf16"}.get(self.model_dtype, self.model_dtype)}
-        h = store_header(tb, engine, self.cfg.tap_dtype, self.layers, {"tap": True, "store": self.cfg.store})
+        h = store_header(tb, engine, self.cfg.tap_dtype, self.layers, {"tap": True, "store": self.cfg.store},
+                         work={"kind": "served traffic", "producer": "vllm tap", "data": None})
         h["contents"] = contents_block("served traffic", tap_fraction=self.cfg.tap_fraction,
                                        max_store_gb=self.cfg.max_store_gb)
         return h

@@ -1,0 +1,102 @@
+"""What hstap may replace: its own outputs, never a user's files.
+
+Every output directory hstap writes holds a run record that names the stage that wrote it, written before anything
+else goes in: `config.json` with "stage" and "hstap_version" (`hstap.common.write_run_config`), `hstap_export.json` in
+an export (its config.json is the engine's model config), `hstap_convert.json` in a converted model directory (its
+config.json is the model's). A file output carries the same record beside or inside it: generate's
+`<out>.config.json`, verify's JSON report its own "stage" key.
+
+An existing output is replaced (`--overwrite`, or the demo's work directory) only when its record names the stage
+that would replace it: a directory of the user's files, or another stage's output, is refused by name, with or without
+--overwrite, and left as it was. An empty directory holds nothing to lose: it is used as it is. An output that is, or
+holds, one of the run's own inputs is refused too (the replacement would remove what it reads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from hstap.common import HstapError
+
+RECORDS = ("config.json", "hstap_export.json", "hstap_convert.json")
+"""The files a stage's run record may live in (the first one found that is a run record counts)."""
+RECORD_OF = {"export": "hstap_export.json", "convert": "hstap_convert.json"}
+"""Stages whose run record is not config.json (there, config.json is the model's)."""
+
+
+def read_record(path: Path) -> dict | None:
+    """The run record in `path` (a JSON object with "stage" and "hstap_version"), or None."""
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if isinstance(rec, dict) and isinstance(rec.get("stage"), str) and "hstap_version" in rec:
+        return rec
+    return None
+
+
+def written_by(d: Path) -> str | None:
+    """The hstap stage whose run record the directory `d` holds; None: not an hstap output."""
+    for name in RECORDS:
+        rec = read_record(d / name)
+        if rec is not None:
+            return rec["stage"]
+    return None
+
+
+def check_out_dir(out: str | os.PathLike, stage: str, overwrite: bool | None, flag: str = "--out") -> bool:
+    """Before any work: may `stage` write the directory `out`? True when it holds an earlier output of `stage` that the
+    run replaces; False when it is new or empty. HstapError naming `out` and `flag` when it is a file, a non-empty
+    directory `stage` did not write (whatever `overwrite` says), or an earlier output while `overwrite` is False
+    (None: the stage replaces its own outputs without being asked, as the demo does)."""
+    out = Path(out)
+    if not out.exists() and not out.is_symlink():
+        return False
+    if not out.is_dir():
+        raise HstapError(f"{out}: {flag}: exists and is not a directory (hstap {stage} writes a directory there); "
+                         f"choose another {flag}")
+    if not any(out.iterdir()):
+        return False
+    owner = written_by(out)
+    if owner != stage:
+        what = "files hstap did not write" if owner is None else f"an output of hstap {owner}"
+        raise HstapError(f"{out}: {flag}: holds {what} (no {RECORD_OF.get(stage, 'config.json')} of hstap {stage}); "
+                         f"hstap {stage} writes only a new or empty directory or replaces its own earlier output, "
+                         f"so nothing there was touched: choose another {flag}")
+    if overwrite is False:
+        raise HstapError(f"{out}: {flag}: holds an earlier hstap {stage} output; pass --overwrite to replace it, or "
+                         f"choose another {flag}")
+    return True
+
+
+def check_not_input(out: str | os.PathLike, inputs: list[tuple[str, str | os.PathLike | None]],
+                    flag: str = "--out") -> None:
+    """Refuse an output that is one of the run's inputs ([(flag, path)]; None: not given) or a directory holding one:
+    writing it would replace or remove what the run reads."""
+    o = Path(out).resolve()
+    for name, p in inputs:
+        if p is None:
+            continue
+        src = Path(p).resolve()
+        if src == o or o in src.parents:
+            where = "is" if src == o else "holds"
+            raise HstapError(f"{out}: {flag}: {where} the input {name} {p}; write the output somewhere else")
+
+
+def check_out_file(out: str | os.PathLike, stage: str, overwrite: bool, flag: str) -> None:
+    """Before any work: may `stage` write the JSON file `out`? Yes when it is new, a JSON record of `stage` (its
+    "stage" key), or with `overwrite`; a directory never."""
+    out = Path(out)
+    if out.is_dir():
+        raise HstapError(f"{out}: {flag}: is a directory; give a file path")
+    if not out.exists() or overwrite:
+        return
+    try:
+        rec = json.loads(out.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        rec = None
+    if not (isinstance(rec, dict) and rec.get("stage") == stage):
+        raise HstapError(f"{out}: {flag}: exists and is not a report hstap {stage} wrote; pass --overwrite to replace "
+                         f"it, or choose another {flag}")
