@@ -112,8 +112,10 @@ def export(cfg: ExportConfig) -> dict:
                                  "hf": "hstap canonical"}[cfg.to], "aux_layers": list(dcfg.aux_layers),
             "target_model_type": dcfg.target_model_type, "drafter_config": dcfg.to_dict(), "provenance": provenance}
 
-    # --overwrite: the old directory is moved aside, the new one renamed into place, the old one removed
-    with publishing_dir(out, "aside" if cfg.overwrite else "refuse", "exists (pass --overwrite to replace it)") as tmp:
+    # An --out that passed check_out_dir (empty, or an earlier export with --overwrite) is moved aside, the new one
+    # renamed into place, the old one removed; one that appeared since is refused
+    existing = "aside" if out.exists() else "refuse"
+    with publishing_dir(out, existing, "appeared while exporting; the export is not moved there") as tmp:
         if cfg.to == "hf":
             _write_safetensors(tmp / "drafter.safetensors", cast, {"format": DRAFTER_FORMAT})
             atomic_write_json(tmp / "drafter.json", {**meta, "export": {"source": str(d)}})
