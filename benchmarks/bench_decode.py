@@ -101,7 +101,7 @@ def big_target(dev, dtype, tiny: bool = False):
 
 
 def tiny_target(tmp: Path):
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
     from hstap.demo.toy import build_random_target
 
     build_random_target(tmp, None, model_type="llama", num_layers=8, hidden_size=64, vocab_size=256)
@@ -452,7 +452,7 @@ def _stop(signum, frame):
 
 def _jobs(a, out: dict, budget: Budget, bw: float, dev: torch.device, path) -> None:
     """The measurements in priority order, into `out`."""
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
     from hstap.speculative.evaluate import load_any_drafter
 
     spec = []  # the speculative variants, in priority order

@@ -31,7 +31,7 @@ from hstap.speculative.evaluate import check_lossless, eos_ids, load_prompts, re
 def build_tiny(root: Path) -> dict:
     """A random tiny Llama target with a chat tokenizer, a random EAGLE-3 drafter, a random final-state drafter and a
     JSONL of prompts, all written under root."""
-    from hstap.drafter_dir import save_drafter
+    from hstap.artifacts.drafter_dir import save_drafter
     from hstap.layers import fc_slots
     from hstap.models.drafter import DrafterConfig, Eagle3Drafter
     from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         ap.error("--target, --drafter and --data are required (or --tiny)")
     topk, depth, tokens = (int(x) for x in args.tree.split(","))
 
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
     from hstap.speculative.evaluate import load_any_drafter
 
     target, tok = load_target(args.target, device=args.device, dtype=args.dtype)

@@ -36,7 +36,7 @@ SHAPES = {"smollm2": dict(num_layers=30, hidden_size=576, num_heads=9, num_kv_he
 
 
 def load(args):
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
     from hstap.demo.toy import build_random_target
 
     path = args.target

@@ -74,7 +74,7 @@ def plain_prefill(target: str, data: Path, dtype: str, batch_tokens: int, device
     from hstap.capture.vllm.protocol import kv_transfer_config, speculative_config
     from hstap.data.prepare import load_prepared
     from hstap.layers import parse_layers, to_vllm
-    from hstap.model_dir import load_config
+    from hstap.artifacts.model_dir import load_config
     from hstap.engines.vllm import start_llm, stop_llm
 
     ds = load_prepared(data)

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     from hstap.capture.vllm.protocol import CONNECTOR, CONNECTOR_MODULE, speculative_config
     from hstap.common import free_port
     from hstap.layers import default_aux_layers, to_vllm
-    from hstap.model_dir import load_config
+    from hstap.artifacts.model_dir import load_config
     from hstap.store.reader import open_store
     from hstap.engines.vllm import vllm_server
 

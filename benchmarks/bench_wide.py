@@ -122,7 +122,7 @@ def main(argv=None) -> int:
                     help="capture the steps uncompiled (default: torch.compile'd, as hstap eval)")
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args(argv)
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
     from hstap.speculative.evaluate import eos_ids, load_any_drafter, load_prompts
 
     if a.tiny:

@@ -64,7 +64,7 @@ def make_target(out: Path, shape: dict, dtype: str, device: str, seed: int, forc
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hstap.model_dir import auto_device
+    from hstap.artifacts.model_dir import auto_device
 
     dev = torch.device(auto_device(device))
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]

@@ -338,7 +338,7 @@ def replay_validation(model, val_dl, head: torch.Tensor, hot: torch.Tensor, t2d:
 def convert(ckpt: Path, out: Path, store, embed: torch.Tensor, extra: dict):
     """hstap's reading of a speculators checkpoint (what `hstap eval --drafter CKPT` loads), saved as an hstap drafter
     dir with the store's provenance (so `hstap export` validates it)."""
-    from hstap.drafter_dir import save_drafter
+    from hstap.artifacts.drafter_dir import save_drafter
     from hstap.export.engines import load_exported
 
     drafter, _ = load_exported(ckpt, embed_weight=embed)
@@ -462,7 +462,7 @@ def context(a) -> dict:
     device."""
     from hstap.data.vocab import load_store_vocab_map
     from hstap.layers import to_vllm
-    from hstap.model_dir import target_head
+    from hstap.artifacts.model_dir import target_head
     from hstap.train.data import is_eval
 
     store = open_store(a.store)

@@ -290,8 +290,8 @@ def replay(runs: dict[str, Path], store: Path, target: Path, dev: str, k: int = 
     import torch
 
     from hstap.batching import Rows, collate, pack_by_tokens
-    from hstap.drafter_dir import load_drafter
-    from hstap.model_dir import target_head
+    from hstap.artifacts.drafter_dir import load_drafter
+    from hstap.artifacts.model_dir import target_head
     from hstap.store.reader import open_store
     from hstap.train.ttt import TTTModel, replay_chain, target_distribution
 

@@ -72,7 +72,7 @@ def small_run(tiny_tokenizer, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def target(tiny_llama):
     """`tiny_llama` as hstap's Target (fp32, CPU), loaded once per module (tests switch its attention kernel)."""
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
 
     return load_target(str(tiny_llama), device="cpu", dtype="fp32")[0]
 

@@ -1,5 +1,5 @@
 """Bad input, outputs: `--overwrite` (and the demo, and `capture --new`, and `generate --new`) replaces only what hstap
-wrote, whose run record says so (hstap/outputs.py); an output that is, or holds, the run's input is refused; a file
+wrote, whose run record says so (hstap/artifacts/outputs.py); an output that is, or holds, the run's input is refused; a file
 that is not a report hstap wrote is replaced only with --overwrite. Each refusal is one line, exit status 2, and the
 user's files stay as they were (`_bad_inputs.refused`)."""
 
@@ -107,7 +107,7 @@ def test_generate_new_never_removes_a_file_it_did_not_write(small_run, tmp_path,
 
 def test_check_out_dir_cases(tmp_path):
     from hstap.common import write_run_config
-    from hstap.outputs import check_out_dir
+    from hstap.artifacts.outputs import check_out_dir
 
     assert check_out_dir(tmp_path / "new", "serve-loop", False) is False
     (tmp_path / "empty").mkdir()
@@ -121,7 +121,7 @@ def test_check_out_dir_cases(tmp_path):
 
 def test_a_run_record_of_another_stage_is_not_this_ones(tmp_path):
     from hstap.common import HstapError, write_run_config
-    from hstap.outputs import check_out_dir
+    from hstap.artifacts.outputs import check_out_dir
 
     d = tmp_path / "d"
     d.mkdir()

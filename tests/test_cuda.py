@@ -87,7 +87,7 @@ def _wide(**kw):
 def test_gpu_speculative_greedy_equals_target(tiny_llama):
     from helpers.speculate import random_drafter
 
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
     from hstap.speculative.drivers import speculative_generate, target_generate
 
     target, _ = load_target(tiny_llama, device="cuda", dtype="fp32")
@@ -119,7 +119,7 @@ def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_ll
     reused too early would corrupt committed samples. Compare bitwise with the copying path; count pinned buffers."""
     from hstap.batching import pack_by_tokens
     from hstap.capture import hf
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
     from hstap.store.reader import open_store
     from hstap.store.writer import StoreWriter
 
@@ -151,7 +151,7 @@ def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_ll
 def _fast_setup(path, vocab_draft=None, aux=(1, 2, 3)):
     from helpers.speculate import random_drafter
 
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
 
     target, _ = load_target(path, device="cuda", dtype="fp32")
     return target, random_drafter(target, aux, draft_vocab=vocab_draft).cuda()

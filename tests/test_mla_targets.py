@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from hstap.common import HstapError
 from hstap.layers import sglang_capture_inputs, to_sglang, to_vllm
-from hstap.model_dir import load_config, load_target, target_fingerprint, target_head, text_weights
+from hstap.artifacts.model_dir import load_config, load_target, target_fingerprint, target_head, text_weights
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = ("deepseek_v3", "kimi_k25")

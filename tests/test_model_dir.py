@@ -1,4 +1,4 @@
-"""hstap.model_dir: the "auto" device and dtype rule, the target fingerprint (config, weights, tokenizer, template),
+"""hstap.artifacts.model_dir: the "auto" device and dtype rule, the target fingerprint (config, weights, tokenizer, template),
 load_target's errors, and the tokenizer hash."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from helpers.tokenizer import CHATML, variant_tokenizer
 
 from hstap.common import HstapError
-from hstap.model_dir import (auto_device, auto_dtype, load_target, load_tokenizer, resolve_device, resolve_dtype,
+from hstap.artifacts.model_dir import (auto_device, auto_dtype, load_target, load_tokenizer, resolve_device, resolve_dtype,
                              target_fingerprint, tokenizer_sha256, weights_fingerprint)
 
 

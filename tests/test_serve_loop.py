@@ -49,7 +49,7 @@ def loop(vllm_llama, tmp_path_factory):
     def probe(url, out):
         """After the stream (the trainer stopped): release the window it held, load drafter B while requests are in
         flight, serve the probe prompts one at a time, wait for the tap to commit them."""
-        from hstap.model_dir import load_tokenizer
+        from hstap.artifacts.model_dir import load_tokenizer
         from hstap.speculative.evaluate import load_prompts
         from hstap.store.reader import open_store
 
@@ -84,7 +84,7 @@ def loop(vllm_llama, tmp_path_factory):
 
 
 def _hf(vllm_llama):
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
     from hstap.speculative.evaluate import eos_ids
 
     target, tok = load_target(str(vllm_llama), device="cpu", dtype="fp32")
@@ -93,7 +93,7 @@ def _hf(vllm_llama):
 
 @pytest.mark.vllm
 def test_every_request_answered_once_and_lossless(loop, vllm_llama):
-    from hstap.model_dir import load_tokenizer
+    from hstap.artifacts.model_dir import load_tokenizer
     from hstap.speculative.drivers import target_generate
     from hstap.speculative.evaluate import load_prompts
 

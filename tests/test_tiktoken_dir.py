@@ -1,4 +1,4 @@
-"""hstap.tiktoken_dir through `load_tokenizer`: a Kimi-style tiktoken tokenizer directory (tiktoken.model, a remote-code
+"""hstap.artifacts.tiktoken_dir through `load_tokenizer`: a Kimi-style tiktoken tokenizer directory (tiktoken.model, a remote-code
 tokenizer class, tokenizer_config.json, chat_template.jinja; no tokenizer.json) read as a fast tokenizer whose ids equal
 the remote class's, prepare on it, its hashes, and the refusals.
 
@@ -23,8 +23,8 @@ import pytest
 from hstap.common import HstapError
 from hstap.data.chat import render, tokenize_conversation
 from hstap.data.prepare import PrepareConfig, load_prepared, prepare, read_meta
-from hstap.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
-from hstap.tiktoken_dir import class_constants
+from hstap.artifacts.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
+from hstap.artifacts.tiktoken_dir import class_constants
 
 REMOTE = r'''"""A tiktoken tokenizer after the logic of Moonshot's tokenization_kimi.py (Kimi-K2, Kimi-K2.5)."""
 

@@ -29,7 +29,7 @@ tensors: the writer thread still overlaps disk writes with compute. An error in 
 it and is raised in the main thread at its next call.
 
     from hstap.capture.hf import capture_batch
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
     target, tok = load_target("models/Llama-3.1-8B-Instruct", device="cuda", dtype="bf16")
     [(aux, final)] = capture_batch(target, [ids], layers=[1, 15, 28])  # (T, K, H), (T, H)
 """
@@ -52,7 +52,7 @@ from hstap.capture.staging import (PinnedPool, staging_layout, staging_nbytes, s
                                    to_store_dtype)
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
-from hstap.model_dir import load_target, resolve_dtype
+from hstap.artifacts.model_dir import load_target, resolve_dtype
 from hstap.models.target import Target
 from hstap.store.format import committed_ids_of
 from hstap.store.writer import StoreWriter

@@ -33,7 +33,7 @@ class CapturePlan:
     n: int
     """Samples to capture: its first n rows (--max-samples)."""
     target: dict
-    """The target's header block (`hstap.model_dir.target_fingerprint`)."""
+    """The target's header block (`hstap.artifacts.model_dir.target_fingerprint`)."""
     layers: tuple[int, ...]
     """The canonical layer ids to tap."""
 
@@ -50,7 +50,7 @@ def resolve(cfg: CaptureConfig, rank: int = 0, world: int = 1, scan: bool = Fals
     target does not have."""
     from hstap.data.fits import check_template, check_tokenizer
     from hstap.data.prepare import load_prepared, max_token_id, read_meta
-    from hstap.model_dir import target_fingerprint
+    from hstap.artifacts.model_dir import target_fingerprint
 
     meta = read_meta(cfg.data)
     ds = load_prepared(cfg.data)

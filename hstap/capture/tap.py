@@ -99,7 +99,7 @@ class GeneratedStore:
         from hstap.data.conversations import files_fingerprint
         from hstap.store.format import committed_ids_of
         from hstap.layers import parse_layers
-        from hstap.model_dir import target_fingerprint
+        from hstap.artifacts.model_dir import target_fingerprint
         from hstap.store.writer import StoreWriter
 
         if dtype not in ("bf16", "fp8", "fp32"):
@@ -158,7 +158,7 @@ def generate(cfg: GenerateConfig) -> dict:
 
     if cfg.capture is None:
         return run(cfg)
-    from hstap.model_dir import resolve_device, resolve_dtype
+    from hstap.artifacts.model_dir import resolve_device, resolve_dtype
 
     def make_tap() -> GeneratedStore:
         dt = resolve_dtype(cfg.dtype, resolve_device(cfg.device))

@@ -73,12 +73,12 @@ class Appender:
 def check_resume(cfg: GenerateConfig, keys: tuple[str, ...], out: Path, cfg_path: Path, new: bool = False,
                  data_fingerprint: str | None = None) -> None:
     """Before anything loads: an existing, non-empty `out` must be generate's own (its run record `<out>.config.json`
-    says so: `hstap.outputs`), else it is refused, --new or not (generate appends to, or with --new replaces, only
+    says so: `hstap.artifacts.outputs`), else it is refused, --new or not (generate appends to, or with --new replaces, only
     its own answers, never a file of the user's, such as a copy of the input conversations). Without --new, refuse to
     resume it with other settings than the ones its record holds (the `keys` that change what is generated: a
     resume with any of them changed would mix two distributions, or two inputs, in one file); the input files
     ("data") by their `data_fingerprint` where the record has one (the same files moved elsewhere resume)."""
-    from hstap.outputs import read_record
+    from hstap.artifacts.outputs import read_record
 
     if not out.exists() or out.stat().st_size == 0:
         return

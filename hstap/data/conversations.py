@@ -68,7 +68,7 @@ def expand_paths(paths: str | Iterable[str]) -> list[Path]:
 
 
 def files_fingerprint(paths: str | Iterable[str], edge: int = 1 << 20) -> str:
-    """A fingerprint of conversation files' contents, NOT a full hash (as `hstap.model_dir.weights_fingerprint`):
+    """A fingerprint of conversation files' contents, NOT a full hash (as `hstap.artifacts.model_dir.weights_fingerprint`):
     sha256 over each file's size and its first and last `edge` bytes, in `expand_paths` order. The same files moved
     elsewhere keep it; another file, a longer or shorter one, or one edited near either end changes it. What a resume
     compares its input with (`hstap generate`'s answers file and --capture store), at the cost of 2 MiB read a file."""

@@ -134,7 +134,7 @@ class EmbeddedEngine:
     def __init__(self, path: str, device: str = "cpu", dtype: str = "auto", template_kwargs: dict | None = None):
         from hstap.data.chat import render_prompt
         from hstap.data.reasoning import reads_reasoning
-        from hstap.model_dir import load_target
+        from hstap.artifacts.model_dir import load_target
 
         self.target, self.tokenizer = load_target(path, device=device, dtype=dtype)
         if self.tokenizer is None:

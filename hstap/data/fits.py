@@ -1,7 +1,7 @@
 """Whether a prepared set fits a target: made with the target's tokenizer, rendered with its chat template.
 
 A prepared set's meta.json records the hashes of what made it (`tokenizer_sha256`, `chat_template_sha256`, computed as
-`hstap.model_dir` computes them), and a target's fingerprint (`hstap.model_dir.target_fingerprint`, the block a store
+`hstap.artifacts.model_dir` computes them), and a target's fingerprint (`hstap.artifacts.model_dir.target_fingerprint`, the block a store
 header records) the same hashes of the target directory. Every stage that runs a target over a prepared set checks
 them before it spends any time: capture (`hstap.capture.inputs.resolve`), train and eval
 (`hstap.speculative.inputs`). The chat-template kwargs (a reasoning model's `enable_thinking`) a prepared set records

@@ -67,7 +67,7 @@ from hstap.data.conversations import BadRecord, count_skip, expand_paths, iter_r
 from hstap.data.prepare_config import PrepareConfig
 from hstap.data.reasoning import template_kwargs
 from hstap.data.vocab import build_vocab_map, check_vocab_map
-from hstap.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
+from hstap.artifacts.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
 
 CHUNK = 64  # records per worker task: large enough to amortise IPC, small enough to keep workers busy
 

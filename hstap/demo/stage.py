@@ -33,7 +33,7 @@ from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_bytes, write_run_config
 from hstap.demo.config import DemoConfig
-from hstap.outputs import check_not_input, check_out_dir
+from hstap.artifacts.outputs import check_not_input, check_out_dir
 
 MIN_TOY_ACCURACY = 0.25  # the toy target's greedy next-token accuracy on held-out text below which drafting is moot
 
@@ -72,7 +72,7 @@ def build_toy_target(out: Path, records: list[dict], steps: int, seed: int) -> d
 def check_toy_target(target: str, records: list[dict]) -> dict:
     """The toy target's greedy next-token accuracy on the held-out conversations (chat-rendered), printed with what
     it means; `weak` when it is below MIN_TOY_ACCURACY."""
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
     from hstap.demo.toy import next_token_accuracy
 
     tgt, tok = load_target(target, device="cpu", dtype="fp32")

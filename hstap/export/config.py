@@ -29,7 +29,7 @@ class ExportConfig:
     """vllm only: speculative_tokens of the greedy proposal method (vLLM's default num_speculative_tokens)."""
     overwrite: bool = False
     """Replace an earlier export at --out (the old one is removed only after the new one is in place); a directory
-    hstap export did not write is never replaced (hstap/outputs.py)."""
+    hstap export did not write is never replaced (hstap/artifacts/outputs.py)."""
 
     def __post_init__(self):
         if self.to not in ("sglang", "vllm", "hf"):

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from hstap.common import HstapError
-from hstap.drafter_dir import expected_state, load_drafter
+from hstap.artifacts.drafter_dir import expected_state, load_drafter
 from hstap.layers import from_sglang, from_vllm, to_sglang, to_vllm, vllm_default_ids
 from hstap.models.drafter import SPECULATORS_FLAGS, DrafterConfig, Eagle3Drafter, parse_rope
 

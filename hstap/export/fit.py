@@ -21,7 +21,7 @@ from hstap.common import HstapError
 def drafter_facts(path: str | Path) -> dict:
     """{"file": the JSON the facts come from, "vocab_size", "target_hidden_size", "aux_layers", "target": the target
     block it was trained on (None: not recorded)} of a drafter directory, RUN, or SGLang / speculators export."""
-    from hstap.drafter_dir import resolve_drafter_dir
+    from hstap.artifacts.drafter_dir import resolve_drafter_dir
     from hstap.export.engines import read_export
 
     p = Path(path)
@@ -44,7 +44,7 @@ def drafter_facts(path: str | Path) -> dict:
 
 def check_drafter_target(path: str | Path, target: dict) -> dict:
     """Refuse a drafter made for another target. `target`: {path, vocab_size, hidden_size, num_layers} and optionally
-    tokenizer_sha256 (`hstap.model_dir.target_fingerprint`'s block has them all; a field that is None is not
+    tokenizer_sha256 (`hstap.artifacts.model_dir.target_fingerprint`'s block has them all; a field that is None is not
     compared). The tokenizer is compared when both sides record it: a drafter whose ids are another tokenizer's drafts
     other tokens. Weights may differ (a drafter of a base model on its fine-tune): eval says so. Returns the drafter's
     facts (`drafter_facts`)."""

@@ -3,7 +3,7 @@
     hstap export --run RUN --to sglang|vllm|hf --out DIR [--store STORE] [--target TARGET]
 
 - sglang / vllm: the engine's config.json and model.safetensors (`hstap/export/engines.py` says what each holds);
-- hf: the hstap format (`hstap/drafter_dir.py`), embedding included (`load_drafter(DIR)` reads it, for `hstap
+- hf: the hstap format (`hstap/artifacts/drafter_dir.py`), embedding included (`load_drafter(DIR)` reads it, for `hstap
   eval`; a training checkpoint keeps the target's embedding out, and the export reads it back from --target, else the
   target directory the checkpoint records, checked against its sha256), plus a config.json that describes the model
   (not loadable by transformers).
@@ -25,14 +25,14 @@ import torch
 from safetensors.torch import save_file
 
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, publishing_dir, run_meta
-from hstap.drafter_dir import (DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, restore_embedding,
+from hstap.artifacts.drafter_dir import (DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, restore_embedding,
                                validate_checkpoint)
 from hstap.export.config import ExportConfig
 from hstap.export.engines import (ENGINES, HF_DTYPE, VLLM_NUM_AUX, engine_state, export_readme, llama_fields,
                                   sglang_config, vllm_config)
 from hstap.export.fit import check_drafter_target
 from hstap.models.drafter import DrafterConfig
-from hstap.outputs import check_not_input, check_out_dir
+from hstap.artifacts.outputs import check_not_input, check_out_dir
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

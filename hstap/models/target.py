@@ -8,7 +8,7 @@ requested layers alive instead of all N+1 that `output_hidden_states` would hold
 Works for any HF decoder with the usual `model.layers` / `model.norm` / `model.embed_tokens` layout (Llama, Qwen2/3,
 Mistral, DeepseekV3, ...). Layer ids are canonical (`hstap.layers`): id i is the output of decoder layer i.
 
-Single-device model code: no I/O, no ranks, no logging (loading lives in `hstap/model_dir.py`).
+Single-device model code: no I/O, no ranks, no logging (loading lives in `hstap/artifacts/model_dir.py`).
 """
 
 from __future__ import annotations

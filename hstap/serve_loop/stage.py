@@ -60,7 +60,7 @@ def stop_ids(target: str) -> list[int]:
     from transformers import GenerationConfig
 
     from hstap.data.decode import stop_token_ids
-    from hstap.model_dir import load_config, load_tokenizer
+    from hstap.artifacts.model_dir import load_config, load_tokenizer
 
     try:
         gen = GenerationConfig.from_pretrained(target)
@@ -71,7 +71,7 @@ def stop_ids(target: str) -> list[int]:
 
 def request_prompts(cfg: ServeLoopConfig) -> list[list[int]]:
     """The requests' prompt token ids, in order, checked against --requests and --max-model-len."""
-    from hstap.model_dir import load_tokenizer
+    from hstap.artifacts.model_dir import load_tokenizer
     from hstap.speculative.evaluate import load_prompts
 
     prompts = [p for _, p in load_prompts(cfg.prompts, load_tokenizer(cfg.target), cfg.requests or None)]
@@ -91,7 +91,7 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from hstap.drafter_dir import resolve_drafter_dir, save_drafter
+    from hstap.artifacts.drafter_dir import resolve_drafter_dir, save_drafter
 
     if cfg.drafter:
         d = resolve_drafter_dir(cfg.drafter)
@@ -100,7 +100,7 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
     else:
         from hstap.data.vocab import load_vocab_map
         from hstap.layers import default_aux_layers, parse_layers
-        from hstap.model_dir import load_config, target_head
+        from hstap.artifacts.model_dir import load_config, target_head
         from hstap.train.plan import VocabMap
         from hstap.train.trainer import init_drafter
 
@@ -210,8 +210,8 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     from hstap.serve_loop.requests import Client, Stream, post, server_counters
     from hstap.serve_loop.updates import Updater, export_vllm, summarize
     from hstap.engines.vllm import require_vllm, vllm_server
-    from hstap.model_dir import auto_device, auto_dtype
-    from hstap.outputs import check_not_input, check_out_dir
+    from hstap.artifacts.model_dir import auto_device, auto_dtype
+    from hstap.artifacts.outputs import check_not_input, check_out_dir
 
     # Everything is checked before anything is written or removed: --out, the engine, the prompts, the reference.
     out = Path(cfg.out)

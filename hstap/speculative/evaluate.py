@@ -112,7 +112,7 @@ def eos_ids(tokenizer, target) -> list[int]:
 def load_any_drafter(path: str, target):
     """(drafter on the target's device and dtype, its metadata) from an hstap drafter dir, a training RUN, or an
     SGLang / vLLM export (whose missing embedding is the target's)."""
-    from hstap.drafter_dir import load_drafter
+    from hstap.artifacts.drafter_dir import load_drafter
     from hstap.export.engines import load_exported
 
     p = Path(path)
@@ -142,7 +142,7 @@ def sim_chain_tau(rec: dict | None, k: int) -> float | None:
 def read_sim_tau(drafter_path: str) -> dict | None:
     """The training run's simulated tau for this drafter: from metrics.jsonl next to it (RUN, RUN/best or a checkpoint),
     the eval line of the checkpoint's own step (trainer_state.json) when there is one, else the last eval line."""
-    from hstap.drafter_dir import resolve_drafter_dir
+    from hstap.artifacts.drafter_dir import resolve_drafter_dir
 
     p = Path(drafter_path)
     try:
@@ -257,7 +257,7 @@ def check_lossless(target, prompts, ref: list[list[int]], outs: list[list[int]],
 
 # --- the stage --------------------------------------------------------------------------------------------------------
 def evaluate(cfg: EvalConfig) -> dict:
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
 
     check_inputs(cfg)  # the inputs belong together, before anything loads or decodes
     target, tok = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
@@ -266,7 +266,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     prompts = load_prompts(cfg.data, tok, cfg.num_prompts)
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)  # after the input checks, before the long runs
-    write_run_config(out_dir, "eval", cfg)  # first: the record that makes the directory eval's (hstap.outputs)
+    write_run_config(out_dir, "eval", cfg)  # first: the record that makes the directory eval's (hstap.artifacts.outputs)
     eos = eos_ids(tok, target)
     T, n = cfg.temperature, cfg.max_new_tokens
     dtype = str(target.dtype).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16")
@@ -371,7 +371,7 @@ def _same_target(target_dir: str, meta: dict) -> bool | None:
     want = ((meta or {}).get("store") or {}).get("target", {}).get("weights_fingerprint")
     if not want:
         return None
-    from hstap.model_dir import weights_fingerprint
+    from hstap.artifacts.model_dir import weights_fingerprint
 
     same = weights_fingerprint(target_dir) == want
     if not same:

@@ -1,8 +1,8 @@
 """What `hstap eval` checks before it loads a model or decodes a token: that its inputs belong together.
 
-- the report directory: new, empty, or an earlier eval's (`hstap.outputs`: never a directory of the user's files, nor
+- the report directory: new, empty, or an earlier eval's (`hstap.artifacts.outputs`: never a directory of the user's files, nor
   one of the inputs); one that holds a report (report.json) is replaced only with --overwrite;
-- the target: a complete model directory (config, weights; `hstap.model_dir.target_fingerprint`);
+- the target: a complete model directory (config, weights; `hstap.artifacts.model_dir.target_fingerprint`);
 - the drafter against the target (`hstap.export.fit.check_drafter_target`: vocabulary, hidden size, tapped layers, the
   tokenizer it was trained with), for an hstap drafter, a training RUN and an SGLang or vLLM export alike;
 - the engine of --engine vllm / sglang: installed where it runs (`check_engine`);
@@ -25,8 +25,8 @@ def check_inputs(cfg: EvalConfig) -> dict:
     from hstap.data.fits import check_tokenizer
     from hstap.data.prepare import read_meta
     from hstap.export.fit import check_drafter_target
-    from hstap.model_dir import target_fingerprint
-    from hstap.outputs import check_not_input, check_out_dir
+    from hstap.artifacts.model_dir import target_fingerprint
+    from hstap.artifacts.outputs import check_not_input, check_out_dir
 
     out = Path(cfg.out)
     check_not_input(out, [("--target", cfg.target), ("--drafter", cfg.drafter), ("--data", cfg.data)])

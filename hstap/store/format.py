@@ -167,7 +167,7 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError, atomic_write_bytes
-from hstap.outputs import read_record
+from hstap.artifacts.outputs import read_record
 
 FORMAT = "hstap-store"
 PART_FORMAT = "hstap-store-part"

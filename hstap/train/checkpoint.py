@@ -54,7 +54,7 @@ def save(run: Path, step: int, drafter: Eagle3Drafter, params: list, opt, state:
         if fsdp:
             drafter = Eagle3Drafter(drafter.config)
             drafter.load_state_dict(sd, strict=False)
-        from hstap.drafter_dir import save_drafter
+        from hstap.artifacts.drafter_dir import save_drafter
         save_drafter(tmp, drafter, extra)
         save_file(flat, str(tmp / "optimizer.safetensors"))
         save_file(rt, str(tmp / "rng.safetensors"))
@@ -103,7 +103,7 @@ def check_vocab_map(ckpt: Path, vocab: VocabMap) -> None:
     ids. Compared by `vocab_map_sha256`, before anything of the run is written."""
     from safetensors import safe_open
 
-    from hstap.drafter_dir import vocab_map_sha256
+    from hstap.artifacts.drafter_dir import vocab_map_sha256
 
     f = ckpt / "drafter.safetensors"
     with safe_open(str(f), framework="pt") as h:
@@ -126,7 +126,7 @@ def load_weights(ckpt: Path, drafter: Eagle3Drafter) -> None:
     """ckpt's weights into the unwrapped drafter, which already holds this run's vocab map (it must be the one the
     checkpoint was trained with) and the target's embedding (a checkpoint keeps it out: it must be the one it was
     trained with)."""
-    from hstap.drafter_dir import EMBEDDING, check_embedding, kept_out
+    from hstap.artifacts.drafter_dir import EMBEDDING, check_embedding, kept_out
 
     check_vocab_map(ckpt, VocabMap(drafter.d2t, drafter.t2d, "this run"))
     weights = load_file(str(ckpt / "drafter.safetensors"))

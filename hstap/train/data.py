@@ -91,7 +91,7 @@ def build_data(cfg: TrainConfig, store, layers: list[int], sel: list[int] | None
     target = None
     if cfg.online:
         from hstap.data.prepare import load_prepared
-        from hstap.model_dir import load_target, target_fingerprint
+        from hstap.artifacts.model_dir import load_target, target_fingerprint
         src = load_prepared(cfg.data)
         ids_all, lengths_all = list(src["id"]), [len(x) for x in src["input_ids"]]
         target, _ = load_target(cfg.target, device=dev, dtype="bf16" if bf16 else "fp32")
@@ -101,7 +101,7 @@ def build_data(cfg: TrainConfig, store, layers: list[int], sel: list[int] | None
         ids_all, lengths_all = list(store.ids), list(store.lengths)
         prov = {**store.header, "layers": layers, "captured_layers": store.layers, "path": str(store.path)}
     meta = {"store": prov, "vocab_map_sha256": vocab.sha256(), "vocab_map_source": vocab.source,
-            "embedding": {"from": "target", "path": cfg.target}}  # kept out of checkpoints (hstap/drafter_dir.py)
+            "embedding": {"from": "target", "path": cfg.target}}  # kept out of checkpoints (hstap/artifacts/drafter_dir.py)
 
     if cfg.eval_store:
         from hstap.store.reader import open_store

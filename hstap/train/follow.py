@@ -192,7 +192,7 @@ def open_followed_store(cfg: TrainConfig, run: Path, rank: int) -> None:
 def check_store_target(store: str, target: str) -> None:
     """The follow pre-flight (the store may have no sample yet to recompute): its header's target config and weights
     fingerprints must be the target's."""
-    from hstap.model_dir import target_fingerprint
+    from hstap.artifacts.model_dir import target_fingerprint
 
     have, want = load_manifest(Path(store)).get("target") or {}, target_fingerprint(target)
     for k in ("config_sha256", "weights_fingerprint"):

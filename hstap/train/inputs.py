@@ -27,7 +27,7 @@ import torch
 
 from hstap import dist as D
 from hstap.common import HstapError
-from hstap.model_dir import load_config, target_head
+from hstap.artifacts.model_dir import load_config, target_head
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.data import TrainData, auto_ce_chunk, build_data, source_layers
@@ -65,7 +65,7 @@ def resolve(cfg: TrainConfig, rank: int, world: int, dev: torch.device, bf16: bo
     if cfg.data:  # --online's samples, or the vocab map's source: tokenized as the target tokenizes
         from hstap.data.fits import check_tokenizer
         from hstap.data.prepare import read_meta
-        from hstap.model_dir import target_fingerprint
+        from hstap.artifacts.model_dir import target_fingerprint
         check_tokenizer(cfg.data, read_meta(cfg.data), target_fingerprint(cfg.target))
     V = int(hf_cfg.vocab_size)
     ce_chunk = cfg.ce_chunk or auto_ce_chunk(V)

@@ -103,7 +103,7 @@ def print_summary(s: dict) -> None:
 
 def checkpoint_sizes(ckpt: Path, best: Path) -> str:
     """What a checkpoint holds, in MB: the drafter, the optimizer state, the RNG; and best/ (the drafter alone). The
-    target's frozen embedding is in neither (hstap/drafter_dir.py)."""
+    target's frozen embedding is in neither (hstap/artifacts/drafter_dir.py)."""
     def mb(files) -> float:
         return sum(f.stat().st_size for f in files if f.is_file()) / 1e6
 

@@ -32,8 +32,8 @@ class VocabMap:
         return int(self.d2t.numel())
 
     def sha256(self) -> str:
-        """Its identity (`hstap.drafter_dir.vocab_map_sha256`)."""
-        from hstap.drafter_dir import vocab_map_sha256
+        """Its identity (`hstap.artifacts.drafter_dir.vocab_map_sha256`)."""
+        from hstap.artifacts.drafter_dir import vocab_map_sha256
 
         return vocab_map_sha256(self.d2t, self.t2d)
 

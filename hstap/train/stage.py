@@ -42,7 +42,7 @@ t+2+k < length for every step k (a target argmax outside the draft vocabulary is
 it). RUN/best follows the highest sim_tau. RUN/curves.png plots loss, accuracy and sim_tau from metrics.jsonl (rank 0,
 after every evaluation and at the end).
 
-Checkpoints: RUN/checkpoints/step_{step:08d}/ = drafter.safetensors + drafter.json (hstap.drafter_dir.save_drafter:
+Checkpoints: RUN/checkpoints/step_{step:08d}/ = drafter.safetensors + drafter.json (hstap.artifacts.drafter_dir.save_drafter:
 without the target's frozen embedding, which drafter.json records and loading takes from the target),
 optimizer.safetensors (AdamW state of the trainable parameters as `state.{param_idx}.{exp_avg,exp_avg_sq,step}`;
 names in trainer_state.json),
@@ -83,7 +83,7 @@ import torch
 from hstap import dist as D
 from hstap.batching import TrainBatches
 from hstap.common import HstapError, atomic_write_json, write_run_config
-from hstap.model_dir import auto_dtype
+from hstap.artifacts.model_dir import auto_dtype
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.data import Feed, TrainData

@@ -24,7 +24,7 @@ import torch
 
 import hstap
 from hstap.common import HstapError, atomic_write_json
-from hstap.outputs import check_out_file
+from hstap.artifacts.outputs import check_out_file
 from hstap.layers import EMBEDDINGS, last_layer, reference_ids, reference_index
 from hstap.verify.config import VerifyConfig
 from hstap.verify.parity import compute_class, finish_stats, layer_stats, merge_stats, tolerance, violations
@@ -71,7 +71,7 @@ def _open_checked(store_path: str, target_dir: str, device: str, compute_dtype: 
     """(store, target, the store's engine block, notes): the store opened and the target loaded unless given, and
     checked to be the one the store can come from (hidden size, layer range); a differing or missing fingerprint is
     only noted."""
-    from hstap.model_dir import load_target, target_fingerprint
+    from hstap.artifacts.model_dir import load_target, target_fingerprint
     from hstap.store.reader import open_store
 
     s = store if store is not None else open_store(store_path)

@@ -20,7 +20,7 @@ from hstap.capture.hf import CaptureRunner, capture_batch, forward_packed
 from hstap.capture.stage import CaptureConfig, capture
 from hstap.common import HstapError
 from hstap.data.fits import check_tokenizer
-from hstap.model_dir import load_target, target_fingerprint
+from hstap.artifacts.model_dir import load_target, target_fingerprint
 from hstap.store.format import store_bytes_per_token
 from hstap.store.reader import open_store
 from hstap.store.writer import StoreWriter

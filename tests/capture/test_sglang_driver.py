@@ -80,7 +80,7 @@ def _run(cfg):
 def test_capture_through_server_equals_hf_and_resumes(setup, tiny_llama):
     from hstap.capture.hf import capture_batch
     from hstap.data.prepare import load_prepared
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
 
     s = _run(_cfg(setup, tiny_llama))
     ds = load_prepared(setup["data"])

@@ -10,7 +10,7 @@ import torch
 
 from hstap.data.continuous import ContinuousEngine, Dialogue, Turn
 from hstap.data.progress import GenerateProgress, count_work
-from hstap.model_dir import load_target
+from hstap.artifacts.model_dir import load_target
 
 
 class _OneTurn(Dialogue):

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hstap.common import HstapError
-from hstap.drafter_dir import load_drafter, save_drafter, vocab_map_sha256
+from hstap.artifacts.drafter_dir import load_drafter, save_drafter, vocab_map_sha256
 from hstap.export.engines import ENGINE_KEYS, SPECULATORS_KEYS, load_exported, vllm_aux_layers
 from hstap.export.stage import ExportConfig, export
 from hstap.layers import to_sglang, to_vllm

@@ -79,7 +79,7 @@ def create_store(target: Path, data: Path, out: Path, layers: list[int], dtype: 
     """What the driver does before it sends requests: create the store with the target's header."""
     from hstap.capture.inputs import store_header
     from hstap.data.prepare import read_meta
-    from hstap.model_dir import target_fingerprint
+    from hstap.artifacts.model_dir import target_fingerprint
     from hstap.store.writer import StoreWriter
 
     tb = target_fingerprint(target)
@@ -159,7 +159,7 @@ def serve(argv: list[str]) -> None:
     from sglang.srt.utils.common import build_server_info
     from transformers import AutoConfig
 
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
 
     torch.set_num_threads(1)
     sa = publish_server_args(target_dir, sg_argv)

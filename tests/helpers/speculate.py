@@ -21,7 +21,7 @@ from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 def load_tiny_target(path):
     """(Target, tokenizer) through capture/hf.py when it exists, else straight from transformers (fp32, CPU)."""
     try:
-        from hstap.model_dir import load_target
+        from hstap.artifacts.model_dir import load_target
     except ImportError:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -3,7 +3,7 @@ templates and special tokens."""
 
 from __future__ import annotations
 
-from hstap.model_dir import load_tokenizer
+from hstap.artifacts.model_dir import load_tokenizer
 
 CHATML = (  # Qwen2.5: a default system prompt when the conversation has none
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

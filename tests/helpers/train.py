@@ -115,7 +115,7 @@ def greedy_drafter(target_dir: Path, root: Path, ttt: int = 3, n_new: int = 24, 
 
     from hstap.capture.stage import CaptureConfig, capture
     from hstap.data.prepare import PrepareConfig, load_prepared, prepare, record_batch
-    from hstap.model_dir import load_target
+    from hstap.artifacts.model_dir import load_target
     from hstap.speculative.drivers import target_generate
     from hstap.speculative.evaluate import eos_ids, prompt_from_mask
     from hstap.demo.toy import stdlib_conversations

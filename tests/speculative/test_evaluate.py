@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hstap.common import HstapError
-from hstap.drafter_dir import save_drafter
+from hstap.artifacts.drafter_dir import save_drafter
 from hstap.speculative.drivers import target_generate
 from hstap.speculative.evaluate import EvalConfig, evaluate, prompt_from_mask, read_sim_tau, sim_chain_tau
 from helpers.speculate import load_tiny_target, random_drafter

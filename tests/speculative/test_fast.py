@@ -254,7 +254,7 @@ def test_unsupported_cache_falls_back_with_one_line(tiny_tokenizer, tmp_path):
 
 @pytest.mark.parametrize("kernels", ["standard", "fused"])
 def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys, kernels):
-    from hstap.drafter_dir import save_drafter
+    from hstap.artifacts.drafter_dir import save_drafter
     from hstap.speculative.evaluate import EvalConfig, evaluate
 
     target = load_tiny_target(tiny_llama)[0]

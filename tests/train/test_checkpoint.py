@@ -158,7 +158,7 @@ def test_truncate_metrics_drops_lines_after_the_step_and_a_torn_last_line(tmp_pa
 def test_init_from_loads_a_drafter_of_the_same_config_and_refuses_another(tmp_path):
     """`train --init-from`: the weights of an hstap drafter directory (serve-loop's served drafter), bit for bit; a
     drafter of another config is one error naming the fields."""
-    from hstap.drafter_dir import save_drafter
+    from hstap.artifacts.drafter_dir import save_drafter
 
     d = _trained(1)[0]
     save_drafter(tmp_path / "src", d)

@@ -1,4 +1,4 @@
-"""A training checkpoint keeps the target's frozen embedding out (hstap/drafter_dir.py): RUN/checkpoints/* and
+"""A training checkpoint keeps the target's frozen embedding out (hstap/artifacts/drafter_dir.py): RUN/checkpoints/* and
 RUN/best hold no `embed_tokens.weight`, drafter.json records where it comes from and its sha256; loading (eval,
 export --to hf, a resume) puts the target's back, checked; another target's embedding is refused by name; the
 engines' exports never needed it. The run's summary says what a checkpoint holds."""
@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from hstap.common import HstapError
-from hstap.drafter_dir import EMBEDDING, load_drafter, tensor_sha256
+from hstap.artifacts.drafter_dir import EMBEDDING, load_drafter, tensor_sha256
 from hstap.export.stage import ExportConfig, export
-from hstap.model_dir import target_head
+from hstap.artifacts.model_dir import target_head
 from hstap.train.checkpoint import complete, load_weights
 from hstap.train.log import checkpoint_sizes
 

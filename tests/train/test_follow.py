@@ -191,7 +191,7 @@ def test_two_writer_ranks_give_the_canonical_order_whatever_the_arrival(assets, 
     import torch
 
     from hstap.cli import make_config
-    from hstap.model_dir import target_fingerprint
+    from hstap.artifacts.model_dir import target_fingerprint
     from hstap.store.writer import StoreWriter
     from hstap.train.stage import TrainConfig, train
 
@@ -235,7 +235,7 @@ def test_a_damaged_shard_stops_the_stream_at_its_first_slot(assets, tmp_path):
 
     from hstap.cli import make_config
     from hstap.common import HstapError
-    from hstap.model_dir import target_fingerprint
+    from hstap.artifacts.model_dir import target_fingerprint
     from hstap.store.writer import StoreWriter
     from hstap.train.stage import TrainConfig, train
 

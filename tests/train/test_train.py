@@ -79,7 +79,7 @@ def test_offline_training_learns_and_checkpoints(assets, tmp_path, capsys):
 
     # The checkpoint is an hstap drafter; the vocab map derived from the store's counts is the prepared set's.
     from hstap.data.vocab import load_vocab_map
-    from hstap.drafter_dir import load_drafter
+    from hstap.artifacts.drafter_dir import load_drafter
     best, meta = load_drafter(run)
     assert meta["store"]["layers"] == [1, 3, 4] and best.config.aux_layers == [1, 3, 4]
     d2t, t2d = load_vocab_map(assets["prepared"])
@@ -231,7 +231,7 @@ def test_deeper_drafter_with_another_objective_trains_and_exports(assets, tmp_pa
     """--draft-layers 2 --loss ce+tv through the CLI: metrics only at log steps (the logged figures are that step's),
     a checkpoint with two decoder layers that evaluates and exports to vLLM; a bad --loss is one clear line."""
     from hstap.cli import COMMANDS, make_config
-    from hstap.drafter_dir import load_drafter
+    from hstap.artifacts.drafter_dir import load_drafter
     from hstap.export.stage import ExportConfig, export
 
     run = tmp_path / "run"
@@ -280,7 +280,7 @@ def test_the_prepared_draft_vocab_carries_through_capture_to_train(assets, tmp_p
 
     from hstap.common import sha256_bytes
     from hstap.data.vocab import build_vocab_map
-    from hstap.drafter_dir import load_drafter
+    from hstap.artifacts.drafter_dir import load_drafter
     from hstap.store.reader import open_store
 
     st = assets["store"]
@@ -318,7 +318,7 @@ def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
     """--draft-vocab N unlike the store's (prepared) map of 96: the top N of the store's counts, recorded in
     plan.json; unlike an explicit --vocab-map: one error, before the run exists; unset: the map's own size."""
     from hstap.data.vocab import build_vocab_map, load_vocab_map
-    from hstap.drafter_dir import load_drafter
+    from hstap.artifacts.drafter_dir import load_drafter
     from hstap.store.reader import open_store
 
     def run(out, **kw):

@@ -174,7 +174,7 @@ class HookWriter:
 
             from hstap.capture.inputs import store_header
             from hstap.capture.tap import contents_block
-            from hstap.model_dir import target_fingerprint
+            from hstap.artifacts.model_dir import target_fingerprint
 
             c = self.hook.cfg
             engine = {"name": "sglang", "version": getattr(sglang, "__version__", "?"), "device": "server (tap)",

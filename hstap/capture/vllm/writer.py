@@ -133,7 +133,7 @@ class VllmWriter:
 
         from hstap.capture.inputs import store_header
         from hstap.capture.tap import contents_block
-        from hstap.model_dir import target_fingerprint
+        from hstap.artifacts.model_dir import target_fingerprint
 
         tb = target_fingerprint(self.model_dir)
         engine = {"name": "vllm", "version": vllm.__version__, "device": "server (tap)",

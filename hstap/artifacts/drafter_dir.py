@@ -88,7 +88,7 @@ def restore_embedding(d: Path, meta: dict, state: dict, embed: torch.Tensor | No
         if not src or not (Path(src) / "config.json").is_file():
             raise HstapError(f"{d / 'drafter.json'}: embedding: kept out of the checkpoint (the target's, frozen) and "
                              f"its target {src} is not here: pass the target it was trained on (--target)")
-        from hstap.model_dir import target_head
+        from hstap.artifacts.model_dir import target_head
         embed = target_head(src)[0]
     state[EMBEDDING] = check_embedding(d, rec, embed)
 
@@ -224,7 +224,7 @@ def validate_checkpoint(d: Path, meta: dict, state: dict[str, torch.Tensor], sto
     recorded, actual = meta.get("vocab_map_sha256"), vocab_map_sha256(state["d2t"], state["t2d"])
     if recorded is None:
         raise HstapError(f"{jpath}: vocab_map_sha256: missing, so the d2t/t2d cannot be checked against the map the "
-                         "lm_head was trained with (save checkpoints with hstap.drafter_dir.save_drafter)")
+                         "lm_head was trained with (save checkpoints with hstap.artifacts.drafter_dir.save_drafter)")
     if recorded != actual:
         raise HstapError(f"{jpath}: vocab_map_sha256: the checkpoint's d2t/t2d (sha256 {actual[:12]}) differ from the "
                          f"vocab map its lm_head rows were trained with ({str(recorded)[:12]}); its drafts would map to "

@@ -20,7 +20,7 @@ its default (cl100k-like) pattern and no Han rule: a fast tokenizer whose ids di
 text ("I'm" and "CAN'T" split differently, Han next to letters merges otherwise). `from_pretrained(...,
 tokenizer_object=...)` converts again with that pattern and drops the object.
 
-    from hstap.tiktoken_dir import is_tiktoken_dir, load_tiktoken_dir
+    from hstap.artifacts.tiktoken_dir import is_tiktoken_dir, load_tiktoken_dir
     tok = load_tiktoken_dir(Path("models/Kimi-K2.5"))   # a PreTrainedTokenizerFast
 """
 

@@ -8,7 +8,7 @@ A multimodal wrapper (Kimi-K2.5: `KimiK25ForConditionalGeneration`, its language
 tensors under `language_model.` beside a vision tower) is, to hstap, its language model: that is what is loaded, sized,
 fingerprinted, captured and drafted for, and where the embedding and lm_head are read (`text_weights`).
 
-    from hstap.model_dir import load_target, target_fingerprint
+    from hstap.artifacts.model_dir import load_target, target_fingerprint
     target, tok = load_target("models/Llama-3.1-8B-Instruct", device="cuda", dtype="bf16")
 """
 
@@ -25,7 +25,7 @@ import torch
 
 from hstap.common import HstapError, one_line, sha256_bytes
 from hstap.models.target import Target
-from hstap.tiktoken_dir import TIKTOKEN_FILE, is_tiktoken_dir, load_tiktoken_dir
+from hstap.artifacts.tiktoken_dir import TIKTOKEN_FILE, is_tiktoken_dir, load_tiktoken_dir
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -140,7 +140,7 @@ def load_tokenizer(path: str | os.PathLike, chat_template_file: str | os.PathLik
     """The HF tokenizer in directory `path`, with its chat template replaced by `chat_template_file` if given.
 
     A tiktoken directory (Kimi-K2/K2.5: tiktoken.model and a remote-code tokenizer class, no tokenizer.json) loads as
-    the fast tokenizer `hstap.tiktoken_dir` builds from its files, with the class's ids; remote code is never run.
+    the fast tokenizer `hstap.artifacts.tiktoken_dir` builds from its files, with the class's ids; remote code is never run.
     Default: a fast tokenizer is required (prepare needs its offset mapping). optional=True (a target directory, which
     may come without one): None when the directory has no tokenizer files, and a slow tokenizer is accepted."""
     d = Path(path)
@@ -201,7 +201,7 @@ def tokenizer_sha256(tokenizer) -> str:
     as sorted compact JSON. Takes a directory or a loaded tokenizer (same value for both). The chat template is not
     part of it: see `chat_template_sha256`.
 
-    For a tiktoken directory that JSON is the one `hstap.tiktoken_dir` builds, a function of tiktoken.model (vocab,
+    For a tiktoken directory that JSON is the one `hstap.artifacts.tiktoken_dir` builds, a function of tiktoken.model (vocab,
     merges), the tokenizer class file's pat_str and num_reserved_special_tokens, and tokenizer_config.json's
     added_tokens_decoder and bos/eos/unk/pad: the same files give the same value wherever they are."""
     if isinstance(tokenizer, (str, os.PathLike)):
