@@ -292,7 +292,7 @@ def bench_cli(target: Target, prepared: Path, work: Path, out: Path, dtype: str,
     """`hstap capture` itself (capture_hf, in this process) of the prepared set, the target saved to `work` first:
     the CLI's own rate (its clock: first batch and pinned allocations included, the last shard's commit not), the
     whole call and the model load; profiled through the runner and the store writer it builds."""
-    from hstap.capture.stage import CaptureConfig
+    from hstap.capture.config import CaptureConfig
 
     tdir = work / "target"
     t0 = time.perf_counter()

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from hstap.data.conversations import read_conversations
-from hstap.data.prepare import PrepareConfig, prepare
+from hstap.data.prepare_config import PrepareConfig
+from hstap.data.prepare import prepare
 from hstap.data.vocab import build_vocab_map
 from hstap.artifacts.model_dir import load_tokenizer
 

@@ -74,7 +74,7 @@ import torch
 from hstap import dist as D
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 from hstap.train.data import Feed
-from hstap.train.stage import TrainConfig
+from hstap.train.config import TrainConfig
 from hstap.train.trainer import Trainer
 from hstap.train.ttt import ttt_flops
 

@@ -49,7 +49,8 @@ if __name__ == "__main__":
 def prepared(target: str, data: str, n: int, root: Path, max_len: int) -> Path:
     import gzip
 
-    from hstap.data.prepare import PrepareConfig, prepare
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.data.prepare import prepare
 
     src = root / "convs.jsonl"
     opener = gzip.open if data.endswith(".gz") else open
@@ -102,7 +103,7 @@ def plain_prefill(target: str, data: Path, dtype: str, batch_tokens: int, device
 
 def capture(target: str, data: Path, out: Path, engine: str, dtype: str, batch_tokens: int, device: str,
             layers: str) -> dict:
-    from hstap.capture.stage import CaptureConfig
+    from hstap.capture.config import CaptureConfig
     from hstap.capture.stage import capture as run
 
     with contextlib.redirect_stdout(io.StringIO()):

@@ -78,8 +78,10 @@ def capture_later(target: str, prompts: list[list[int]], outs: list[list[int]], 
     import numpy as np
     import pyarrow as pa
 
-    from hstap.capture.stage import CaptureConfig, capture
-    from hstap.data.prepare import PrepareConfig, prepare, record_batch
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.data.prepare import prepare, record_batch
 
     (root / "one.jsonl").write_text(json.dumps({"id": "x", "conversations": [
         {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}) + "\n")

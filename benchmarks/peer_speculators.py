@@ -488,8 +488,10 @@ def tiny_assets(root: Path) -> tuple[str, str]:
     store)."""
     import io
 
-    from hstap.capture.stage import CaptureConfig, capture
-    from hstap.data.prepare import PrepareConfig, prepare
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.data.prepare import prepare
     from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
 
     shutil.rmtree(root, ignore_errors=True)  # a re-run builds them afresh (prepare never overwrites)

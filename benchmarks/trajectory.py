@@ -24,8 +24,10 @@ import torch
 
 
 def build(root: Path) -> dict:
-    from hstap.capture.stage import CaptureConfig, capture
-    from hstap.data.prepare import PrepareConfig, prepare
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.data.prepare import prepare
     from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
 
     tok = build_tokenizer(sample_texts(), vocab_size=400, out_dir=root / "tok")
@@ -52,7 +54,8 @@ def build(root: Path) -> dict:
 
 
 def run(a: dict, root: Path, online: bool) -> list[dict]:
-    from hstap.train.stage import TrainConfig, train
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
 
     kw = dict(target=a["target"], out=str(root / ("online" if online else "offline")), steps=20, batch_tokens=600,
               ttt=3, lr=3e-3, warmup_ratio=0.015, min_lr_ratio=0.0, log_every=1, save_every=10, eval_frac=0.2,

@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _capture(target, prepared, out, device, compute, dtype, **kw):
-    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
 
     with contextlib.redirect_stdout(io.StringIO()):
         return capture(CaptureConfig(target=str(target), data=str(prepared), out=str(out), layers="1,2,4", dtype=dtype,
@@ -102,7 +103,8 @@ def test_gpu_speculative_greedy_equals_target(tiny_llama):
 def test_gpu_training_bf16_runs(tiny_llama, tmp_path):
     from helpers.capture import make_prepared
 
-    from hstap.train.stage import TrainConfig, train
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
 
     prepared = make_prepared(tiny_llama, tmp_path / "prep", 40)
     _capture(tiny_llama, prepared, tmp_path / "store", "cuda", "bf16", "bf16")
@@ -398,7 +400,8 @@ def capture_data(tiny_llama, tmp_path_factory):
     one sample per batch: the resumed runs below pack the same batches, so their values must be bitwise equal)."""
     from helpers.capture import make_prepared, store_samples
 
-    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
 
     root = tmp_path_factory.mktemp("cuda-capture")
     prepared = make_prepared(tiny_llama, root / "prep", 120, seed=4)

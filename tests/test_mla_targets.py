@@ -176,11 +176,16 @@ def pipeline(targets, tmp_path_factory) -> dict[str, dict]:
     target: {kind: {"prepared", "store", "verify", "run", "train", "sglang", "vllm", "eval"}}."""
     from helpers.capture import corpus
 
-    from hstap.capture.stage import CaptureConfig, capture
-    from hstap.data.prepare import PrepareConfig, prepare
-    from hstap.export.stage import ExportConfig, export
-    from hstap.speculative.evaluate import EvalConfig, evaluate
-    from hstap.train.stage import TrainConfig, train
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.data.prepare import prepare
+    from hstap.export.config import ExportConfig
+    from hstap.export.stage import export
+    from hstap.speculative.config import EvalConfig
+    from hstap.speculative.evaluate import evaluate
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
     from hstap.verify.stage import recompute
 
     root = tmp_path_factory.mktemp("mla-pipeline")

@@ -32,7 +32,8 @@ def test_cut_answers_stay_cut(smollm2_answered, smollm2_prepared):
 
 
 def test_prefix_cache_gives_the_reprefill_answers(smollm2_answered, smollm2, tmp_path):
-    from hstap.data.generate import GenerateConfig, generate
+    from hstap.data.generate_config import GenerateConfig
+    from hstap.data.generate import generate
 
     root, _ = smollm2_answered
     s = quiet(generate, GenerateConfig(data=[str(root / "both.jsonl")], out=str(tmp_path / "ref.jsonl"),

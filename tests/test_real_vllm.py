@@ -36,7 +36,8 @@ def env():
 
 @pytest.fixture(scope="module")
 def vllm_store(env, smollm2, smollm2_prepared, tmp_path_factory):
-    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
 
     out = tmp_path_factory.mktemp("real-vllm") / "store"
     s = quiet(capture, CaptureConfig(target=str(smollm2), data=str(smollm2_prepared[0]), out=str(out), dtype="fp32",
@@ -74,8 +75,10 @@ def report(env, vllm_store, smollm2, smollm2_prepared, smollm2_store, tmp_path_f
     """A drafter trained for STEPS steps on the two samples (acceptance > 0 is all it is for), then `hstap eval
     --engine vllm` on both prompts (turn 2, after the model's own first answer). After vllm_store: one engine at a
     time."""
-    from hstap.speculative.evaluate import EvalConfig, evaluate
-    from hstap.train.stage import TrainConfig, train
+    from hstap.speculative.config import EvalConfig
+    from hstap.speculative.evaluate import evaluate
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
 
     root = tmp_path_factory.mktemp("real-vllm-eval")
     quiet(train, TrainConfig(out=str(root / "run"), target=str(smollm2), store=str(smollm2_store),

@@ -30,10 +30,12 @@ def _conversations(path, rows) -> None:
 @pytest.fixture(scope="module")
 def loop(vllm_llama, tmp_path_factory):
     require_vllm()
-    from hstap.export.stage import ExportConfig, export
+    from hstap.export.config import ExportConfig
+    from hstap.export.stage import export
     from hstap.serve_loop.requests import Client, post
     from hstap.serve_loop.config import TRAIN
-    from hstap.serve_loop.stage import ServeLoopConfig, serve_loop, stop_ids
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.stage import serve_loop, stop_ids
     from hstap.train.config import HyperParams
     from hstap.store.consumer import read_consumer, write_consumer
     from hstap.demo.toy import stdlib_conversations
@@ -170,7 +172,7 @@ def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
 
 def test_bad_settings_are_one_error_each(tmp_path):
     from hstap.common import HstapError
-    from hstap.serve_loop.stage import ServeLoopConfig
+    from hstap.serve_loop.config import ServeLoopConfig
     from hstap.train.config import HyperParams
 
     base = dict(target="t", prompts="p", out=str(tmp_path))

@@ -22,7 +22,8 @@ import pytest
 
 from hstap.common import HstapError
 from hstap.data.chat import render, tokenize_conversation
-from hstap.data.prepare import PrepareConfig, load_prepared, prepare, read_meta
+from hstap.data.prepare_config import PrepareConfig
+from hstap.data.prepare import load_prepared, prepare, read_meta
 from hstap.artifacts.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
 from hstap.artifacts.tiktoken_dir import class_constants
 

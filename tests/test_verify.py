@@ -15,7 +15,8 @@ import torch
 
 from hstap.common import HstapError
 from hstap.verify.parity import TOLERANCES
-from hstap.verify.stage import VerifyConfig, compare_stores, quick_check, recompute, verify
+from hstap.verify.config import VerifyConfig
+from hstap.verify.stage import compare_stores, quick_check, recompute, verify
 
 
 PREPARE = {"max_len": 96}  # `prepare`'s settings of this module's `prepared` set (conftest.py)
@@ -34,7 +35,8 @@ def prepared_records() -> list[dict]:
 @pytest.fixture(scope="module")
 def stores(tiny_llama, prepared, tmp_path_factory) -> dict[str, Path]:
     """Real captures of the tiny Llama: {name: store path}."""
-    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
 
     d = tmp_path_factory.mktemp("verify-stores")
     out = {}

@@ -111,7 +111,7 @@ def stage_configs(cfg: DemoConfig, out: Path) -> dict:
     at the start, not after the toy target has trained for minutes."""
     from hstap.capture.config import CaptureConfig
     from hstap.data.generate_config import GenerateConfig
-    from hstap.data.prepare import PrepareConfig
+    from hstap.data.prepare_config import PrepareConfig
     from hstap.speculative.config import EvalConfig
     from hstap.train.config import TrainConfig
 

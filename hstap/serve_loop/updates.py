@@ -57,7 +57,8 @@ def export_vllm(target: str, k: int, src: Path, dst: Path, dtype: str) -> None:
     import contextlib
     import io
 
-    from hstap.export.stage import ExportConfig, export
+    from hstap.export.config import ExportConfig
+    from hstap.export.stage import export
 
     with contextlib.redirect_stdout(io.StringIO()):
         export(ExportConfig(run=str(src), to="vllm", out=str(dst), dtype=dtype, target=target,

@@ -48,7 +48,8 @@ def sglang_drafter_dir(cfg: EvalConfig, out_dir: Path, dtype: str, num_layers: i
     drafter = cfg.drafter
     p = Path(drafter)
     if not ((p / "config.json").is_file() and (p / "model.safetensors").is_file()):
-        from hstap.export.stage import ExportConfig, export
+        from hstap.export.config import ExportConfig
+        from hstap.export.stage import export
 
         p = out_dir / "sglang-drafter"
         export(ExportConfig(run=drafter, to="sglang", out=str(p), dtype=dtype, overwrite=True))

@@ -38,7 +38,8 @@ def vllm_drafter_dir(drafter: str, target: str, out_dir: Path, dtype: str, num_l
     if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
         vllm_aux_layers(p, num_layers)  # refuses a directory whose taps vLLM would read off by one
         return p
-    from hstap.export.stage import ExportConfig, export
+    from hstap.export.config import ExportConfig
+    from hstap.export.stage import export
 
     d = out_dir / "vllm-drafter"
     export(ExportConfig(run=drafter, to="vllm", out=str(d), dtype=dtype, target=target, overwrite=True))

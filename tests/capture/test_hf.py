@@ -17,7 +17,8 @@ from helpers.capture import assert_same_store, corpus, make_prepared, store_samp
 
 from hstap.batching import pack_by_tokens
 from hstap.capture.hf import CaptureRunner, capture_batch, forward_packed
-from hstap.capture.stage import CaptureConfig, capture
+from hstap.capture.config import CaptureConfig
+from hstap.capture.stage import capture
 from hstap.common import HstapError
 from hstap.data.fits import check_tokenizer
 from hstap.artifacts.model_dir import load_target, target_fingerprint

@@ -16,7 +16,8 @@ import pytest
 from helpers.capture import Run, assert_same_store, make_prepared, run_cli, store_samples
 from helpers.procs import start_forkserver
 
-from hstap.capture.stage import CaptureConfig, capture
+from hstap.capture.config import CaptureConfig
+from hstap.capture.stage import capture
 from hstap.common import free_port
 from hstap.store.reader import open_store
 

@@ -54,7 +54,8 @@ def live(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_store(live):
-    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
 
     out = live.root / "hf"
     capture(CaptureConfig(target=str(live.model), data=str(live.data), out=str(out), layers="0,2,4", dtype="fp32",

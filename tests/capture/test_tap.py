@@ -12,7 +12,7 @@ import json
 import pytest
 
 from hstap.capture.tap import generate
-from hstap.data.generate import GenerateConfig
+from hstap.data.generate_config import GenerateConfig
 
 CORPUS = [{"id": f"c{i}", "conversations": [{"role": "user", "content": f"question {i}: " + "indent " * i},
                                             {"role": "assistant", "content": "x"}]} for i in range(5)] + [

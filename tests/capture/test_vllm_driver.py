@@ -34,7 +34,8 @@ def data(vllm_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_store(vllm_llama, data, tmp_path_factory):
-    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
 
     out = tmp_path_factory.mktemp("hf") / "s"
     capture(CaptureConfig(target=str(vllm_llama), data=str(data), out=str(out), layers=LAYERS, dtype="fp32",
@@ -96,7 +97,8 @@ def test_sigkill_mid_capture_then_resume(vllm_llama, data, uninterrupted, tmp_pa
 
 
 def test_server_capture_equals_hf_and_checks_the_connector(vllm_llama, data, hf_store, tmp_path):
-    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
     from hstap.capture.vllm.protocol import kv_transfer_config, speculative_config
 
     out = tmp_path / "s"

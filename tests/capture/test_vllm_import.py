@@ -15,7 +15,7 @@ from helpers.capture import prepare_records
 from helpers.sglang import records
 from safetensors.torch import save_file
 
-from hstap.capture.stage import CaptureConfig
+from hstap.capture.config import CaptureConfig
 from hstap.capture.vllm.importer import import_vllm
 from hstap.common import HstapError
 from hstap.layers import parse_vllm_layers

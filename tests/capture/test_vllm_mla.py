@@ -41,7 +41,8 @@ def vllm_mla(tiny_tokenizer, tmp_path_factory):
 
 
 def test_mla_moe_capture_equals_hf(vllm_mla, tmp_path):
-    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
 
     data = make_prepared(vllm_mla, tmp_path / "p", N_SAMPLES, seed=2, max_chars=200)
     capture(CaptureConfig(target=str(vllm_mla), data=str(data), out=str(tmp_path / "hf"), layers=LAYERS, dtype="fp32",

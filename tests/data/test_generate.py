@@ -20,7 +20,8 @@ import torch
 from hstap.common import HstapError
 from hstap.data.decode import EmbeddedEngine, generate_batch, stop_token_ids
 from hstap.data.answers import recover_output
-from hstap.data.generate import GenerateConfig, generate
+from hstap.data.generate_config import GenerateConfig
+from hstap.data.generate import generate
 from hstap.data.openai_client import ChatClient
 
 pytestmark = pytest.mark.procs
@@ -204,7 +205,8 @@ def test_embedded_replaces_turns_in_order(embedded_run, engine, corpus, tiny_lla
 
 
 def test_output_feeds_prepare_and_cut_answers_stay_cut(embedded_run, engine, tiny_llama, tmp_path):
-    from hstap.data.prepare import PrepareConfig, load_prepared, prepare
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.data.prepare import load_prepared, prepare
 
     out, summary = embedded_run
     recs = {r["id"]: r["conversations"] for r in _read_jsonl(out)}

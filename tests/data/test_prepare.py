@@ -18,7 +18,8 @@ from hstap import cli
 from hstap.common import HstapError
 from hstap.data.conversations import conversation_id, read_conversations
 from hstap.data.chat import assistant_spans, render_prompt, tokenize_conversation
-from hstap.data.prepare import PrepareConfig, load_prepared, prepare, read_meta
+from hstap.data.prepare_config import PrepareConfig
+from hstap.data.prepare import load_prepared, prepare, read_meta
 from hstap.data.vocab import load_vocab_map
 from hstap.artifacts.model_dir import chat_template_sha256, load_tokenizer, tokenizer_sha256
 

@@ -131,7 +131,8 @@ class PromptSpy:
 
 @pytest.mark.parametrize("engine", ["embedded", "server"])
 def test_generate_carries_reasoning_into_the_next_prompt(reasoning_target, tmp_path, monkeypatch, engine):
-    from hstap.data.generate import GenerateConfig, generate
+    from hstap.data.generate_config import GenerateConfig
+    from hstap.data.generate import generate
 
     target, tok = reasoning_target
     src = tmp_path / "in.jsonl"
@@ -185,7 +186,8 @@ def test_generate_carries_reasoning_into_the_next_prompt(reasoning_target, tmp_p
 
 def test_fit_check_refuses_other_template_kwargs(reasoning_target, tmp_path, capsys):
     from hstap.cli import main
-    from hstap.data.generate import GenerateConfig, generate
+    from hstap.data.generate_config import GenerateConfig
+    from hstap.data.generate import generate
     from hstap.data.prepare import read_meta
 
     target, _ = reasoning_target

@@ -99,7 +99,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys):
 
 
 def test_mtbench_turns_and_the_open_answer(tmp_path, tiny_llama):
-    from hstap.data.generate import GenerateConfig, generate
+    from hstap.data.generate_config import GenerateConfig
+    from hstap.data.generate import generate
     from hstap.artifacts.model_dir import load_tokenizer
     from hstap.speculative.evaluate import load_prompts
     from hstap.data.chat import render_prompt

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from hstap.common import HstapError
 from hstap.artifacts.drafter_dir import load_drafter, save_drafter, vocab_map_sha256
 from hstap.export.engines import ENGINE_KEYS, SPECULATORS_KEYS, load_exported, vllm_aux_layers
-from hstap.export.stage import ExportConfig, export
+from hstap.export.config import ExportConfig
+from hstap.export.stage import export
 from hstap.layers import to_sglang, to_vllm
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 from helpers.sglang_eagle3 import sglang_forward, sglang_load, sglang_source

@@ -36,7 +36,8 @@ def prepare_records(tokenizer_dir: Path, out: Path, recs: list[dict], **settings
     import contextlib
     import io
 
-    from hstap.data.prepare import PrepareConfig, prepare
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.data.prepare import prepare
 
     jsonl = out.parent / f"{out.name}.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in recs))

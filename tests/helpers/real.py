@@ -21,7 +21,7 @@ def answer_mtbench(target: Path, root: Path) -> tuple[Path, dict]:
     """(root, generate's summary): ROOT/answers.jsonl (both turns open, answered), ROOT/tap (fp32 store of the last
     turns, from generate --capture)."""
     from hstap.capture.tap import generate
-    from hstap.data.generate import GenerateConfig
+    from hstap.data.generate_config import GenerateConfig
     from hstap.data.sources import DataConfig, data
 
     quiet(data, DataConfig(source="mtbench", turn=2, out=str(root / "t2.open.jsonl"), max_samples=2))
@@ -37,7 +37,8 @@ def answer_mtbench(target: Path, root: Path) -> tuple[Path, dict]:
 
 def prepare_answers(target: Path, root: Path):
     """(ROOT/prepared, prepare's summary, the loaded set)."""
-    from hstap.data.prepare import PrepareConfig, load_prepared, prepare
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.data.prepare import load_prepared, prepare
 
     s = quiet(prepare, PrepareConfig(tokenizer=str(target), data=[str(root / "answers.jsonl")],
                                      out=str(root / "prepared"), draft_vocab=1000))
@@ -46,7 +47,8 @@ def prepare_answers(target: Path, root: Path):
 
 def capture_hf(target: Path, prepared: Path) -> Path:
     """`hstap capture --engine hf --dtype fp32` of PREPARED (default layers) into a sibling `store`."""
-    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
 
     out = prepared.parent / "store"
     quiet(capture, CaptureConfig(target=str(target), data=str(prepared), out=str(out), dtype="fp32", device="cpu"))

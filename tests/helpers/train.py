@@ -28,8 +28,10 @@ def build_assets(root: Path, tokenizer, n: int = 28, with_store: bool = True) ->
     """target/, prepared/ and (with_store) store/ (fp32) under root; returns their paths."""
     import torch
 
-    from hstap.capture.stage import CaptureConfig, capture
-    from hstap.data.prepare import PrepareConfig, prepare
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.data.prepare import prepare
     from hstap.demo.toy import build_random_target, stdlib_conversations
 
     target = root / "target"
@@ -71,7 +73,8 @@ def _child(argv: list[str], env: dict, log_path: str) -> None:
     torch.set_num_threads(1)
     from hstap.cli import make_config
     from hstap.common import HstapError
-    from hstap.train.stage import TrainConfig, train
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
 
     try:
         train(make_config("train", TrainConfig, list(argv)))
@@ -113,13 +116,16 @@ def greedy_drafter(target_dir: Path, root: Path, ttt: int = 3, n_new: int = 24, 
     import numpy as np
     import pyarrow as pa
 
-    from hstap.capture.stage import CaptureConfig, capture
-    from hstap.data.prepare import PrepareConfig, load_prepared, prepare, record_batch
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.data.prepare import load_prepared, prepare, record_batch
     from hstap.artifacts.model_dir import load_target
     from hstap.speculative.drivers import target_generate
     from hstap.speculative.evaluate import eos_ids, prompt_from_mask
     from hstap.demo.toy import stdlib_conversations
-    from hstap.train.stage import TrainConfig, train
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
 
     convs = [{"id": c["id"], "conversations": c["conversations"][:1] + [{"role": "assistant", "content": "x"}]}
              for c in stdlib_conversations()[:16]]

@@ -10,7 +10,8 @@ import pytest
 from hstap.common import HstapError
 from hstap.artifacts.drafter_dir import save_drafter
 from hstap.speculative.drivers import target_generate
-from hstap.speculative.evaluate import EvalConfig, evaluate, prompt_from_mask, read_sim_tau, sim_chain_tau
+from hstap.speculative.config import EvalConfig
+from hstap.speculative.evaluate import evaluate, prompt_from_mask, read_sim_tau, sim_chain_tau
 from helpers.speculate import load_tiny_target, random_drafter
 
 CONVERSATIONS = [
@@ -78,7 +79,8 @@ def test_eval_jsonl_chain_with_ngram(setup, tiny_llama, capsys):
 
 
 def test_eval_prepared_tree_sampled(setup, tiny_llama):
-    from hstap.data.prepare import PrepareConfig, load_prepared, prepare
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.data.prepare import load_prepared, prepare
 
     target, tok, jsonl, run, root = setup
     prepared = root / "prepared"
@@ -102,7 +104,8 @@ def test_eval_prepared_tree_sampled(setup, tiny_llama):
 
 
 def test_eval_sglang_export(setup, tiny_llama):
-    from hstap.export.stage import ExportConfig, export
+    from hstap.export.config import ExportConfig
+    from hstap.export.stage import export
 
     target, tok, jsonl, run, root = setup
     exported = root / "sglang"
@@ -247,7 +250,8 @@ def other(tmp_path_factory):
 
     from helpers.capture import make_prepared
 
-    from hstap.export.stage import ExportConfig, export
+    from hstap.export.config import ExportConfig
+    from hstap.export.stage import export
     from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts
 
     root = tmp_path_factory.mktemp("other")

@@ -255,7 +255,8 @@ def test_unsupported_cache_falls_back_with_one_line(tiny_tokenizer, tmp_path):
 @pytest.mark.parametrize("kernels", ["standard", "fused"])
 def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys, kernels):
     from hstap.artifacts.drafter_dir import save_drafter
-    from hstap.speculative.evaluate import EvalConfig, evaluate
+    from hstap.speculative.config import EvalConfig
+    from hstap.speculative.evaluate import evaluate
 
     target = load_tiny_target(tiny_llama)[0]
     save_drafter(tmp_path / "d", random_drafter(target, (1, 2, 3), draft_vocab=300))

@@ -29,7 +29,8 @@ CPU_BLOCKERS = ("0 active drivers",  # triton: the KV-copy warm-up speculative d
 
 @pytest.fixture(scope="module")
 def report(vllm_llama, greedy_drafted, tmp_path_factory):
-    from hstap.speculative.evaluate import EvalConfig, evaluate
+    from hstap.speculative.config import EvalConfig
+    from hstap.speculative.evaluate import evaluate
 
     python = server_venv()
     greedy, run, _ = greedy_drafted
@@ -89,7 +90,8 @@ def test_accepted_by_position_from_sglangs_histogram():
 
 
 def test_a_missing_server_python_is_refused_before_the_long_runs(vllm_llama, greedy_drafted, tmp_path):
-    from hstap.speculative.evaluate import EvalConfig, evaluate
+    from hstap.speculative.config import EvalConfig
+    from hstap.speculative.evaluate import evaluate
 
     greedy, run, _ = greedy_drafted
     with pytest.raises(HstapError, match=r"--sglang-python: .*/nowhere/python does not exist"):

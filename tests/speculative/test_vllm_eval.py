@@ -30,7 +30,8 @@ def drafted(greedy_drafted, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(vllm_llama, drafted):
-    from hstap.speculative.evaluate import EvalConfig, evaluate
+    from hstap.speculative.config import EvalConfig
+    from hstap.speculative.evaluate import evaluate
 
     greedy, run, root = drafted
     out = io.StringIO()
@@ -58,7 +59,8 @@ def test_vllm_counters_equal_hstaps(report):
 
 def test_the_sglang_export_gives_vllm_the_same_taps(vllm_llama, drafted, report):
     """vLLM reads the top-level ids of an SGLang export (its own convention), not eagle_config's: same counters."""
-    from hstap.export.stage import ExportConfig, export
+    from hstap.export.config import ExportConfig
+    from hstap.export.stage import export
     from hstap.speculative.vllm import COUNTERS, PER_POS, _run
 
     greedy, run, root = drafted
@@ -74,7 +76,8 @@ def test_the_sglang_export_gives_vllm_the_same_taps(vllm_llama, drafted, report)
 
 
 def test_a_directory_vllm_would_misread_is_refused(vllm_llama, drafted, report, tmp_path):
-    from hstap.speculative.evaluate import EvalConfig, evaluate
+    from hstap.speculative.config import EvalConfig
+    from hstap.speculative.evaluate import evaluate
 
     greedy, _, root = drafted
     bad = tmp_path / "sglang-only"

@@ -148,7 +148,7 @@ def test_slot_plans_are_seeded_use_each_sample_epochs_times_and_replay_from_the_
 
 
 def test_follow_config_errors_are_one_line_each(tmp_path):
-    from hstap.train.stage import TrainConfig
+    from hstap.train.config import TrainConfig
 
     base = {"store": str(tmp_path / "s"), "target": str(tmp_path), "out": str(tmp_path / "r"), "follow": True,
             "vocab_map": str(tmp_path / "v"), "eval_frac": 0.0}

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from hstap.common import HstapError
 from hstap.artifacts.drafter_dir import EMBEDDING, load_drafter, tensor_sha256
-from hstap.export.stage import ExportConfig, export
+from hstap.export.config import ExportConfig
+from hstap.export.stage import export
 from hstap.artifacts.model_dir import target_head
 from hstap.train.checkpoint import complete, load_weights
 from hstap.train.log import checkpoint_sizes

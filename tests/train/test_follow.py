@@ -80,7 +80,8 @@ def test_capture_and_follow_train_killed_and_resumed_equal_an_uninterrupted_run(
     opts = dict(consume=True, keep_shards=KEEP, epochs=EPOCHS, replay_fraction=0.25)
     # The uninterrupted reference: capture first, then follow the finished store (in this process, one thread).
     from hstap.cli import main, make_config
-    from hstap.train.stage import TrainConfig, train
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
 
     ref_store = tmp_path / "ref-store"
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -154,9 +155,11 @@ def test_capture_and_follow_train_killed_and_resumed_equal_an_uninterrupted_run(
 
 
 def test_two_gloo_ranks_follow_a_growing_store_like_one_process(assets, tmp_path):
-    from hstap.capture.stage import CaptureConfig, capture
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
     from hstap.cli import make_config
-    from hstap.train.stage import TrainConfig, train
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
 
     store, ref = tmp_path / "store", tmp_path / "ref-store"
     common = dict(save_every=5, ttt=2)  # 10 steps: the last checkpoint comes before the stream's end is known
@@ -193,7 +196,8 @@ def test_two_writer_ranks_give_the_canonical_order_whatever_the_arrival(assets, 
     from hstap.cli import make_config
     from hstap.artifacts.model_dir import target_fingerprint
     from hstap.store.writer import StoreWriter
-    from hstap.train.stage import TrainConfig, train
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
 
     store = tmp_path / "store"
     hdr = {"target": target_fingerprint(assets["target"]), "engine": {"name": "test"}, "dtype": "fp32",
@@ -237,7 +241,8 @@ def test_a_damaged_shard_stops_the_stream_at_its_first_slot(assets, tmp_path):
     from hstap.common import HstapError
     from hstap.artifacts.model_dir import target_fingerprint
     from hstap.store.writer import StoreWriter
-    from hstap.train.stage import TrainConfig, train
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
 
     store = tmp_path / "store"
     hdr = {"target": target_fingerprint(assets["target"]), "engine": {"name": "test"}, "dtype": "fp32",

@@ -15,7 +15,8 @@ from helpers.train import Child, metrics, ranks
 from safetensors.torch import load_file
 
 from hstap.common import HstapError
-from hstap.train.stage import TrainConfig, train
+from hstap.train.config import TrainConfig
+from hstap.train.stage import train
 from hstap.train.trainer import Schedule
 
 pytestmark = pytest.mark.procs
@@ -232,7 +233,8 @@ def test_deeper_drafter_with_another_objective_trains_and_exports(assets, tmp_pa
     a checkpoint with two decoder layers that evaluates and exports to vLLM; a bad --loss is one clear line."""
     from hstap.cli import COMMANDS, make_config
     from hstap.artifacts.drafter_dir import load_drafter
-    from hstap.export.stage import ExportConfig, export
+    from hstap.export.config import ExportConfig
+    from hstap.export.stage import export
 
     run = tmp_path / "run"
     cfg = make_config("train", TrainConfig, _argv(assets, run, steps=6, lr=3e-3, log_every=3, eval_frac=0.2,
@@ -423,7 +425,8 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, assets, tmp_path, capsy
         store, opts["eval_frac"] = assets["store"], 0.9999999
         expect = ["train: the training split is empty: 28 sample(s)", "--eval-frac 0.9999999"]
     else:  # --online's samples (or a vocab map's source) prepared with another tokenizer
-        from hstap.data.prepare import PrepareConfig, prepare
+        from hstap.data.prepare_config import PrepareConfig
+        from hstap.data.prepare import prepare
         from hstap.demo.toy import build_tokenizer, sample_texts
 
         build_tokenizer(sample_texts()[::-1], vocab_size=300, out_dir=tmp_path / "tok")
