@@ -366,7 +366,7 @@ def bytes_check(target: Target, layers, batches, directory: Path, shape: dict, d
 
 def bench_trace(target: Target, layers, batches, directory: Path, dtype: str, shape: dict, dev, out_dir: Path) -> dict:
     """torch.profiler over a capture of `batches` (after one warm-up batch): the chrome trace written to out_dir and
-    the costliest ops (device time on CUDA, CPU time on the CPU)."""
+    the costliest ops (GPU time on CUDA, CPU time on the CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     directory.mkdir(parents=True, exist_ok=True)

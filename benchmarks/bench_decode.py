@@ -16,10 +16,10 @@ as capture_s. Speedups: tokens/s including the prefill, over all prompts, agains
 variant (same FastDecoder).
 
 Variants (VARIANTS; --variants for target-only decoding, --spec-variants for the speculative methods): `base` = the
-engine's default path, `cdt` = gpt-fast's inductor settings (fastdecode.INDUCTOR_CDT), `lean` = the lean draft step
+engine's default path, `cdt` = gpt-fast's inductor settings (fast.INDUCTOR_CDT), `lean` = the lean draft step
 (FastDecoder(lean=True)), `lean+cdt` both, `leant(+cdt)` also the lean target layers (target_layers="lean"),
 `leanm+cdt` that with both lean paths attending as matrix products (attention="math"), `fused+cdt` that with the
-products of up to 8 rows written as fused reductions (fuse_rows=8): fastdecode.FUSED, `hstap eval --kernels fused`;
+products of up to 8 rows written as fused reductions (fuse_rows=8): fast.FUSED, `hstap eval --kernels fused`;
 `fusedR+cdt` (R a number) is FUSED with fuse_rows=R (for trees of more than 8 nodes), `fusedR/M+cdt` also with
 fuse_bytes=M MiB (the largest weight written as a reduction; benchmarks/bench_rows.py).
 The first spec variant runs every --chains length and --trees shape; the others run target-only and the headline

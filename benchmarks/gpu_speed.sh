@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Capture and decoding speed at the Llama-3.1-8B shape on one H200, each figure beside its own baseline in the same
-# run, with where the time goes. Three parts, each one command well under the device tool's 10-minute limit (~18
-# minutes of machine time for the three), run from the repository root, in this order:
+# run, with where the time goes. Three parts, each one command under 10 minutes (~18 minutes of machine time for the
+# three), run from the repository root, in this order:
 #
 #   bash benchmarks/gpu_speed.sh wheels         # beforehand, on a machine with the registry: the datasets, dill and
 #                                               # multiprocess wheels into .whl (the GPU image lacks them; carry .whl)

@@ -4,12 +4,12 @@ A batch-1 step reads every weight once: its floor is the bytes it must read over
 counts them per module (a Linear's whole weight, an embedding's one row per token, norms, the static cache's keys
 and values over all the slots the step attends to). `op_table` is the step's kernels (CUDA: the device kernels of
 one run outside its graph, from Step.count_kernels; CPU: the top-level aten ops and their CPU time), `budget` splits
-the measured step time (the loop's device time per step + the host's share) into
+the measured step time (the loop's GPU time per step + the host's share) into
 
     bound      read bytes / bandwidth (the copy bandwidth measured in the run; the datasheet's beside it)
     gemm       the matrix kernels' time over their floor (Linear weight bytes / bandwidth)
     other      every other kernel's time over the rest of the bytes' floor (norms, rotary, attention, copies, ...)
-    gaps       the device time between kernels (in a replayed graph: launch gaps and tails)
+    gaps       the GPU's time between kernels (in a replayed graph: launch gaps and tails)
     host       the host's share of the loop (Python, the one read per round)
 
 which add up to the step time exactly (bound + gemm + other + gaps + host = device + host).

@@ -2,8 +2,9 @@
 
 Every artifact hstap writes goes through `atomic_write_*` (temp file in the same directory, fsync, rename, fsync of the
 directory) so a crash leaves either the old file or the new one, never a torn one; a directory is built beside its
-destination and published whole (`publishing_dir`, `publish_dir`). `write_run_config` puts the resolved
-stage config, the git commit and the package version as `config.json` next to each output.
+destination and published whole (`publishing_dir`, `publish_dir`). `write_run_config` puts the stage config as
+parsed, the git commit and the package version as `config.json` next to each output (what a run resolves from its
+inputs is its own: a training run's plan.json).
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def git_commit() -> str | None:
 
 
 def run_meta(stage: str, cfg: Any) -> dict:
-    """The resolved config of a stage plus provenance, as stored in `config.json` next to every artifact."""
+    """The config of a stage as parsed plus provenance, as stored in `config.json` next to every artifact."""
     return {
         "stage": stage,
         "config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg,

@@ -18,7 +18,7 @@ What it does (transformers loads the GGUF dequantized; the rest is what that loa
   4. Checks (--check, default on) that the directory reloaded with plain `AutoModelForCausalLM` gives logits equal to
      the GGUF load's, exactly (same weights, same dtype, same code), on a chat-template prompt, and that both tokenizers
      give the same ids; any difference is an error and nothing is written.
-  5. Records what it did in `hstap_convert.json` (the resolved config, hstap version and git commit, the source file,
+  5. Records what it did in `hstap_convert.json` (the config, hstap version and git commit, the source file,
      its size and sha256, the package it came from, the tensor quantization types, the tokenizer fixes, the check).
      (Not `config.json`, the name every other stage uses for its run record: in a model directory that is the model's.)
 

@@ -50,7 +50,7 @@ def tiny_llama(tiny_tokenizer, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def small_run(tiny_tokenizer, tmp_path_factory) -> dict:
-    """target/, chats.jsonl, prepared/ and store/ (fp32, layers 1,3,4) of `_train_fixtures.build_assets` on 12
+    """target/, chats.jsonl, prepared/ and store/ (fp32, layers 1,3,4) of `helpers.train.build_assets` on 12
     conversations, and run/, a drafter trained 2 steps on the store: what the bad-input tests refuse things with."""
     import contextlib
     import io

@@ -1,7 +1,7 @@
 """Bad input, outputs: `--overwrite` (and the demo, and `capture --new`, and `generate --new`) replaces only what hstap
 wrote, whose run record says so (hstap/artifacts/outputs.py); an output that is, or holds, the run's input is refused; a file
 that is not a report hstap wrote is replaced only with --overwrite. Each refusal is one line, exit status 2, and the
-user's files stay as they were (`_bad_inputs.refused`)."""
+user's files stay as they were (`helpers.refusals.refused`)."""
 
 from __future__ import annotations
 

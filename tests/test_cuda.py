@@ -1,7 +1,7 @@
 """CUDA paths, run on a GPU machine (skipped without CUDA): the async capture pipeline (side stream, events, pinned
 buffers, writer thread) against a CPU fp32 capture; compiled flex_attention TTT against the SDPA mask, with gradients;
-greedy speculative decoding on the GPU; a few bf16-autocast training steps. Fault tolerance (issue #19): flex compiles
-for the shape a resumed run failed on; SIGKILL + resume of CUDA training and of CUDA capture, and a capture filling a
+greedy speculative decoding on the GPU; a few bf16-autocast training steps. Fault tolerance: flex compiles for the
+shape a resumed run failed on; SIGKILL + resume of CUDA training and of CUDA capture, and a capture filling a
 small tmpfs, in fresh `python -m hstap.cli` processes (tests/helpers/cuda.py)."""
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def test_gpu_fastdecode_one_host_sync_per_round(tiny_llama):
 @pytest.mark.parametrize("kernels", ["standard", "fused"])
 def test_gpu_fastdecode_compiled_equals_eager(tiny_llama, kernels):
     """torch.compile'd steps inside the graphs (the default on CUDA): the same tokens; compiling takes minutes.
-    fused: fastdecode.FUSED (`hstap eval --kernels fused`): the lean target and drafter layers, math attention,
+    fused: speculative/fast.py FUSED (`hstap eval --kernels fused`): the lean target and drafter layers, math attention,
     few-row products as fused reductions, coordinate-descent tuning; also the same acceptance as speculative/drivers.py."""
     from hstap.speculative.drivers import ngram_generate, speculative_generate, target_generate
     from hstap.speculative.fast import FUSED, FastDecoder
@@ -271,7 +271,7 @@ def test_gpu_fastdecode_compiled_equals_eager(tiny_llama, kernels):
     assert kernels == "standard" or said == [], said
 
 
-# --- issue #19: the flex kernel choice, and SIGKILL / disk full on the GPU path ------------------------------------
+# --- fault tolerance: the flex kernel choice, and SIGKILL / disk full on the GPU path -------------------------------
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

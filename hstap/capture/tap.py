@@ -152,8 +152,8 @@ class GeneratedStore:
 
 
 def generate(cfg: GenerateConfig) -> dict:
-    """`hstap generate` (`hstap.data.generate.GenerateConfig`): with --capture STORE, the data stage's generate with a
-    `GeneratedStore` as its tap, made where the data stage would make it (after its output's resume checks)."""
+    """`hstap generate` (`hstap.data.generate_config.GenerateConfig`): with --capture STORE, the data stage's generate
+    with a `GeneratedStore` as its tap, made where the data stage would make it (after its output's resume checks)."""
     from hstap.data.generate import generate as run
 
     if cfg.capture is None:

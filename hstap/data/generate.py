@@ -43,7 +43,7 @@ Output: JSONL, one `{"id", "conversations": [{"role", "content"}]}` record per i
 on no closing token after it, since the target never produced one). Records are appended one by one with fsync, in
 completion order (which may differ from the input order; conversations the run skips are left out). Resume: rerunning the same command skips
 the ids already in the output; a truncated last line left by a crash is dropped first (the file is truncated at its
-last newline). `--new` starts over. The resolved config goes to `<out>.config.json` (`out` is a file, so not
+last newline). `--new` starts over. The config goes to `<out>.config.json` (`out` is a file, so not
 `config.json` in a directory), with the input files' fingerprint: a resume refuses to mix in outputs made with other
 generation settings or another input, and an existing `out` without that record (not generate's: a copy of the input,
 say) is refused, with or without --new. An input of prompts only (no assistant turn to answer), or one whose every

@@ -107,8 +107,8 @@ def split_records(cfg: DemoConfig) -> tuple[list[dict], list[dict]]:
 
 
 def stage_configs(cfg: DemoConfig, out: Path) -> dict:
-    """The config of every stage the demo runs, built before any work: a value a stage refuses (`--lr 0`) is one line
-    at the start, not after the toy target has trained for minutes."""
+    """The config of every stage the demo runs, built before any work: a value a stage refuses (`--train.lr 0`) is one
+    line at the start, not after the toy target has trained for minutes."""
     from hstap.capture.config import CaptureConfig
     from hstap.data.generate_config import GenerateConfig
     from hstap.data.prepare_config import PrepareConfig

@@ -134,7 +134,7 @@ def unsupported(target) -> str | None:
         if a is None or m is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or \
                 not all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")):
             return f"layer {i}: not a Llama-style attention + SwiGLU layer"
-    return None  # a sliding window needs no check: fastdecode's static cache holds one only when it spans every slot
+    return None  # a sliding window needs no check: the fast decoder's cache holds one only when it spans every slot
 
 
 class StaticSlots:

@@ -56,7 +56,8 @@ class EvalConfig:
     """--engine sglang: the SGLang server venv's python (unset: .venv-sglang/bin/python of the current directory or of
     hstap's source tree, else this Python; README.md command 2 makes that venv)."""
     kernels: str = field(default="standard", metadata={"choices": ["standard", "fused"]})
-    """Fast engine: standard (the model's layers, SDPA) or fused (fastdecode.FUSED: faster steps, long compiles)."""
+    """Fast engine: standard (the model's layers, SDPA) or fused (speculative/fast.py's FUSED: faster steps, long
+    compiles)."""
     compile: bool = True
     """Fast engine: torch.compile each step before capturing it in a CUDA graph. --no-compile captures the steps as
     they are: seconds of set-up per method instead of a minute or more (a large target's compile), slower steps, the

@@ -287,7 +287,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     base = results["target"]["tokens_per_s"]
     for r in results.values():
         r["speedup"] = r["tokens_per_s"] / base if base > 0 else 0.0
-        if r is not results["target"] and "predicted_speedup" in r:  # the refined model; the kept beside it
+        if r is not results["target"] and "predicted_speedup" in r:  # the refined model; the naive one kept beside it
             r["predicted_speedup_naive"] = r["predicted_speedup"]
             r["predicted_speedup"] = round_model(r, results["target"])
     vl = run_vllm(cfg, prompts, eos, str(vllm_dir), dtype) if vllm_dir is not None else None

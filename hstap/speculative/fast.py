@@ -35,7 +35,7 @@ starts, so no one-time cost is inside them):
               device sat idle waiting for the host (Python, launches, the one read per round). Device spans of
               different rounds never overlap and all lie inside the loop, so host_s >= 0 up to the events'
               resolution (~1 us per round).
-hstap.speculative.latency turns them into the issue's predicted speedup tau / (1 + k c_draft / c_verify) and into the refined one
+hstap.speculative.latency turns them into the naive predicted speedup tau / (1 + k c_draft / c_verify) and into the refined one
 that also counts the verify forward's growth with its token count and the host time per round.
 """
 

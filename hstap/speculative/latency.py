@@ -2,7 +2,7 @@
 (draft_s, verify_s, host_s summed over its rounds, and verify_forwards, the rounds; hstap.speculative.fast's stats), to set
 beside the measured one.
 
-    issue's model   tau / (1 + k c_draft / c_verify)                        (latency_model)
+    naive model     tau / (1 + k c_draft / c_verify)                        (latency_model)
     refined model   tau c_token / (D c_draft + c_verify + c_host)           (round_model)
 
 The first assumes that verifying k+1 tokens costs one decode step and that the host costs nothing; on a small target
@@ -31,7 +31,7 @@ def latency_model(stats: dict) -> dict:
 def round_model(spec: dict, target: dict) -> float | None:
     """Refined latency model: tau c_token / (D c_draft + c_verify + c_host), per-round costs of the speculative method
     and c_token = the target-only cost per token (its decode step + its host time, per round), all measured. Unlike
-    the issue's tau / (1 + k c_draft / c_verify) it does not assume that verifying N tokens costs one decode step and
+    the naive tau / (1 + k c_draft / c_verify) it does not assume that verifying N tokens costs one decode step and
     that the host costs nothing; it leaves out only the prefill and the first token."""
     n, m = spec.get("verify_forwards") or 0, target.get("verify_forwards") or 0
     c_tok = ((target.get("decode_s") or target.get("verify_s") or 0.0) + (target.get("host_s") or 0.0)) / m if m else 0

@@ -21,8 +21,8 @@ from hstap.train.plan import VocabMap
 RESUME_KEYS = ("world_size", "grad_accum", "batch_tokens", "seed", "ttt", "eval_frac", "lr", "warmup_ratio",
                "min_lr_ratio", "ttt_decay", "loss", "loss_mix", "lk_decay")
 """Run settings a resume must repeat: they decide the data order, the global batch, the model's shape, the learning
-rate schedule and the objective (defaults changed in the eighth and twelfth sessions: a run started before resumes
-only with its own values)."""
+rate schedule and the objective (train's defaults of the schedule and the objective have changed: a run started under
+earlier defaults resumes only with its own values)."""
 
 BEFORE_KEY = {"ttt_decay": 0.8, "loss": "ce", "loss_mix": 0.5, "lk_decay": 3.0}
 """What a checkpoint written before a RESUME_KEYS setting existed was trained with."""

@@ -39,7 +39,7 @@ class HyperParams:
     """Epochs over the training split (default 1 when --steps is not given)."""
     ttt: int = 5
     """Training-time-test steps K (1 = no TTT); 5 = eval's default k. With lr 3e-3, decay 0.6, ce+hard: chain-5
-    tau 1.083x lr 2e-3 / TTT 7 / 0.8 / ce (RESULTS.md, twelfth session); a tree deeper than K drafts untrained steps."""
+    tau 1.083x lr 2e-3 / TTT 7 / 0.8 / ce (RESULTS.md, Drafter quality); a tree deeper than K drafts untrained steps."""
     ttt_decay: float = 0.6
     """Weight of TTT step k is ttt_decay**k (0.6: the early drafts weigh most; 0.7-1.0 measured lower)."""
     loss: str = "ce+hard"
@@ -56,7 +56,7 @@ class HyperParams:
     measured at wide shapes, where a lower rate (SpecForge: 1e-4) may be safer."""
     min_lr_ratio: float = 0.1
     """Cosine schedule floor as a fraction of --lr. 0.1 with --warmup-ratio 0.05: the best schedule on validation
-    (RESULTS.md, eighth session; eval chain-5 tau 2.636 against 2.610 with 0.0 / 0.015)."""
+    (RESULTS.md, Drafter quality: earlier findings; eval chain-5 tau 2.636 against 2.610 with 0.0 / 0.015)."""
     warmup_ratio: float = 0.05
     """Linear warmup over this fraction of the steps."""
     weight_decay: float = 0.0

@@ -1,6 +1,7 @@
 """Verify: whether stored states are the numbers an engine computes.
 
 `stage.py` is `hstap verify` (store integrity, recompute against the target, layer-offset detection, store against
-store) and the quick check train runs before its first step; `parity.py` the per-layer error metrics of two captures
-of the same states and the dtype-aware tolerances they are held to.
+store) and the quick check train runs before its first step, `config.py` its config (read and checked before torch
+loads); `parity.py` the per-layer error metrics of two captures of the same states and the dtype-aware tolerances they
+are held to.
 """

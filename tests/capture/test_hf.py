@@ -278,7 +278,7 @@ def test_config_validation():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# bad inputs (issue 40): one error line naming the file / field / flag, exit 2, nothing written or rewritten
+# bad inputs: one error line naming the file / field / flag, exit 2, nothing written or rewritten
 
 
 @pytest.fixture(scope="module")
@@ -326,10 +326,11 @@ def _unloadable(t):
                                   "a conversations file", "template of a target without one", "negative layer",
                                   "zero samples"])
 def test_bad_inputs_are_one_line_and_write_nothing(case, tiny_llama, prepared, resumable, tmp_path, capsys):
-    """Issue 40's capture cases: a resumed store with a damaged shard (it was counted as already captured), a target
-    without weights or whose weights do not load (it left a store that refused the next, correct run), a raw data file
-    for --data, data rendered with a template for a target that has none, --layers -1,3,4 (argparse's "expected one
-    argument"), --max-samples 0 (an empty store reported as a success)."""
+    """Capture refuses, in one line and before the store is created or extended: a resumed store with a damaged shard
+    (its samples are not counted as already captured), a target without weights or whose weights do not load (no
+    store is left to refuse the next, correct run), a raw data file for --data, data rendered with a template for a
+    target that has none, --layers -1,3,4 (the option's value, not an argparse "expected one argument"),
+    --max-samples 0 (an empty store is not a success)."""
     from helpers.refusals import refused
 
     out, target, data, opts, expect = tmp_path / "store", tiny_llama, prepared, [], []

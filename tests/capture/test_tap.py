@@ -102,8 +102,8 @@ def test_a_servers_tap_keeps_a_stable_fraction_and_bounds_the_store(tmp_path):
 
 
 def test_a_target_that_does_not_load_leaves_no_store_and_no_output(tiny_llama, tmp_path, capsys):
-    """Issue 40 (a failed start leaves nothing that blocks the next run): weights that do not load fail the run before
-    its first answer; the store is made at the first answer, so neither it, the output nor its config exists."""
+    """A failed start leaves nothing that blocks the next run: weights that do not load fail the run before its first
+    answer; the store is made at the first answer, so neither it, the output nor its config exists."""
     import shutil
 
     from helpers.refusals import refused

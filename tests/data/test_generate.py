@@ -395,8 +395,9 @@ def test_a_sliding_window_cache_falls_back_to_reprefill(tiny_tokenizer, tmp_path
 
 @pytest.mark.parametrize("case", ["server that does not answer", "malformed input"])
 def test_a_failed_start_leaves_no_output_and_no_config(case, tmp_path, capsys):
-    """Issue 40: a server that does not answer, or a malformed first input line, left an empty output file and its
-    `.config.json`. The output (and its directory) is created at the first record; before it, nothing is."""
+    """A failed start leaves nothing that blocks the next run: with a server that does not answer, or a malformed
+    first input line, neither the output file nor its `.config.json` exists. The output (and its directory) is created
+    at the first record; before it, nothing is."""
     from helpers.refusals import refused
 
     with socket.socket() as sk:  # a port nobody listens on: connection refused

@@ -106,7 +106,7 @@ def test_refusals_and_layer_positions():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# SmolLM2-135M-Instruct (the real chat model of issue #37), when its package is installed
+# SmolLM2-135M-Instruct (the real chat model of requirements-real.txt), when its package is installed
 
 
 SMOL_WIDE = Shape(hidden=768, layers=32, heads=12, kv_heads=4, head_dim=128, intermediate=2048)

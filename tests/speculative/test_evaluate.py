@@ -238,7 +238,7 @@ def test_training_sim_tau_is_the_tau_eval_measures(tiny_tokenizer, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# bad inputs (issue 40): one error line naming the file / field / flag, exit 2, nothing written or rewritten
+# bad inputs: one error line naming the file / field / flag, exit 2, nothing written or rewritten
 
 
 @pytest.fixture(scope="module")
@@ -270,10 +270,11 @@ def other(tmp_path_factory):
                                   "vLLM export of another target", "vLLM export, --engine vllm",
                                   "run of another target", "drafter of another tokenizer", "a finished report"])
 def test_bad_inputs_are_one_line_and_write_nothing(case, setup, other, tiny_llama, tmp_path, capsys):
-    """Issue 40's eval cases: prompts prepared with another tokenizer (a full report of another vocabulary's ids,
-    exit 0); a drafter of another target as an export (a raw state-dict size mismatch; vLLM's half too) or a run (an
-    error naming spec/drivers.py after the whole target-only decoding, and an empty report directory); a report
-    directory that holds a report (overwritten without a word). Each is refused before any model loads."""
+    """Eval refuses, in one line and before any model loads: prompts prepared with another tokenizer (else a full
+    report of another vocabulary's ids); a drafter of another target as an export (else a raw state-dict size
+    mismatch, for vLLM's half too) or as a run (else an error only after the whole target-only decoding, and an empty
+    report directory); a drafter trained with another tokenizer; a report directory that holds a report, without
+    --overwrite."""
     import shutil
 
     from helpers.refusals import refused

@@ -232,9 +232,9 @@ def test_two_writer_ranks_give_the_canonical_order_whatever_the_arrival(assets, 
 
 
 def test_a_damaged_shard_stops_the_stream_at_its_first_slot(assets, tmp_path):
-    """--follow hashes each shard once, at the first slot that reads it (issue 40: nothing on the training path checked
-    the checksums): a flipped bit in the second shard stops the run with one line naming it, after the steps of the
-    first shard and before any step on the damaged one."""
+    """--follow hashes each shard once, at the first slot that reads it (a growing store has no "before the first
+    step" for all of its shards): a flipped bit in the second shard stops the run with one line naming it, after the
+    steps of the first shard and before any step on the damaged one."""
     import torch
 
     from hstap.cli import make_config

@@ -356,7 +356,7 @@ def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# bad inputs (issue 40): one error line naming the file / field / flag, exit 2, nothing written or rewritten
+# bad inputs: one error line naming the file / field / flag, exit 2, nothing written or rewritten
 
 
 def _damage(store, how: str):
@@ -393,10 +393,12 @@ def _other_vocab_store(assets, dst):
 @pytest.mark.parametrize("case", ["truncated shard", "flipped byte", "empty store", "missing target",
                                   "resume with another store", "empty training split", "data of another tokenizer"])
 def test_bad_inputs_are_one_line_and_write_nothing(case, assets, tmp_path, capsys):
-    """Issue 40's train cases: a truncated shard (a raw SafetensorError mid-run) or one flipped byte (trained on and
-    exit 0): the store's checksums are checked before training; an empty store ("does not match" the target); a
-    --target that does not exist (the hub's "Repo id must be in the form ..."); a refused --resume rewrote config.json
-    first and said "512 ids is not 512 ids"; an empty training split left config.json behind."""
+    """Train refuses, in one line and before RUN is written: a truncated shard or one flipped byte (the store's
+    checksums are checked before the first step, so a damaged shard is neither a mid-run SafetensorError nor trained
+    on); an empty store (it holds no sample, said as such); a --target that does not exist (named as a missing path,
+    not sent to the hub); a --resume whose store carries another draft vocabulary map of the same size (both maps
+    named with where each came from, the run left as it was); an empty training split (no config.json left behind);
+    --online data prepared with another tokenizer."""
     import shutil
 
     from helpers.refusals import refused
