@@ -115,7 +115,7 @@ class StoreSamples(BaseDataset):
 
 def hstap_recipe(batch_tokens: int | None) -> dict:
     """`hstap train`'s defaults in speculators' terms (module docstring)."""
-    from hstap.train.stage import TrainConfig as HstapTrain
+    from hstap.train.config import TrainConfig as HstapTrain
 
     d = {f.name: f.default for f in dataclasses.fields(HstapTrain)}
     terms = d["loss"].split("+")

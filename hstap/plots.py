@@ -1,5 +1,6 @@
-"""The figures hstap writes as PNG: the eval's per-position acceptance (REPORT/acceptance.png) and a training run's
-curves (RUN/curves.png, from RUN/metrics.jsonl).
+"""The figures hstap writes as PNG: the eval's per-position acceptance (REPORT/acceptance.png), a training run's
+curves (RUN/curves.png, from RUN/metrics.jsonl) and the serve loop's acceptance against requests served
+(OUT/acceptance.png of `hstap serve-loop`, one line per run).
 
 matplotlib through its Agg canvas directly (no pyplot, no display, no global backend switch: safe inside a notebook
 or a server). Files are written atomically.

@@ -34,7 +34,7 @@ class GraphPolicy:
     def disable(self, reason: str) -> None:
         if self.enabled:
             self.enabled, self.reason = False, reason
-            self.log(f"hstap fastdecode: {self.what} cannot be captured in a CUDA graph ({reason}): running eagerly")
+            self.log(f"hstap eval (fast engine): {self.what} cannot be captured in a CUDA graph ({reason}): running eagerly")
 
 
 class Step:
@@ -122,7 +122,7 @@ class Step:
             self.run()
             return True
         except Exception as e:  # noqa: BLE001 - any compiler failure: the uncompiled step is the same function
-            self.policy.log(f"hstap fastdecode: torch.compile failed on the {self.name} step ({_first_line(e)}): "
+            self.policy.log(f"hstap eval (fast engine): torch.compile failed on the {self.name} step ({_first_line(e)}): "
                             "running it uncompiled")
             self.run, self.compiled = self.fn, False
             return False

@@ -186,7 +186,7 @@ class FastDecoder:
     def _say(self, key: str, msg: str) -> None:
         if key not in self._said:
             self._said.add(key)
-            self.log(f"hstap fastdecode: {msg}")
+            self.log(f"hstap eval (fast engine): {msg}")
 
     def _eager(self, what: str) -> bool:
         """True (after one line) when this engine cannot run: the caller uses drivers.py instead."""
