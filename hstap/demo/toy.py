@@ -180,19 +180,32 @@ MORE_MODULES = ("builtins", "asyncio", "concurrent.futures", "multiprocessing", 
                 "collections.abc", "string.templatelib", "pdb", "trace", "ftplib", "smtplib", "imaplib", "poplib")
 
 
+# Stdlib functions a library replaces when it is imported (torch.package sets inspect.getfile to an undocumented
+# function of its own): left out, so that the records do not depend on what the caller imported before.
+REPLACED_BY_LIBRARIES = frozenset({"inspect.getfile"})
+
+
 def stdlib_conversations(max_chars: int = 700, extended: bool = False) -> list[dict]:
     """Deterministic chat data from text that ships with every Python: stdlib docstrings and pydoc topics.
 
     Each record is `{"id", "conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}`: the user asks what a
     documented object does (or asks about a language topic) and the assistant answers with its documentation.
     `extended` appends MORE_MODULES' objects and the methods of every class (the records before them are the same).
+    The same Python gives the same records whatever the process imported first: an object a third-party library put in
+    a stdlib module's place (its `__module__` outside the standard library) is skipped, and so are the names in
+    REPLACED_BY_LIBRARIES, replaced or not.
     """
     import importlib
     import inspect
+    import sys
     import warnings
 
     out: list[dict] = []
     seen: set[str] = set()
+
+    def stdlib_own(obj) -> bool:  # not put there by a third-party library (transformers adds Logger.warning_once)
+        home = getattr(obj, "__module__", None)
+        return not isinstance(home, str) or home.split(".")[0] in sys.stdlib_module_names
 
     def add(key: str, obj) -> None:
         doc = inspect.getdoc(obj)
@@ -211,9 +224,11 @@ def stdlib_conversations(max_chars: int = 700, extended: bool = False) -> list[d
                 continue
             for name in sorted(dir(mod)):
                 obj = getattr(mod, name, None)
+                key = f"{mod_name}.{name}"
                 if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)
-                                                 or inspect.isbuiltin(obj)):
-                    yield mod_name, f"{mod_name}.{name}", obj
+                                                 or inspect.isbuiltin(obj)) \
+                        and key not in REPLACED_BY_LIBRARIES and stdlib_own(obj):
+                    yield mod_name, key, obj
 
     with warnings.catch_warnings():  # reading deprecated attributes (typing.io, ...) warns; the docs are still text
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -236,8 +251,9 @@ def stdlib_conversations(max_chars: int = 700, extended: bool = False) -> list[d
                     add(key, obj)
                 if inspect.isclass(obj):
                     for m in sorted(vars(obj)):
-                        if not m.startswith("_") and callable(getattr(obj, m, None)):
-                            add(f"{key}.{m}", getattr(obj, m))
+                        meth = getattr(obj, m, None)
+                        if not m.startswith("_") and callable(meth) and stdlib_own(meth):
+                            add(f"{key}.{m}", meth)
     return out
 
 
