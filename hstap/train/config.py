@@ -163,6 +163,17 @@ class TrainConfig(HyperParams):
     """--consume: shard files the store may hold at once (all writer ranks together; each writer rank gets N // W)."""
     replay_fraction: float = 0.0
     """--consume: fraction of each slot's samples drawn again from the earlier shards it still keeps (seeded)."""
+    holdout_frac: float = 0.0
+    """--follow: samples whose id falls in this fraction are never trained on (the same hash split as --eval-frac:
+    `hstap.train.data.held_back`): held back, so that a gate (hstap serve-loop) can score candidate drafters on recent
+    traffic neither drafter trained on."""
+    anchor_store: str | None = None
+    """--follow: a fixed store (e.g. the drafter's own offline training store, the domain it was trained on) from which
+    each slot also draws --anchor-fraction of its samples: rehearsal that keeps the drafter from forgetting that domain
+    while it follows served traffic. Complete, and of the followed store's target, layers, hidden size and dtype."""
+    anchor_fraction: float = 0.0
+    """--anchor-store: each slot also draws round(n F / (1 - F)) samples of the anchor store (n: the slot's own regular
+    samples), seeded by (--seed, slot, 2), without replacement within a slot."""
 
     def __post_init__(self):
         w = "train"
@@ -174,7 +185,8 @@ class TrainConfig(HyperParams):
             raise HstapError(f"{w}: --eval-store: offline only (online mode evaluates on an --eval-frac split)")
         if self.steps is not None and self.epochs is not None and not self.follow:
             raise HstapError(f"{w}: give --steps or --epochs, not both")
-        if self.follow or self.consume or self.keep_shards is not None or self.replay_fraction:
+        if (self.follow or self.consume or self.keep_shards is not None or self.replay_fraction or self.holdout_frac
+                or self.anchor_store or self.anchor_fraction):
             self._check_follow()
         super().__post_init__()
         at_least(w, self, ("draft_layers",))
@@ -183,12 +195,13 @@ class TrainConfig(HyperParams):
         if not 0.0 <= self.eval_frac < 1.0:
             raise HstapError(f"{w}: --eval-frac: must be in [0, 1), got {self.eval_frac}")
         layer_list(w, self, "aux_layers")
-        absolute(self, "out", "target", "store", "data", "vocab_map", "eval_store")
+        absolute(self, "out", "target", "store", "data", "vocab_map", "eval_store", "anchor_store")
 
     def _check_follow(self) -> None:
         w = "train"
         if not self.follow:
-            raise HstapError(f"{w}: --consume, --keep-shards and --replay-fraction need --follow")
+            raise HstapError(f"{w}: --consume, --keep-shards, --replay-fraction, --holdout-frac and --anchor-store "
+                             f"need --follow")
         if self.online:
             raise HstapError(f"{w}: --follow follows a --store; it has no --online mode")
         if self.consume != (self.keep_shards is not None):
@@ -196,6 +209,13 @@ class TrainConfig(HyperParams):
         at_least(w, self, ("keep_shards",))
         if not 0.0 <= self.replay_fraction < 1.0:
             raise HstapError(f"{w}: --replay-fraction: must be in [0, 1), got {self.replay_fraction}")
+        if not 0.0 <= self.holdout_frac < 1.0:
+            raise HstapError(f"{w}: --holdout-frac: must be in [0, 1), got {self.holdout_frac}")
+        if not 0.0 <= self.anchor_fraction < 1.0:
+            raise HstapError(f"{w}: --anchor-fraction: must be in [0, 1), got {self.anchor_fraction}")
+        if bool(self.anchor_fraction) != bool(self.anchor_store):
+            raise HstapError(f"{w}: --anchor-store and --anchor-fraction (> 0) go together (the store each slot also "
+                             f"draws from, and how much)")
         if self.replay_fraction and not self.consume:
             raise HstapError(f"{w}: --replay-fraction draws from the shards --consume keeps: pass --consume "
                              f"--keep-shards N")

@@ -52,6 +52,12 @@ def is_eval(sample_id: str, frac: float) -> bool:
     return frac > 0 and int(sha256_bytes(sample_id)[:8], 16) / 2 ** 32 < frac
 
 
+def held_back(sample_id: str, frac: float) -> bool:
+    """Whether `hstap train --follow --holdout-frac frac` never trains on this sample: the same hash split as
+    --eval-frac (`is_eval`), so that a gate can score drafters on the held-back part of recent traffic."""
+    return is_eval(sample_id, frac)
+
+
 def select_layers(spec: str, available: list[int] | None, num_layers: int) -> tuple[list[int], list[int] | None]:
     """--aux-layers -> (drafter aux_layers ([] = final state), indices into the store's aux (None = use `final`)).
 

@@ -10,17 +10,27 @@ and resumed run reproduces an uninterrupted one (bitwise on CPU fp32):
   stream waits. (A rank that re-opens after a clean close, i.e. a capture resumed after it ended, continues the order
   from where the trainer stands.)
 - Slots and epochs: slot t trains pass e of shard t-e for e = 0..E-1 (E = --epochs, default 1): each shard is used in
-  E consecutive slots, each slot mixes the passes of the E newest shards, every sample is used exactly E times. A
-  slot's samples (with its replay draws) are sorted by length, ties broken by a permutation seeded by (--seed, t),
-  cut into micro-batches of --batch-tokens, shuffled by the same generator and padded to a multiple of world x
-  --grad-accum micro-batches by repeating its first ones (as offline epochs pad to the world size); global
-  micro-batch i of a slot goes to rank i mod world. Every rank computes the same stream; rank 0 polls the store and
-  one all-reduce gives its answer to all, so ranks agree on which shards each takes and on every wait.
+  E consecutive slots, each slot mixes the passes of the E newest shards, every sample (not held back) is used exactly
+  E times. A slot's samples (with its replay and anchor draws) are sorted by length, ties broken by a permutation
+  seeded by (--seed, t), cut into micro-batches of --batch-tokens, shuffled by the same generator and padded to a
+  multiple of world x --grad-accum micro-batches by repeating its first ones (as offline epochs pad to the world
+  size); global micro-batch i of a slot goes to rank i mod world. Every rank computes the same stream; rank 0 polls
+  the store and one all-reduce gives its answer to all, so ranks agree on which shards each takes and on every wait.
 - End: when writing has ended and the last shard had its E passes, or at --steps. With --steps the LR schedule is
   warmup + cosine over --steps; without, the learning rate is constant (--lr): the total is not known in advance.
 - Replay (--replay-fraction F, with --consume): slot t also draws round(n F / (1 - F)) samples (n: its own), without
   replacement, seeded by (--seed, t, 1), from the shards kept beyond their passes, t-R+1..t-E, where R = --keep-shards
   // W - 1: the retained window less one shard of write-ahead per writer rank.
+- Holdout (--holdout-frac H): a sample whose id falls in fraction H of the hash split of --eval-frac
+  (`hstap.train.data.held_back`) is never trained on, neither in its passes nor as a replay draw (n counts only the
+  others): recent traffic that no drafter of the run trained on, for a gate (hstap serve-loop) to score candidate
+  drafters on. --epochs and the uses of the progress bar count only the trained samples.
+- Anchor (--anchor-store A --anchor-fraction F): slot t also draws round(n F / (1 - F)) samples (n: its own regular
+  samples, at most all of A's), without replacement, seeded by (--seed, t, 2), from the fixed store A (e.g. the
+  drafter's offline training store): rehearsal of the domain the drafter was trained on, while it follows served
+  traffic. A is complete, consumed by no one and of the followed store's target, layers, hidden size and dtype
+  (`open_anchor`); the trainer never writes to it. Independent of --consume and --replay-fraction (a slot may hold
+  regular, replay and anchor samples at once); anchor samples are not uses and go into the same micro-batches.
 - Consumption (--consume --keep-shards N): a shard is deleted once every slot that uses it (its E passes, its replay
   slots) is trained and a checkpoint that records it is committed: after each checkpoint rank 0 replaces
   STORE/consumer.json (the consumed shards, a prefix of the stream: the commit point), then deletes their files.
@@ -31,19 +41,22 @@ and resumed run reproduces an uninterrupted one (bitwise on CPU fp32):
   checkpoint. A normal end releases the window (`active: false`); after a crash or kill -9 the writers wait for the
   --resume.
   Without --consume nothing is deleted and writers never wait.
-- Checksums: every rank hashes each shard it reads once, at the first slot that reads it, against the checksum its
-  entry records (`hstap.store.reader.check_shard`): a damaged shard stops the run with its name before a step uses it.
+- Checksums: every rank hashes each shard it reads (of the followed store or the anchor) once, at the first slot that
+  reads it, against the checksum its entry records (`hstap.store.reader.check_shard`): a damaged shard stops the run
+  with its name before a step uses it.
 - Exactly once: a checkpoint records the stream position (the shards taken, the slot, the micro-batches done in it);
   --resume continues from it and completes an interrupted consumption. RUN/follow.jsonl has one line per step with the
-  ids of the samples it trained on (all ranks; "replay": the replay draws); a resume truncates it like metrics.jsonl.
+  ids of the samples it trained on (all ranks; "ids": the regular samples, "replay": the replay draws, "anchor": the
+  anchor store's draws); a resume truncates it like metrics.jsonl. A resume must repeat the stream's SETTINGS.
 - Needs a fixed draft vocabulary (--vocab-map, or --data's) and a fixed eval set (--eval-store, or --eval-frac 0).
   The pre-flight check compares the store header's target fingerprints (there may be no sample to recompute yet).
   The store may not exist yet: the trainer waits for it, and with --consume first writes STORE/consumer.json so that
   writers keep to the window from their first shard.
 
-Here: `next_unit` (the canonical order), `plan_slot` (one slot's global micro-batches), `FollowBatches` (this rank's
-micro-batches, the polling, the checkpointed position, the id log and consumption), `open_followed_store` (the claim
-and the wait for the store before anything else of the run is built).
+The stream's pure plan (`next_unit`: the canonical order, `plan_slot`: one slot's global micro-batches) is
+`hstap.train.follow_plan`. Here: `FollowBatches` (this rank's micro-batches, the polling, the checkpointed position, the
+id log and consumption), `open_followed_store` (the claim and the wait for the store before anything else of the run
+is built), `check_store_target` (the pre-flight) and `open_anchor` (the anchor store's checks).
 """
 
 from __future__ import annotations
@@ -52,96 +65,32 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from hstap import dist as D
-from hstap.batching import collate, pack_by_tokens
+from hstap.batching import collate
 from hstap.common import HstapError
 from hstap.store.consumer import delete_consumed, is_consumed, own_shard_files, read_consumer, write_consumer
 from hstap.store.format import load_manifest, load_parts, union_entries, writing_state
-from hstap.store.reader import Store, check_shard
+from hstap.store.reader import Store, check_shard, open_store
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
+from hstap.train.follow_plan import (ANCHOR, ANCHOR_UNIT, END, REGULAR, REPLAY, TAKE, StreamSpec, kept, next_unit,
+                                     plan_slot)
 
 POLL_S = 0.1  # seconds between polls of the store while the stream waits
 NOTE_S = 30.0  # seconds between "waiting" notes on rank 0
 IDS_LOG = "follow.jsonl"
-SETTINGS = ("epochs", "replay_fraction", "consume", "keep_shards")  # a resume must repeat these (with RESUME_KEYS)
-_TAKE, _WAIT, _END, _ERROR = 1, 2, 3, 4
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    """What decides the stream, given the store's shards."""
-
-    epochs: int
-    """E: passes over each shard."""
-    retain: int
-    """R >= E: a shard is used in R consecutive slots (E passes, then as a replay source)."""
-    replay: float
-    """Fraction of a slot's samples drawn from the replay pool."""
-    seed: int
-    batch_tokens: int
-    group: int
-    """Global micro-batches per optimizer step (world * grad_accum): every slot is a whole number of steps."""
-
-    def slots(self, final: int) -> int:
-        """Slots of a stream that ended with `final` shards."""
-        return final + self.epochs - 1 if final else 0
-
-
-def next_unit(by_rank: dict[int, list[dict]], ranks: int, finished: set[int], taken: dict[int, int],
-              pointer: int) -> tuple[int, int]:
-    """The next shard of the canonical order: (_TAKE, r) when it is rank r's next committed one,
-    by_rank[r][taken[r]]; (_WAIT, r) while rank r may still write it; (_END, -1) once every rank is finished and fully
-    taken. `pointer`: the rank after the last shard taken; `taken[r]`: shards of rank r taken so far; `by_rank[r]`:
-    rank r's committed entries in seq order."""
-    for k in range(ranks):
-        r = (pointer + k) % ranks
-        if len(by_rank.get(r, ())) > taken.get(r, 0):
-            return _TAKE, r
-        if r not in finished:
-            return _WAIT, r
-    return _END, -1
-
-
-def slot_units(t: int, spec: StreamSpec, final: int | None) -> tuple[list[int], list[int]]:
-    """(units trained in slot t: their passes, newest first; units of its replay pool)."""
-    hi = final if final is not None else t + 1
-    regular = [u for u in range(t, t - spec.epochs, -1) if 0 <= u < hi]
-    lo = max(0, t - spec.retain + 1)
-    return regular, (list(range(lo, min(t - spec.epochs + 1, hi))) if spec.replay > 0 else [])
-
-
-def plan_slot(t: int, lengths: Callable[[int], list[int]], spec: StreamSpec, final: int | None
-              ) -> list[list[tuple[int, int, bool]]]:
-    """Slot t's global micro-batches, each a list of (unit, sample index in the unit, replay?).
-
-    Regular samples: every sample of slot t's units (`slot_units`). Replay: round(n * F / (1 - F)) samples (at most the
-    pool) drawn without replacement from the pool, seeded by (seed, t, 1). The slot's samples are sorted by length (ties
-    by a permutation seeded by (seed, t)), cut by `pack_by_tokens`, the batches shuffled with the same generator, and
-    the list padded to a multiple of `spec.group` by repeating batches from its start."""
-    regular, pool = slot_units(t, spec, final)
-    refs = [(u, j, False) for u in regular for j in range(len(lengths(u)))]
-    if pool and spec.replay > 0:
-        cand = [(u, j, True) for u in pool for j in range(len(lengths(u)))]
-        k = min(len(cand), round(len(refs) * spec.replay / (1 - spec.replay)))
-        pick = np.random.default_rng([spec.seed, t, 1]).choice(len(cand), size=k, replace=False)
-        refs += [cand[i] for i in sorted(pick.tolist())]
-    if not refs:
-        return []
-    lens = np.asarray([lengths(u)[j] for u, j, _ in refs], dtype=np.int64)  # (n,)
-    rng = np.random.default_rng([spec.seed, t])
-    order = np.lexsort((rng.permutation(len(refs)), lens))  # (n,) by length, seeded among equal lengths
-    batches = pack_by_tokens(lens, spec.batch_tokens, order.tolist())
-    batches = [[refs[i] for i in batches[j]] for j in rng.permutation(len(batches))]
-    if len(batches) % spec.group:
-        batches += [batches[j % len(batches)] for j in range(spec.group - len(batches) % spec.group)]
-    return batches
+SETTINGS = ("epochs", "replay_fraction", "consume", "keep_shards", "holdout_frac", "anchor_store", "anchor_fraction")
+"""What a resume must repeat (with checkpoint.RESUME_KEYS): they decide the stream."""
+BEFORE = {"holdout_frac": 0.0, "anchor_store": None, "anchor_fraction": 0.0}
+"""What a checkpoint written before a SETTINGS key existed was trained with."""
+ANCHOR_FIELDS = ("layers", "hidden_size", "dtype", "target.config_sha256", "target.weights_fingerprint")
+"""Header fields in which the anchor store must equal the followed store (its samples go into the same batches)."""
+_ERROR = 4  # `_agree`'s code when rank 0 could not poll (next to follow_plan's TAKE, WAIT, END)
 
 
 def wait_for_store(path: Path) -> dict:
@@ -201,6 +150,40 @@ def check_store_target(store: str, target: str) -> None:
                              f"{target} (--skip-verify to train anyway)")
 
 
+def open_anchor(anchor: str, store: str, header: dict) -> Store:
+    """--anchor-store, opened for reading: a store other than the followed one (`store`, whose header is `header`),
+    complete (every writer rank closed it), consumed by no trainer, with samples, and equal to the followed store in
+    ANCHOR_FIELDS; else one HstapError line naming the store and what differs. Nothing of it is ever written."""
+    p = Path(anchor)
+    what = "--anchor-store"
+    if p.resolve() == Path(store).resolve():
+        raise HstapError(f"{p}: {what}: the followed store itself; anchor from a fixed store (e.g. the drafter's "
+                         f"offline training store)")
+    if not (p / "manifest.json").is_file():
+        raise HstapError(f"{p}: {what}: not an hstap store (no manifest.json)")
+    m = load_manifest(p)
+    for name in ANCHOR_FIELDS:
+        a, b = m, header
+        for k in name.split("."):
+            a, b = (a.get(k) if isinstance(a, dict) else None), (b.get(k) if isinstance(b, dict) else None)
+        if a != b:
+            raise HstapError(f"{p / 'manifest.json'}:1: {name}: the anchor store has {a!r}, the followed store "
+                             f"{store} has {b!r}; an anchor holds states of the same target, layers and dtype")
+    ranks, finished = writing_state(m, load_parts(p))
+    still = sorted(set(range(ranks)) - finished)
+    if still:
+        raise HstapError(f"{p}: {what}: writer rank {still[0]} has not closed the store: anchor from a complete store")
+    rec = read_consumer(p, m)
+    if rec is not None and (rec["active"] or any(rec["consumed"].values())):
+        raise HstapError(f"{p / 'consumer.json'}:1: {what}: the store is consumed by {rec['run']}: an anchor must "
+                         f"stay whole")
+    st = open_store(p)
+    if not len(st):
+        raise HstapError(f"{p}: {what}: the store holds no sample")
+    st.check(checksums=False)  # every shard there at its recorded size; each is hashed at its first draw
+    return st
+
+
 class FollowBatches:
     """This rank's micro-batches of the follow stream, slot after slot (see the module docstring).
 
@@ -217,7 +200,12 @@ class FollowBatches:
         self.ranks = writing_state(self.manifest, load_parts(self.path))[0]
         self.settings = {k: getattr(cfg, k) for k in SETTINGS} | {"epochs": cfg.epochs or 1}
         self.spec = StreamSpec(self.settings["epochs"], self._retain(cfg), cfg.replay_fraction, cfg.seed,
-                               cfg.batch_tokens, world * cfg.grad_accum)
+                               cfg.batch_tokens, world * cfg.grad_accum, cfg.holdout_frac, cfg.anchor_fraction)
+        self.anchor = open_anchor(cfg.anchor_store, cfg.store, self.header) if cfg.anchor_store else None
+        self.anchor_lengths = list(self.anchor.lengths) if self.anchor is not None else None
+        a_entries = self.anchor.manifest["shards"] if self.anchor is not None else []
+        self.anchor_shard = np.repeat(np.arange(len(a_entries), dtype=np.int64),
+                                      [len(e["ids"]) for e in a_entries])  # (Na,) shard entry of each anchor sample
         self.entries: dict[tuple[int, int], dict] = {}
         self.units: list[tuple[int, int]] = []
         self.final: int | None = None  # shards in the stream once it ended
@@ -252,14 +240,16 @@ class FollowBatches:
         if st is None:
             raise HstapError(f"{self.run}: the checkpoint is of a run without --follow; resume it without --follow")
         for k in SETTINGS:
-            if st["settings"][k] != self.settings[k]:
-                raise HstapError(f"{self.run}: --{k.replace('_', '-')} was {st['settings'][k]}; resume with the same "
-                                 f"value")
+            was = st["settings"].get(k, BEFORE.get(k))
+            if was != self.settings[k]:
+                raise HstapError(f"{self.run}: --{k.replace('_', '-')} was {was}; resume with the same value")
         if st["store_created_unix"] != self.manifest.get("created_unix") or st["ranks"] != self.ranks:
             raise HstapError(f"{self.path}: not the store this run followed (re-created, or its writer ranks changed "
                              f"from {st['ranks']} to {self.ranks})")
+        if self.anchor is not None and st.get("anchor_created_unix") != self.anchor.header.get("created_unix"):
+            raise HstapError(f"{self.anchor.path}: not the anchor store this run drew from (re-created?)")
         self.units, self.final, self.uses = [tuple(u) for u in st["units"]], st["final"], st["uses"]
-        self.taken_samples = sum(len(self._lengths(u)) for u in range(len(self.units)))
+        self.taken_samples = sum(self._trained(u) for u in range(len(self.units)))
         self.consumed_units = st["consumed_units"]
         if st["slot"] >= 0:
             self._plan(st["slot"], st["slot_done"])
@@ -309,7 +299,7 @@ class FollowBatches:
             taken[r] = taken.get(r, 0) + 1
         pointer = (self.units[-1][0] + 1) % self.ranks if self.units else 0
         code, r = next_unit(by_rank, self.ranks, finished, taken, pointer)
-        return code, r, (by_rank[r][taken.get(r, 0)]["seq"] if code == _TAKE else -1)
+        return code, r, (by_rank[r][taken.get(r, 0)]["seq"] if code == TAKE else -1)
 
     def _agree(self) -> tuple[int, int, int]:
         """Rank 0's `_poll`, given to every rank (one all-reduce): ranks take the same decisions."""
@@ -342,26 +332,43 @@ class FollowBatches:
     def _lengths(self, u: int) -> list[int]:
         return self._entry(u)["lengths"]
 
+    def _ids(self, u: int) -> list[str]:
+        return self._entry(u)["ids"]
+
+    def _trained(self, u: int) -> int:
+        """Samples of unit u that the stream trains on (--holdout-frac holds the others back)."""
+        return len(kept(u, self._lengths, self._ids, self.spec.holdout))
+
+    def _check(self, path: Path, e: dict) -> None:
+        """Hash a shard (of the followed or of the anchor store) against its checksum, once per process."""
+        if str(path / e["file"]) not in self.checked:
+            check_shard(path, e)
+            self.checked.add(str(path / e["file"]))
+
     def _plan(self, t: int, done: int = 0) -> None:
         """Make slot t current, `done` of its global micro-batches already trained."""
-        self.slot, self.plan, self.done = t, plan_slot(t, self._lengths, self.spec, self.final), done
-        units = sorted({u for mb in self.plan for u, _, _ in mb})
+        self.slot, self.done = t, done
+        self.plan = plan_slot(t, self._lengths, self.spec, self.final, self._ids, self.anchor_lengths)
+        units = sorted({u for mb in self.plan for u, _, kind in mb if kind != ANCHOR})
         for u in units:
             if self.consume and u < self.consumed_units:
                 raise HstapError(f"{self.path}: shard {self._entry(u)['file']} is consumed but slot {t} needs it "
                                  f"(resumed from a checkpoint older than the store's consumption?)")
         todo = self.plan[self.rank::self.world][done // self.world:]  # this rank's micro-batches still to train
-        for u in sorted({u for mb in todo for u, _, _ in mb}):  # hashed once, at the first slot that reads it
-            e = self._entry(u)
-            if e["file"] not in self.checked:
-                check_shard(self.path, e)
-                self.checked.add(e["file"])
+        for u, j, kind in sorted({r for mb in todo for r in mb}):  # hashed once, at the first slot that reads it
+            if kind == ANCHOR:
+                self._check(self.anchor.path, self.anchor.manifest["shards"][int(self.anchor_shard[j])])
+            else:
+                self._check(self.path, self._entry(u))
         base, n = {}, 0
         for u in units:
             base[u], n = n, n + len(self._lengths(u))
-        view = Store(self.path, self.header | {"shards": []}, [self._entry(u) for u in units], [])
+        base[ANCHOR_UNIT] = n  # anchor samples come after the followed ones
+        data = Store(self.path, self.header | {"shards": []}, [self._entry(u) for u in units], [])
+        if self.anchor is not None:
+            data = torch.utils.data.ConcatDataset([data, self.anchor])
         mine = [[base[u] + j for u, j, _ in mb] for mb in todo]
-        self._it = iter(torch.utils.data.DataLoader(view, batch_sampler=mine, collate_fn=collate,
+        self._it = iter(torch.utils.data.DataLoader(data, batch_sampler=mine, collate_fn=collate,
                                                     num_workers=self.workers, pin_memory=self.pin))
 
     def wait(self, save: Callable[[], object]) -> bool:
@@ -381,10 +388,10 @@ class FollowBatches:
                 self._plan(t)
                 continue
             code, r, s = self._agree()
-            if code == _TAKE:
+            if code == TAKE:
                 self.units.append((r, s))
-                self.taken_samples += len(self._lengths(len(self.units) - 1))
-            elif code == _END:
+                self.taken_samples += self._trained(len(self.units) - 1)
+            elif code == END:
                 self.final = len(self.units)
                 if self.final == 0:
                     raise HstapError(f"{self.path}: every writer closed the store without a sample")
@@ -405,17 +412,21 @@ class FollowBatches:
 
     def step_done(self, step: int) -> None:
         """After optimizer step `step` (its micro-batches are the last `group` of the slot done): count its sample
-        uses; rank 0 appends its sample ids to RUN/follow.jsonl."""
+        uses (its regular samples); rank 0 appends its sample ids to RUN/follow.jsonl, by kind."""
         mbs = self.plan[self.done - self.spec.group:self.done]
-        ids = [self._entry(u)["ids"][j] for mb in mbs for u, j, rep in mb if not rep]
-        self.uses += len(ids)
+        got: dict[int, list[str]] = {REGULAR: [], REPLAY: [], ANCHOR: []}
+        for mb in mbs:
+            for u, j, kind in mb:
+                got[kind].append(self.anchor.ids[j] if kind == ANCHOR else self._ids(u)[j])
+        self.uses += len(got[REGULAR])
         if self.rank == 0:
-            replay = [self._entry(u)["ids"][j] for mb in mbs for u, j, rep in mb if rep]
             with open(self.run / IDS_LOG, "a") as f:
-                f.write(json.dumps({"step": step, "slot": self.slot, "ids": ids, "replay": replay}) + "\n")
+                f.write(json.dumps({"step": step, "slot": self.slot, "ids": got[REGULAR], "replay": got[REPLAY],
+                                    "anchor": got[ANCHOR]}) + "\n")
 
     def epochs_done(self) -> float:
-        """Average uses per sample of the shards taken so far (reaches --epochs at the end, padding aside)."""
+        """Average uses per trained sample of the shards taken so far (reaches --epochs at the end, padding aside;
+        held-back samples are not counted)."""
         return self.uses / self.taken_samples if self.taken_samples else 0.0
 
     def progress(self) -> dict:
@@ -426,7 +437,8 @@ class FollowBatches:
         return {"follow": {"settings": self.settings, "store_created_unix": self.manifest.get("created_unix"),
                            "ranks": self.ranks, "units": [list(u) for u in self.units], "final": self.final,
                            "slot": self.slot, "slot_done": self.done, "uses": self.uses,
-                           "consumed_units": self.consumed_units}}
+                           "consumed_units": self.consumed_units, "anchor_created_unix":
+                           self.anchor.header.get("created_unix") if self.anchor is not None else None}}
 
     # -- consumption ---------------------------------------------------------------------------------------------------
 

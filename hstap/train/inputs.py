@@ -83,6 +83,9 @@ def resolve(cfg: TrainConfig, rank: int, world: int, dev: torch.device, bf16: bo
             if not len(store):
                 raise HstapError(f"{cfg.store}: the store holds no sample (nothing was captured into it); capture "
                                  f"into it first")
+        elif cfg.anchor_store:  # before RUN is written: a bad anchor leaves no run behind
+            from hstap.train.follow import open_anchor
+            open_anchor(cfg.anchor_store, cfg.store, store.header)
     layers, sel = source_layers(cfg, hf_cfg, store)
     if vocab is None:
         vocab = resolve_vocab(cfg, store, V)

@@ -223,6 +223,10 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
         batches = FollowBatches(cfg, run, rank, world, dev, state if ckpt else None, cuda, workers)
         total, outline = cfg.steps, (f"following {cfg.store} ({batches.ranks} writer rank(s)), {cfg.epochs or 1} "
                                      f"epoch(s), {f'{cfg.steps} steps' if cfg.steps else 'until writing ends'}")
+        if cfg.holdout_frac:
+            outline += f", {cfg.holdout_frac} of the ids held back"
+        if cfg.anchor_store:
+            outline += f", {cfg.anchor_fraction} of each slot from {cfg.anchor_store}"
     else:
         batches = TrainBatches(data.train_rows, data.train_lengths, cfg.batch_tokens, cfg.seed, rank, world,
                                state.get("epoch", 0), state.get("batches_done", 0), cuda, workers)

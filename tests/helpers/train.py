@@ -3,6 +3,9 @@
 Assets: a tiny random Llama target (6 layers, H=64, its lm_head scaled up so that the target distribution is peaked and
 a drafter has something to learn), a prepared set of stdlib-documentation chats (hstap.data.prepare.prepare, a 96-token draft
 vocabulary) and an fp32 store captured from it by the real capture stage (hstap.capture.stage, layers 1,3,4).
+`states_store` writes a store of random states of that target's shape with the real StoreWriter (ids of one's
+choosing, writing ended or not). `cli_argv`, `ids_log` and `train_lines` turn options into train's flags and read what a
+--follow run wrote.
 
 Child processes: `hstap.train.stage` runs as real processes (gloo process groups across them), forked from the shared
 forkserver of `helpers.procs`. Children run single-threaded, like the in-process reference runs.
@@ -63,6 +66,54 @@ def metrics(run: Path) -> tuple[list[dict], list[dict]]:
     """(train lines, eval lines) of RUN/metrics.jsonl."""
     rows = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return [r for r in rows if not r.get("eval")], [r for r in rows if r.get("eval")]
+
+
+def cli_argv(opts: dict) -> list[str]:
+    """{"batch_tokens": 600, "follow": True} -> ["--batch-tokens", "600", "--follow"]."""
+    out = []
+    for k, v in opts.items():
+        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return out
+
+
+def ids_log(run: Path) -> list[dict]:
+    """RUN/follow.jsonl's lines (a line being written is left out)."""
+    rows = []
+    for line in (Path(run) / "follow.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+
+
+def train_lines(run: Path) -> list[tuple]:
+    """What a train line of RUN/metrics.jsonl says of the training itself (no timings)."""
+    return [(r["step"], r["loss"], r["loss_k"], r["acc"], r["grad_norm"], r["lr"]) for r in metrics(run)[0]]
+
+
+def states_store(path: Path, target: Path, names: list[str], seed: int, shard_tokens: int = 1,
+                 layers: tuple = (1, 3, 4), hidden: int = 64, close: bool = True) -> None:
+    """A store written by the real StoreWriter with random fp32 states of the training assets' target's shape (its
+    fingerprint in the header) for samples `names`: 20-79 tokens each, token ids of the target's vocabulary; with
+    shard_tokens=1 one sample per shard. close=False leaves the writer's rank open (writing not ended)."""
+    import torch
+
+    from hstap.artifacts.model_dir import target_fingerprint
+    from hstap.store.writer import StoreWriter
+
+    hdr = {"target": target_fingerprint(target), "engine": {"name": "test"}, "dtype": "fp32", "layers": list(layers),
+           "hidden_size": hidden}
+    w = StoreWriter(path, hdr, shard_tokens=shard_tokens)
+    gen = torch.Generator().manual_seed(seed)
+    for name in names:
+        T = int(torch.randint(20, 80, (1,), generator=gen))
+        w.add(name, torch.randint(0, 90, (T,), generator=gen), torch.ones(T, dtype=torch.long),
+              torch.randn(T, len(layers), hidden, generator=gen), torch.randn(T, hidden, generator=gen))
+    if close:
+        w.close()
+    else:
+        w.flush()
 
 
 def _child(argv: list[str], env: dict, log_path: str) -> None:

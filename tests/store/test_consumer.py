@@ -1,5 +1,5 @@
 """The store side of following and consuming (hstap.store.consumer, writing_state), and the follow stream's pure parts
-(hstap.train.follow: the canonical order, slot plans) and its config errors. The processes are tests/train/test_follow.py's."""
+(hstap.train.follow_plan: the canonical order, slot plans) and its config errors. The processes are tests/train/test_follow.py's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hstap.store.consumer import read_consumer, wait_for_room, write_consumer
 from hstap.store.format import committed_ids_of, load_manifest, load_parts, merge_manifest, writing_state
 from hstap.store.reader import open_store
 from hstap.store.writer import StoreWriter
-from hstap.train.follow import _END, _TAKE, _WAIT, StreamSpec, next_unit, plan_slot, slot_units
+from hstap.train.follow_plan import END, TAKE, WAIT, StreamSpec, next_unit, plan_slot, slot_units
 
 
 def _record(path, consumed=None, keep=2, active=True, born=None):
@@ -111,12 +111,12 @@ def test_writing_state_waits_for_ranks_that_did_not_start(tmp_path):
 
 def test_canonical_order_round_robin_skips_finished_ranks_and_waits_on_open_ones():
     by = {0: [{"seq": 0}, {"seq": 1}, {"seq": 2}], 1: [{"seq": 0}]}
-    assert next_unit(by, 2, set(), {}, 0) == (_TAKE, 0)
-    assert next_unit(by, 2, set(), {0: 1}, 1) == (_TAKE, 1)
-    assert next_unit(by, 2, set(), {0: 1, 1: 1}, 1) == (_WAIT, 1)  # rank 1 may still write: wait, do not skip
-    assert next_unit(by, 2, {1}, {0: 1, 1: 1}, 1) == (_TAKE, 0)  # rank 1 closed: skipped
-    assert next_unit(by, 3, {0, 1}, {0: 3, 1: 1}, 0) == (_WAIT, 2)  # rank 2 has not started
-    assert next_unit(by, 2, {0, 1}, {0: 3, 1: 1}, 0) == (_END, -1)
+    assert next_unit(by, 2, set(), {}, 0) == (TAKE, 0)
+    assert next_unit(by, 2, set(), {0: 1}, 1) == (TAKE, 1)
+    assert next_unit(by, 2, set(), {0: 1, 1: 1}, 1) == (WAIT, 1)  # rank 1 may still write: wait, do not skip
+    assert next_unit(by, 2, {1}, {0: 1, 1: 1}, 1) == (TAKE, 0)  # rank 1 closed: skipped
+    assert next_unit(by, 3, {0, 1}, {0: 3, 1: 1}, 0) == (WAIT, 2)  # rank 2 has not started
+    assert next_unit(by, 2, {0, 1}, {0: 3, 1: 1}, 0) == (END, -1)
 
 
 def test_slot_plans_are_seeded_use_each_sample_epochs_times_and_replay_from_the_pool():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers.capture import Run
-from helpers.train import Child, metrics, ranks
+from helpers.train import Child, cli_argv, ids_log, metrics, ranks, train_lines
 
 from hstap.store.format import committed_ids_of, load_manifest, load_parts, union_entries
 
@@ -44,27 +44,6 @@ def _train_opts(a, store, out, **kw) -> dict:
             "tensorboard": False, "follow": True, **kw}
 
 
-def _argv(opts: dict) -> list[str]:
-    out = []
-    for k, v in opts.items():
-        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
-    return out
-
-
-def _ids_log(run: Path) -> list[dict]:
-    rows = []
-    for line in (run / "follow.jsonl").read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line being written
-            pass
-    return rows
-
-
-def _train_lines(run: Path) -> list[tuple]:
-    return [(r["step"], r["loss"], r["loss_k"], r["acc"], r["grad_norm"], r["lr"]) for r in metrics(run)[0]]
-
-
 def _consumed_ids(store: Path) -> set[str]:
     """Ids of the shards consumer.json marks consumed, from the part files (which keep every entry)."""
     try:
@@ -86,7 +65,7 @@ def test_capture_and_follow_train_killed_and_resumed_equal_an_uninterrupted_run(
     ref_store = tmp_path / "ref-store"
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert main(_capture_argv(assets, ref_store)) == 0
-        train(make_config("train", TrainConfig, _argv(_train_opts(assets, ref_store, tmp_path / "ref", **opts))))
+        train(make_config("train", TrainConfig, cli_argv(_train_opts(assets, ref_store, tmp_path / "ref", **opts))))
     ids = committed_ids_of(ref_store)
     assert len(ids) == 20
 
@@ -101,7 +80,7 @@ def test_capture_and_follow_train_killed_and_resumed_equal_an_uninterrupted_run(
         starts[kind] += 1
         log = logs / f"{kind}{starts[kind]}.log"
         if kind == "train":
-            return Child(_argv(_train_opts(assets, store, run, **opts, resume=starts[kind] > 1)), log)
+            return Child(cli_argv(_train_opts(assets, store, run, **opts, resume=starts[kind] > 1)), log)
         return Run(_capture_argv(assets, store), log)
 
     procs = {"train": start("train")}
@@ -109,7 +88,7 @@ def test_capture_and_follow_train_killed_and_resumed_equal_an_uninterrupted_run(
         assert procs["train"].proc.is_alive(), procs["train"].output()
         time.sleep(0.01)
     procs["capture"] = start("capture")
-    progress = {"train": lambda: len(_ids_log(run)) if (run / "follow.jsonl").exists() else 0,
+    progress = {"train": lambda: len(ids_log(run)) if (run / "follow.jsonl").exists() else 0,
                 "capture": lambda: len(committed_ids_of(store)) if (store / "manifest.json").exists() else 0}
     peak, landed, early, t0 = 0, collections.Counter(), [], time.monotonic()
     while any(p.proc.exitcode is None for p in procs.values()):
@@ -117,7 +96,7 @@ def test_capture_and_follow_train_killed_and_resumed_equal_an_uninterrupted_run(
         peak = max(peak, sum(1 for _ in (store / "shards").iterdir()) if (store / "shards").is_dir() else 0)
         consumed = _consumed_ids(store)
         if consumed:  # a consumed sample had all its EPOCHS passes in the logged steps
-            uses = collections.Counter(i for row in _ids_log(run) for i in row["ids"])
+            uses = collections.Counter(i for row in ids_log(run) for i in row["ids"])
             early += [i for i in consumed if uses[i] < EPOCHS]
         for kind, p in procs.items():
             if kills[kind] and p.proc.exitcode is None and progress[kind]() >= kills[kind][0]:
@@ -135,11 +114,11 @@ def test_capture_and_follow_train_killed_and_resumed_equal_an_uninterrupted_run(
     assert 0 < peak <= KEEP, peak
 
     # The same training as the uninterrupted run, bit for bit, on the same samples, each EPOCHS times.
-    assert _train_lines(run) == _train_lines(tmp_path / "ref")
-    assert _ids_log(run) == _ids_log(tmp_path / "ref")
-    uses = collections.Counter(i for row in _ids_log(run) for i in row["ids"])
+    assert train_lines(run) == train_lines(tmp_path / "ref")
+    assert ids_log(run) == ids_log(tmp_path / "ref")
+    uses = collections.Counter(i for row in ids_log(run) for i in row["ids"])
     assert set(uses) == ids and set(uses.values()) == {EPOCHS}
-    assert any(row["replay"] for row in _ids_log(run))
+    assert any(row["replay"] for row in ids_log(run))
     # Everything was consumed; what remains is a valid (empty) store that still knows every committed sample once.
     from hstap.store.reader import open_store
 
@@ -164,20 +143,20 @@ def test_two_gloo_ranks_follow_a_growing_store_like_one_process(assets, tmp_path
     store, ref = tmp_path / "store", tmp_path / "ref-store"
     common = dict(save_every=5, ttt=2)  # 10 steps: the last checkpoint comes before the stream's end is known
     # two FSDP2 ranks wait for the store, then follow it while a capture child writes it
-    fsdp = ranks(_argv(_train_opts(assets, store, tmp_path / "fsdp", consume=True, keep_shards=2, fsdp=True,
+    fsdp = ranks(cli_argv(_train_opts(assets, store, tmp_path / "fsdp", consume=True, keep_shards=2, fsdp=True,
                                    **common)), tmp_path / "fsdp_logs")
     cap = Run(_capture_argv(assets, store, batch_tokens=256, shard_tokens=300), tmp_path / "capture.log")
     # one process, two micro-batches per step, on the same shards captured beforehand: the same global batches
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         capture(CaptureConfig(target=str(assets["target"]), data=str(assets["prepared"]), out=str(ref),
                               layers="1,3,4", dtype="fp32", device="cpu", batch_tokens=256, shard_tokens=300))
-        train(make_config("train", TrainConfig, _argv(_train_opts(assets, ref, tmp_path / "one", grad_accum=2,
+        train(make_config("train", TrainConfig, cli_argv(_train_opts(assets, ref, tmp_path / "one", grad_accum=2,
                                                                   **common))))
     assert cap.wait() == 0, cap.output()
     for c in fsdp:
         assert c.wait() == 0, c.output()[-3000:]
     assert len(load_manifest(ref)["shards"]) >= 4
-    assert _ids_log(tmp_path / "fsdp") == _ids_log(tmp_path / "one")  # the same stream, dealt to two ranks
+    assert ids_log(tmp_path / "fsdp") == ids_log(tmp_path / "one")  # the same stream, dealt to two ranks
     a, b = metrics(tmp_path / "fsdp")[0], metrics(tmp_path / "one")[0]
     assert [r["step"] for r in a] == [r["step"] for r in b] and len(a) >= 4
     for x, y in zip(a, b):
@@ -211,7 +190,7 @@ def test_two_writer_ranks_give_the_canonical_order_whatever_the_arrival(assets, 
               torch.randn(T, 3, 64, generator=gen), torch.randn(T, 64, generator=gen))
 
     def follow(out):
-        train(make_config("train", TrainConfig, _argv(_train_opts(assets, store, out, skip_verify=True)) + []))
+        train(make_config("train", TrainConfig, cli_argv(_train_opts(assets, store, out, skip_verify=True)) + []))
 
     t = threading.Thread(target=follow, args=(tmp_path / "live",))
     t.start()
@@ -225,10 +204,10 @@ def test_two_writer_ranks_give_the_canonical_order_whatever_the_arrival(assets, 
     add(w0, "a2")
     w0.close()
     t.join(120)
-    assert [row["ids"] for row in _ids_log(tmp_path / "live")] == [["a0"], ["b0"], ["a1"], ["b1"], ["a2"]]
+    assert [row["ids"] for row in ids_log(tmp_path / "live")] == [["a0"], ["b0"], ["a1"], ["b1"], ["a2"]]
     follow(tmp_path / "after")
-    assert _ids_log(tmp_path / "after") == _ids_log(tmp_path / "live")
-    assert _train_lines(tmp_path / "after") == _train_lines(tmp_path / "live")
+    assert ids_log(tmp_path / "after") == ids_log(tmp_path / "live")
+    assert train_lines(tmp_path / "after") == train_lines(tmp_path / "live")
 
 
 def test_a_damaged_shard_stops_the_stream_at_its_first_slot(assets, tmp_path):
@@ -258,5 +237,5 @@ def test_a_damaged_shard_stops_the_stream_at_its_first_slot(assets, tmp_path):
     blob[-8] ^= 0x01
     f.write_bytes(bytes(blob))
     with pytest.raises(HstapError, match=f"^{f}: sha256 differs from the one recorded"):
-        train(make_config("train", TrainConfig, _argv(_train_opts(assets, store, tmp_path / "run", skip_verify=True))))
-    assert [row["ids"] for row in _ids_log(tmp_path / "run")] == [["a"]]
+        train(make_config("train", TrainConfig, cli_argv(_train_opts(assets, store, tmp_path / "run", skip_verify=True))))
+    assert [row["ids"] for row in ids_log(tmp_path / "run")] == [["a"]]
