@@ -48,12 +48,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 
-def _cli(log: Path, *args, timeout: float = 3600) -> None:
-    """`python -m hstap.cli ARGS`, output to log; SystemExit with its end on failure."""
+def _cli(log: Path, *args, timeout: float = 3600, prefix: list[str] | tuple = ()) -> None:
+    """`python -m hstap.cli ARGS` (after `prefix`: taskset, say), output to log; SystemExit with its end on failure."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent)] + [x for x in [os.environ.get("PYTHONPATH")]
                                                                               if x])}
     with open(log, "w") as f:
-        p = subprocess.run([sys.executable, "-m", "hstap.cli", *map(str, args)], stdout=f, stderr=subprocess.STDOUT,
+        p = subprocess.run([*prefix, sys.executable, "-m", "hstap.cli", *map(str, args)], stdout=f, stderr=subprocess.STDOUT,
                            cwd=HERE.parent, env=env, timeout=timeout)
     if p.returncode != 0:
         raise SystemExit(f"hstap {args[0]} failed ({p.returncode}); log {log}:\n{log.read_text()[-3000:]}")

@@ -1,6 +1,7 @@
 """The figures hstap writes as PNG: the eval's per-position acceptance (REPORT/acceptance.png), a training run's
 curves (RUN/curves.png, from RUN/metrics.jsonl) and the serve loop's acceptance against requests served
-(OUT/acceptance.png of `hstap serve-loop`, one line per run).
+(OUT/acceptance.png of `hstap serve-loop`, one line per run), and several serve-loop runs across a traffic shift
+(benchmarks/bench_serve_shift.py).
 
 matplotlib through its Agg canvas directly (no pyplot, no display, no global backend switch: safe inside a notebook
 or a server). Files are written atomically.
@@ -114,7 +115,7 @@ def serve_loop_plot(runs: dict[str, dict], path: str | Path):
         w = s.get("windows") or []
         ax.plot([p["served"] for p in w], [p["acceptance"] for p in w], marker="o", markersize=3, color=f"C{n}",
                 label=f"{name} (overall {s.get('acceptance', 0):.3f}, tau {s.get('tau', 1):.2f})")
-        ups = [u["served"] for u in s.get("updates") or [] if "error" not in u]
+        ups = [u["served"] for u in s.get("updates") or [] if "load_s" in u and "error" not in u]
         if ups:
             ax.plot(ups, [0.01 + 0.02 * n] * len(ups), linestyle="none", marker="|", markersize=10, color=f"C{n}")
     ax.set_xlabel("requests served")
@@ -124,6 +125,28 @@ def serve_loop_plot(runs: dict[str, dict], path: str | Path):
     ax.set_title("vLLM's acceptance while serving (ticks: drafter updates taken up)", fontsize=10)
     ax.grid(alpha=0.3)
     if runs:
+        ax.legend(fontsize=8)
+    _save(fig, path)
+    return fig
+
+
+def serve_shift_plot(curves: dict[str, list[dict]], shift: int, path: str | Path):
+    """vLLM's acceptance per window of requests, in the order they were sent, one line per run (name -> [{"upto",
+    "acceptance"}]), with the traffic shift (the first request of the second domain) as a vertical line. Returns the
+    figure."""
+    fig, ax = _figure(7, 3.8)
+    for n, (name, w) in enumerate(curves.items()):
+        ax.plot([p["upto"] for p in w], [p["acceptance"] for p in w], marker="o", markersize=3, color=f"C{n}",
+                label=name)
+    ax.axvline(shift, color="0.4", linestyle="--", linewidth=1)
+    ax.text(shift, 0.02, " traffic shifts", fontsize=8, color="0.3")
+    ax.set_xlabel("requests sent")
+    ax.set_ylabel("draft tokens accepted / proposed")
+    top = max((p["acceptance"] for w in curves.values() for p in w), default=0.0)
+    ax.set_ylim(0, min(1.02, max(0.25, 1.25 * top)))
+    ax.set_title("vLLM's acceptance per window of requests, across a traffic shift", fontsize=10)
+    ax.grid(alpha=0.3)
+    if curves:
         ax.legend(fontsize=8)
     _save(fig, path)
     return fig

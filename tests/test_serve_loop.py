@@ -75,14 +75,58 @@ def loop(vllm_llama, tmp_path_factory):
                 break
             time.sleep(0.5)
         probed["stored"] = [have.index(w) if w in have else None for w in want]
+        probed["rollback"] = _bad_load_rolled_back(url, root, run_b, cfg, prompts, c)
+
 
     cfg = ServeLoopConfig(target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
                           requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
                           keep_shards=4, shard_tokens=512, tap_dtype="fp32", flush_s=0.5, max_model_len=512,
-                          device="cpu", train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2,
+                          device="cpu", holdout_frac=0.3, gate_min_samples=4, train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2,
                                                                            lr=5e-3))))
     summary = serve_loop(cfg, probe=probe)
     return summary, probed, root, run_b
+
+
+def _bad_load_rolled_back(url, root, run_b, cfg, prompts, client) -> dict:
+    """An Updater of its own on the live server: B served as v0, then a drafter of B's shape with zeroed weights (a load
+    that leaves the server drafting nothing useful, as a silently failed reload does) loaded as v1; the answers after
+    it go through the Updater, whose reload check must roll back to B."""
+    import dataclasses
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hstap.artifacts.drafter_dir import resolve_drafter_dir
+    from hstap.serve_loop.updates import Updater, export_vllm
+
+    out = root / "rollback"
+    (out / "store").mkdir(parents=True)
+    b = resolve_drafter_dir(run_b)
+    zero = out / "zeroed"
+    shutil.copytree(b, zero)
+    w = load_file(str(zero / "drafter.safetensors"))
+    save_file({k: (torch.zeros_like(v) if v.is_floating_point() else v) for k, v in w.items()},
+              str(zero / "drafter.safetensors"))
+    export_vllm(cfg.target, K, b, out / "exports" / "v0000", "fp32")
+    t0 = time.perf_counter()
+    clock = lambda: time.perf_counter() - t0  # noqa: E731
+    up = Updater(dataclasses.replace(cfg, out=str(out), check_answers=4), url, out, "fp32", None, b, clock=clock)
+    from hstap.serve_loop.requests import post
+
+    post(url + "/collective_rpc", {"method": "hstap_load_drafter", "args": [str((out / "exports" / "v0000").resolve())]})
+
+    def serve(n0):
+        for j, p in enumerate(prompts):
+            rec = client.complete(j, p)
+            rec["t_s"] = clock()
+            up.on_answer(rec, n0 + j + 1)
+
+    serve(0)  # B's answers: the "before" of the check
+    up.load(1, zero, step=1)
+    serve(len(prompts))  # the zeroed drafter's answers: the check fails and B comes back
+    after = [client.complete(j, p) for j, p in enumerate(prompts)]
+    return {"updates": up.updates, "version": up.version, "after": after}
 
 
 def _hf(vllm_llama):
@@ -113,8 +157,8 @@ def test_every_request_answered_once_and_lossless(loop, vllm_llama):
 @pytest.mark.vllm
 def test_drafter_updates_were_taken_up_while_serving(loop):
     s, _, root, _ = loop
-    ups = s["updates"]
-    assert s["updates_taken"] >= 1 and all("error" not in u for u in ups), ups
+    ups = [u for u in s["updates"] if "load_s" in u]
+    assert s["updates_taken"] >= 1 and all("error" not in u for u in s["updates"]), s["updates"]
     for u in ups:  # the engine's fc and lm_head compute with the export's weights
         err = u["server"]["max_abs_err"]
         assert set(err) == {"fc", "lm_head"} and max(err.values()) < 1e-4
@@ -123,6 +167,35 @@ def test_drafter_updates_were_taken_up_while_serving(loop):
     recs = [json.loads(x) for x in (root / "w" / "served.jsonl").read_text().splitlines()]
     assert {r["drafter"] for r in recs} >= {0, 1}  # answers served before and after the first update
     assert s["windows"][0]["acceptance"] < 0.2  # the initialisation drafts almost nothing accepted
+
+
+@pytest.mark.vllm
+def test_every_load_passed_the_gate_on_held_back_traffic(loop):
+    s, _, root, _ = loop
+    judged = [u for u in s["updates"] if "gate" in u]
+    assert judged, s["updates"]
+    for u in judged:  # a candidate is loaded only when it beat the served drafter on the same held-back samples
+        g = u["gate"]
+        assert g["samples"] >= 4 and g["positions"] > 0
+        assert (g["decision"] == "load") == (g["candidate_sim_tau"] > g["served_sim_tau"]) == ("load_s" in u)
+    held = {i for u in judged for i in u["gate"]["held_ids"]}
+    trained = {i for line in (root / "w" / "run" / "follow.jsonl").read_text().splitlines()
+               for i in json.loads(line)["ids"]}
+    assert held and not held & trained  # the gate's samples are ones the trainer never trained on
+    checks = [u for u in s["updates"] if "check" in u]
+    assert checks and all(c["check"]["ok"] for c in checks)  # every load drafted as well as before: none rolled back
+
+
+@pytest.mark.vllm
+def test_a_load_that_leaves_the_server_drafting_badly_is_rolled_back(loop):
+    _, probed, _, _ = loop
+    r = probed["rollback"]
+    check = next(u for u in r["updates"] if "check" in u)
+    assert check["check_of_version"] == 1 and not check["check"]["ok"], check
+    assert check["check"]["acceptance"] < 0.5 * check["check"]["before"]
+    assert check["rollback"]["to_version"] == 0 and r["version"] == 0
+    assert check["rollback"]["server"]["max_abs_err"]["fc"] < 1e-4  # B's weights are back in the engine
+    assert sum(a["num_accepted_draft_tokens"] for a in r["after"]) > len(r["after"])  # and draft as B did
 
 
 @pytest.mark.vllm
@@ -178,7 +251,12 @@ def test_bad_settings_are_one_error_each(tmp_path):
     base = dict(target="t", prompts="p", out=str(tmp_path))
     for kw, msg in (({"mode": "fixed"}, "--mode fixed serves a given drafter"), ({"mode": "x"}, "--mode: expected"),
                     ({"keep_shards": 1, "train": HyperParams(epochs=2)}, "--keep-shards 1 < --train.epochs 2"),
-                    ({"concurrency": 0}, "--concurrency: must be >= 1")):
+                    ({"concurrency": 0}, "--concurrency: must be >= 1"),
+                    ({"anchor_store": "s"}, "--anchor-store and --anchor-fraction go together"),
+                    ({"anchor_fraction": 0.2}, "--anchor-store and --anchor-fraction go together"),
+                    ({"holdout_frac": 1.0}, r"--holdout-frac: must be in \[0, 1\)"),
+                    ({"gate_min_samples": 80}, "--gate-min-samples 80 > --gate-samples 64"),
+                    ({"server_cpus": "0;1"}, "--server-cpus: expected a CPU list")):
         with pytest.raises(HstapError, match=msg):
             ServeLoopConfig(**base, **kw)
 

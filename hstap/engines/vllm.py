@@ -81,13 +81,14 @@ def stop_llm(llm) -> None:
 
 @contextlib.contextmanager
 def vllm_server(model: str | os.PathLike, port: int, log: str | os.PathLike, *args: str, env: dict | None = None,
-                timeout: float = 600.0):
+                timeout: float = 600.0, cpus: str = ""):
     """`python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT ARGS` (this Python's vLLM) as a process
     group of its own, its output in `log`; yields its base URL once /v1/models answers; stopped with its children on
     exit (SIGTERM, then SIGKILL after 60 s). A server that exits or does not answer within `timeout` raises
-    RuntimeError with the end of its log."""
+    RuntimeError with the end of its log. `cpus`: run it on these CPUs only (a taskset list; "": all)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), *args]
+    cmd = ["taskset", "-c", cpus, *cmd] if cpus else cmd
     log = Path(log)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)

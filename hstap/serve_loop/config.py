@@ -67,6 +67,30 @@ class ServeLoopConfig:
     step). Without --train.steps a follow run has no horizon: its learning rate is constant (--train.lr)."""
     trainer_threads: int = 1
     """Torch threads of the trainer process (CPU: the rest is the server's)."""
+    holdout_frac: float = 0.15
+    """Fraction of the tapped requests the trainer never trains on (a hash of the sample id: train --holdout-frac);
+    the gate scores each candidate drafter against the served one on the newest of them. 0: no gate, every newer
+    checkpoint is loaded."""
+    gate_samples: int = 64
+    """Held-back samples the gate keeps and scores on (the newest; copied into memory as shards are committed)."""
+    gate_min_samples: int = 8
+    """Fewer held-back samples than this: no candidate is judged yet (it is considered again at the next update)."""
+    check_answers: int = 16
+    """Answers that started after a load before its reload check (vLLM's acceptance after it against before it)."""
+    rollback_ratio: float = 0.5
+    """A load whose acceptance after it falls below this fraction of the acceptance before it is rolled back."""
+    replay_fraction: float = 0.0
+    """Fraction of each training slot drawn again from the older shards the window keeps (train --replay-fraction)."""
+    anchor_store: str | None = None
+    """A fixed store the trainer also draws from (train --anchor-store): the start drafter's own training store
+    keeps it from forgetting the traffic it was trained on."""
+    anchor_fraction: float = 0.0
+    """Fraction of each training slot drawn from --anchor-store (train --anchor-fraction)."""
+    server_cpus: str = ""
+    """CPUs the server runs on (taskset list, e.g. "0"; its OpenMP threads bound to them on the CPU backend);
+    "": unpinned."""
+    trainer_cpus: str = ""
+    """CPUs the trainer runs on (taskset list, e.g. "1"); "": unpinned."""
     reference: str | None = None
     """served.jsonl of a --mode target run on the same prompts: outputs compared token for token (lossless)."""
     dtype: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
@@ -94,6 +118,19 @@ class ServeLoopConfig:
         at_least(w, self, ("concurrency", "max_tokens", "k", "update_every", "keep_shards", "shard_tokens",
                            "trainer_threads", "max_model_len", "kv_cache_gib"))
         at_least(w, self, ("requests", "port"), lo=0)  # 0: all prompts; a free port
+        at_least(w, self, ("gate_samples", "gate_min_samples", "check_answers"))
+        for name in ("holdout_frac", "rollback_ratio", "replay_fraction", "anchor_fraction"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be in [0, 1), got {getattr(self, name)}")
+        if bool(self.anchor_store) != (self.anchor_fraction > 0):
+            raise HstapError(f"{w}: --anchor-store and --anchor-fraction go together")
+        if self.gate_min_samples > self.gate_samples:
+            raise HstapError(f"{w}: --gate-min-samples {self.gate_min_samples} > --gate-samples {self.gate_samples}")
+        for name in ("server_cpus", "trainer_cpus"):
+            v = getattr(self, name)
+            if v and not all(p.isdigit() or (p.count("-") == 1 and p.replace("-", "").isdigit())
+                             for p in v.split(",")):
+                raise HstapError(f"{w}: --{name.replace('_', '-')}: expected a CPU list like 0 or 0-1,3, got {v!r}")
         epochs = self.train.epochs or 1
         if self.keep_shards < epochs:
             raise HstapError(f"{w}: --keep-shards {self.keep_shards} < --train.epochs {epochs}: a shard must stay on "

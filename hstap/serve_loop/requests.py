@@ -114,16 +114,17 @@ class Stream:
     to `log_path` (served.jsonl). A progress line on stderr at most every `every_s` seconds."""
 
     def __init__(self, client: Client, prompts: list[list[int]], concurrency: int, log_path: Path,
-                 status: Callable[[], str], window: int = 32, every_s: float = 2.0):
+                 status: Callable[[], str] = lambda: "", window: int = 32, every_s: float = 2.0):
         self.client, self.prompts, self.concurrency = client, prompts, concurrency
         self.log_path, self.status, self.window, self.every_s = log_path, status, window, every_s
+        self.t0 = time.perf_counter()
         self.records: list[dict] = []
         self._lock = threading.Lock()
         self._last = 0.0
 
     def run(self, on_answer: Callable[[dict, int], None]) -> tuple[list[dict], float]:
         """(records in finishing order, wall seconds)."""
-        t0 = time.perf_counter()
+        t0 = self.t0 = time.perf_counter()
         with open(self.log_path, "w") as log, ThreadPoolExecutor(self.concurrency) as pool:
             futures = [pool.submit(self.client.complete, i, p) for i, p in enumerate(self.prompts)]
             for fut in as_completed(futures):
@@ -138,6 +139,10 @@ class Stream:
         wall = time.perf_counter() - t0
         self._progress(wall, force=True)
         return self.records, wall
+
+    def clock(self) -> float:
+        """Seconds since the stream began (the records' t_s)."""
+        return time.perf_counter() - self.t0
 
     def _progress(self, elapsed: float, force: bool = False) -> None:
         now = time.monotonic()

@@ -1,19 +1,24 @@
 """`hstap serve-loop`: train as you serve, closed, on a live vLLM server. The server drafts with an EAGLE-3 drafter and
-taps the requests it serves into a store; `hstap train --follow --consume` trains on that store beside it; every
---update-every answered requests the drafter the trainer has reached (its newest checkpoint) is exported and taken up
-by the running server, in place. Composes the stages (capture's tap, train, export) like hstap/demo/stage.py.
+taps the requests it serves into a store; `hstap train --follow --consume` trains on that store beside it, never on
+a held-back share of it; every --update-every answered requests the drafter the trainer has reached (its newest
+checkpoint) is scored against the served drafter on the held-back traffic and, only when better, exported and taken
+up by the running server, in place, then checked against the server's own counters and rolled back if it does not
+draft as well (hstap/serve_loop/updates.py, gate.py). Composes the stages (capture's tap, train, export) like
+hstap/demo/stage.py.
 
     hstap serve-loop --target T --prompts heldout.jsonl --out W                       # from no drafter (below)
     hstap serve-loop --target T --prompts heldout.jsonl --out W --drafter RUN          # from a drafter trained offline
+    hstap serve-loop ... --drafter RUN --anchor-store STORE --anchor-fraction 0.3     # rehearsing its first domain
     hstap serve-loop ... --mode fixed --drafter RUN       # the loop off: that drafter, no tap, no trainer (baseline)
     hstap serve-loop ... --mode target                    # no speculation: target-only outputs (--reference for others)
 
-What runs (processes): `vllm serve` (hstap.engines.vllm.vllm_server) with `--speculative-config` eagle3 + the served
-drafter, the tap beside EAGLE-3 (hstap/capture/vllm/eagle_tap.py, `--kv-transfer-config`), hstap's worker extension
-(hstap/serve_loop/worker.py, `--worker-extension-cls`) and VLLM_SERVER_DEV_MODE=1 (for vLLM's /collective_rpc endpoint);
-the trainer (`python -m hstap.cli train --config OUT/run.config.json`: train's config made of the loop's --train.*
-section and what the loop fixes, `--follow --consume --keep-shards N --init-from DRAFTER0 ...`); this process,
-the client (hstap/serve_loop/requests.py: the prompts of --prompts in order, --concurrency in flight, greedy, each sent once).
+What runs (processes): `vllm serve` (hstap.engines.vllm.vllm_server, on --server-cpus) with `--speculative-config`
+eagle3 + the served drafter, the tap beside EAGLE-3 (hstap/capture/vllm/eagle_tap.py, `--kv-transfer-config`),
+hstap's worker extension (hstap/serve_loop/worker.py, `--worker-extension-cls`) and VLLM_SERVER_DEV_MODE=1 (for
+vLLM's /collective_rpc endpoint); the trainer (`python -m hstap.cli train --config OUT/run.config.json`, on
+--trainer-cpus: train's config made of the loop's --train.* section and what the loop fixes, `--follow --consume
+--keep-shards N --init-from DRAFTER0 --holdout-frac F ...`); this process, the client (hstap/serve_loop/requests.py:
+the prompts of --prompts in order, --concurrency in flight, greedy, each sent once) and the updater.
 
 - How the server takes a new drafter up: `hstap_load_drafter(DIR)` through /collective_rpc, i.e. vLLM's own
   `reload_weights` on the draft model, between two engine steps (hstap/serve_loop/worker.py says why this one among vLLM
@@ -25,15 +30,18 @@ the client (hstap/serve_loop/requests.py: the prompts of --prompts in order, --c
   embedding = the target's, the rest PyTorch's default init under --seed), whose drafts are rarely accepted; the first
   update replaces it. Its draft vocabulary is --vocab-map's, else the target's whole vocabulary.
 - From a drafter (--drafter, an hstap drafter directory or training RUN): the server starts with it and the trainer
-  continues it (`--init-from`) on the served traffic, with its vocabulary map.
+  continues it (`--init-from`) on the served traffic, with its vocabulary map; --anchor-store (its training store)
+  keeps a share of every training slot on the domain it was trained on.
 - Bounded disk: the store is a window of --keep-shards shard files of --shard-tokens tokens (the trainer deletes what
   it consumed, the tap drops requests rather than make serving wait when the window is full; --max-store-gb on top);
-  exports other than the first and the current one are deleted; the trainer keeps its newest 3 checkpoints.
+  of the exports (and their hstap-format copies, OUT/drafters) only the start drafter, the served one and the one
+  before it are kept; the trainer keeps its newest 3 checkpoints; the gate keeps --gate-samples samples in memory.
 
 Outputs in --out: served.jsonl (one line per answered request: prompt index, tokens, vLLM's per-request draft counters,
-the drafter version serving when it finished), updates.jsonl, summary.json, acceptance.png, server.log, train.log,
-run.config.json (the trainer's config), store/, run/, exports/. Prints a progress line (requests served, vLLM's
-acceptance over the last 32 answers, drafter version, store size, trainer step) and a last summary line.
+the drafter version serving when it finished), updates.jsonl (hstap/serve_loop/updates.py), summary.json and the last
+line (hstap/serve_loop/report.py), acceptance.png, server.log, train.log, run.config.json (the trainer's config),
+store/, run/, drafters/, exports/. Prints a progress line (requests served, vLLM's acceptance over the last 32 answers,
+drafter version, store size, trainer step, held-back samples).
 """
 
 from __future__ import annotations
@@ -147,18 +155,27 @@ def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path
 def trainer_config(cfg: ServeLoopConfig, out: Path, drafter0: Path, device: str) -> TrainConfig:
     """The trainer's config: the loop's `train` section (train's hyper-parameters) and what the loop fixes: follow
     OUT/store and consume it within --keep-shards, from `drafter0` (its decoder layers) with OUT's fixed vocabulary map,
-    no eval split, the loop's seed and device, no TensorBoard."""
+    no eval split, the loop's seed and device, no TensorBoard; the loop's hold-out (the gate's samples), window replay
+    and anchor store."""
     dl = json.loads((drafter0 / "drafter.json").read_text())["config"].get("num_layers", 1)
     return TrainConfig(**asdict(cfg.train), out=str(out / "run"), target=cfg.target, store=str(out / "store"),
                        follow=True, consume=True, keep_shards=cfg.keep_shards,
                        vocab_map=str(out / "vocab_map.safetensors"), eval_frac=0.0, init_from=str(drafter0),
-                       draft_layers=dl, seed=cfg.seed, device=device, tensorboard=False)
+                       draft_layers=dl, seed=cfg.seed, device=device, tensorboard=False,
+                       holdout_frac=cfg.holdout_frac, replay_fraction=cfg.replay_fraction,
+                       anchor_store=cfg.anchor_store, anchor_fraction=cfg.anchor_fraction)
+
+
+def pinned(cmd: list[str], cpus: str) -> list[str]:
+    """`cmd` run on the CPUs `cpus` (taskset), or as is for ""."""
+    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
 
 
 def start_trainer(cfg: ServeLoopConfig, out: Path) -> subprocess.Popen:
     """`hstap train --follow --consume` on OUT/store in a process of its own (log: OUT/train.log), started from its
     config (`trainer_config`), written as OUT/run.config.json before the server started."""
-    cmd = [sys.executable, "-m", "hstap.cli", "train", "--config", str(out / "run.config.json")]
+    cmd = pinned([sys.executable, "-m", "hstap.cli", "train", "--config", str(out / "run.config.json")],
+                 cfg.trainer_cpus)
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.trainer_threads), "TOKENIZERS_PARALLELISM": "false"}
     with open(out / "train.log", "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -208,7 +225,8 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     """Run one serve-loop (module docstring); returns the summary (also OUT/summary.json). `probe(url, out)`, when
     given (tests), runs against the server after the stream, the trainer stopped, before the server stops."""
     from hstap.serve_loop.requests import Client, Stream, post, server_counters
-    from hstap.serve_loop.updates import Updater, export_vllm, summarize
+    from hstap.serve_loop.report import summarize
+    from hstap.serve_loop.updates import Updater, export_vllm
     from hstap.engines.vllm import require_vllm, vllm_server
     from hstap.artifacts.model_dir import auto_device, auto_dtype
     from hstap.artifacts.outputs import check_not_input, check_out_dir
@@ -237,20 +255,24 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's /collective_rpc endpoint (its development endpoints)
     if device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+        if cfg.server_cpus:  # vLLM's CPU backend binds its OpenMP threads itself: to these CPUs, not all of them
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.server_cpus
     port = cfg.port or free_port()
     t_start, trainer = time.perf_counter(), None
     try:
         with vllm_server(cfg.target, port, out / "server.log",
-                         *server_args(cfg, device, dtype, out / "exports" / "v0000", out / "store"), env=env) as url:
+                         *server_args(cfg, device, dtype, out / "exports" / "v0000", out / "store"), env=env,
+                         cpus=cfg.server_cpus) as url:
             started_s = time.perf_counter() - t_start
             if cfg.mode == "loop":  # the trainer claims the store's window before the first request is served
                 trainer = start_trainer(cfg, out)
                 wait_for_claim(out, trainer)
                 post(url + "/collective_rpc", {"method": "hstap_tap_start"})
             before = server_counters(url) if cfg.mode != "target" else {}
-            up = Updater(cfg, url, out, dtype, trainer)
             stream = Stream(Client(url, cfg.max_tokens, stops, cfg.seed), prompts, cfg.concurrency,
-                            out / "served.jsonl", up.status)
+                            out / "served.jsonl")
+            up = Updater(cfg, url, out, dtype, trainer, drafter0, clock=stream.clock)
+            stream.status = up.status
             records, wall = stream.run(up.on_answer)
             after = server_counters(url) if cfg.mode != "target" else {}
             stop_process(trainer)  # the stream is over

@@ -1,14 +1,21 @@
-"""What `hstap serve-loop` (hstap/serve_loop/stage.py) does between answers, and what it reports at the end.
+"""What `hstap serve-loop` (hstap/serve_loop/stage.py) does between answers: drafter updates, gated and checked.
 
-- `Updater.on_answer`: after every answered request, the store's size is sampled (its peak is reported); every
-  --update-every answers, the trainer's newest checkpoint (RUN/checkpoints/step_*), when newer than the one served,
-  is exported for vLLM (OUT/exports/vNNNN) and taken up by the server (`hstap_load_drafter` through vLLM's
-  /collective_rpc: hstap/serve_loop/worker.py); each update is a line of OUT/updates.jsonl (answers served at that moment,
-  trainer step, seconds, the server's check that its fc computes with the new weights). A failed update is recorded
-  and serving goes on with the drafter it has. Each answer is tagged with the drafter version serving when it ended.
-- `summarize`: requests sent / answered / lost / duplicated, outputs against --reference (lossless), vLLM's acceptance
-  (per-request counters summed; checked against the server's aggregate /metrics counters over the run), updates,
-  disk (store peak and its bound, exports, run), throughput; OUT/acceptance.png; a table and one summary line.
+`Updater.on_answer` runs after every answered request (serving goes on meanwhile: the requests in flight are the
+client pool's). It tags the answer with the drafter version serving when it ended and samples the store's size (its
+peak is reported). Then:
+
+- Every --update-every answers, when the trainer has a checkpoint newer than the last one considered
+  (RUN/checkpoints/step_*), the candidate is copied (OUT/drafters/vNNNN, hstap format: the trainer deletes old
+  checkpoints) and scored against the served drafter on the held-back samples (hstap/serve_loop/gate.py). Only a
+  better one is exported for vLLM (OUT/exports/vNNNN) and loaded into the server (`hstap_load_drafter` through vLLM's
+  /collective_rpc: hstap/serve_loop/worker.py). --holdout-frac 0 turns the gate off: every newer checkpoint is loaded.
+- After a load, once --check-answers answers that started after it have ended, `gate.reload_check` compares their
+  acceptance (vLLM's counters) with the answers' just before the load; a failed check loads the previous drafter back
+  (a rollback). No update is considered while a check is pending.
+- Each decision is a line of OUT/updates.jsonl: answers served then, trainer step, the gate's scores of candidate and
+  served drafter on the same samples, load and export seconds, the worker's weight check, the reload check, a rollback.
+  A failed export or load is recorded and serving goes on with the drafter it has. Only the start drafter, the served
+  one and the one before it (the rollback's) are kept on disk.
 """
 
 from __future__ import annotations
@@ -22,9 +29,8 @@ from pathlib import Path
 from hstap.common import one_line
 from hstap.serve_loop.config import ServeLoopConfig
 
-
-def _du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+BEFORE = 32
+"""Answers before a load that the reload check compares with (at most; those that ran wholly on the drafter before)."""
 
 
 def newest_checkpoint(run: Path) -> tuple[int, Path] | None:
@@ -65,15 +71,29 @@ def export_vllm(target: str, k: int, src: Path, dst: Path, dtype: str) -> None:
                             speculative_tokens=k, overwrite=True))
 
 
+def started(rec: dict) -> float:
+    """When a request was sent, on the stream's clock (seconds since it began)."""
+    return rec["t_s"] - rec.get("latency_s", 0.0)
+
 
 class Updater:
-    """See the module docstring."""
+    """See the module docstring. `drafter0`: the start drafter (hstap format), served as v0000."""
 
-    def __init__(self, cfg: ServeLoopConfig, url: str, out: Path, dtype: str, trainer):
+    def __init__(self, cfg: ServeLoopConfig, url: str, out: Path, dtype: str, trainer, drafter0: Path | None,
+                 clock=None):
+        from hstap.serve_loop.gate import HeldBack
+
         self.cfg, self.url, self.out, self.dtype, self.trainer = cfg, url, out, dtype, trainer
-        self.version, self.step = 0, -1  # v0000: the start drafter
+        self.clock = clock or (lambda: 0.0)  # the stream's clock (seconds since its start): loads are dated by it
+        self.version, self.step, self.considered = 0, -1, -1  # v0000: the start drafter
+        self.hstap_dirs = {0: drafter0}  # version -> its hstap-format drafter (the gate scores it)
+        self.history: list[tuple[int, int, float]] = [(0, -1, 0.0)]  # (version, step, loaded at) of every load
+        self.pending: dict | None = None  # the update whose reload check is waiting for answers
+        self.answers: list[dict] = []
         self.updates: list[dict] = []
         self.peak_bytes, self.peak_shards = 0, 0
+        self.held = HeldBack(out / "store", cfg.holdout_frac, cfg.gate_samples)
+        self._head = None
         (out / "updates.jsonl").write_text("")
 
     def status(self) -> str:
@@ -85,6 +105,7 @@ class Updater:
         alive = self.trainer is None or self.trainer.poll() is None
         return (f"drafter v{self.version}" + (f" (step {self.step})" if self.step >= 0 else " (start)")
                 + f" | store {n} shards {b / 1e6:.1f} MB | trainer step {trainer_step(self.out / 'run')}"
+                + f" | held back {len(self.held.samples)}"
                 + ("" if alive else f" EXITED {self.trainer.returncode} (train.log)"))
 
     def on_answer(self, rec: dict, done: int) -> None:
@@ -93,107 +114,139 @@ class Updater:
         rec["drafter"] = self.version
         b, n = store_usage(self.out / "store")
         self.peak_bytes, self.peak_shards = max(self.peak_bytes, b), max(self.peak_shards, n)
-        if self.cfg.mode == "loop" and done % self.cfg.update_every == 0:
+        if self.cfg.mode != "loop":
+            return
+        if "tokens" in rec:
+            self.answers.append(rec)
+        self.held.refresh()  # every answer: a shard the trainer consumes soon must be read before it goes
+        if self.pending is not None:
+            self._check(done)
+        elif done % self.cfg.update_every == 0:
             self.update(done)
 
-    def update(self, done: int) -> None:
-        from hstap.serve_loop.requests import post
-        ck = newest_checkpoint(self.out / "run")
-        if ck is None or ck[0] <= self.step:
-            return
-        step, src = ck
-        dst = self.out / "exports" / f"v{self.version + 1:04d}"
-        t0 = time.perf_counter()
-        rec = {"served": done, "step": step, "version": self.version + 1, "dir": str(dst)}
-        try:
-            export_vllm(self.cfg.target, self.cfg.k, src, dst, self.dtype)
-            t1 = time.perf_counter()
-            res = post(self.url + "/collective_rpc", {"method": "hstap_load_drafter", "args": [str(dst.resolve())]})
-            rec.update(export_s=t1 - t0, load_s=time.perf_counter() - t1, server=(res.get("results") or [None])[0])
-            prev = self.out / "exports" / f"v{self.version:04d}"
-            self.version, self.step = self.version + 1, step
-            if prev.name != "v0000":
-                shutil.rmtree(prev, ignore_errors=True)  # keep the start drafter and the one served
-        except Exception as e:  # noqa: BLE001 - serving goes on with the drafter it has
-            rec["error"] = one_line(e)
-            shutil.rmtree(dst, ignore_errors=True)
-            print(f"serve-loop: drafter update to step {step} failed: {rec['error']}", file=sys.stderr, flush=True)
+    def _log(self, rec: dict) -> None:
         self.updates.append(rec)
         with open(self.out / "updates.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
 
+    def _target_head(self):
+        if self._head is None:
+            from hstap.artifacts.model_dir import target_head
 
-def _windows(ok: list[dict], size: int) -> list[dict]:
-    """vLLM's acceptance over consecutive windows of `size` answers (finishing order): the plot's points."""
-    from hstap.serve_loop.requests import acceptance
+            e, h = target_head(self.cfg.target)
+            self._head = (e.float(), h.float())
+        return self._head
 
-    out = []
-    for a in range(0, len(ok), size):
-        w = ok[a:a + size]
-        acc, tau = acceptance(w)
-        out.append({"served": w[-1]["served"], "acceptance": acc, "tau": tau, "drafter": w[-1].get("drafter", 0)})
-    return out
+    def _gate(self, cand: Path) -> dict:
+        """The gate's scores of `cand` and the served drafter on the same held-back samples, and its decision."""
+        from hstap.serve_loop.gate import score_drafter
 
+        if self.cfg.holdout_frac <= 0:
+            return {"decision": "load", "why": "no gate (--holdout-frac 0)"}
+        samples = list(self.held.samples)
+        if len(samples) < self.cfg.gate_min_samples:
+            return {"decision": "wait", "why": f"{len(samples)} held-back samples (< --gate-min-samples "
+                                               f"{self.cfg.gate_min_samples})"}
+        import torch
 
-def _lossless(records: list[dict], ref: dict | None) -> dict | None:
-    if ref is None:
-        return None
-    ok = [r for r in records if "tokens" in r and r["i"] in ref]
-    equal = sum(r["tokens"] == ref[r["i"]] for r in ok)
-    return {"compared": len(ok), "equal": equal, "differ": [r["i"] for r in ok if r["tokens"] != ref[r["i"]]][:20],
-            "lossless": equal == len(ok) and len(ok) > 0}
+        layers = json.loads((self.out / "store" / "manifest.json").read_text())["layers"]
+        embed, head = self._target_head()
+        with torch.no_grad():
+            new = score_drafter(cand, samples, layers, embed, head, self.cfg.k)
+            old = score_drafter(self.hstap_dirs[self.version], samples, layers, embed, head, self.cfg.k)
+        better = new["sim_tau"] > old["sim_tau"]
+        return {"decision": "load" if better else "refuse", "candidate_sim_tau": new["sim_tau"],
+                "served_sim_tau": old["sim_tau"], "samples": new["samples"], "positions": new["positions"],
+                "held_ids": [x["id"] for x in samples]}
 
+    def update(self, done: int) -> None:
+        ck = newest_checkpoint(self.out / "run")
+        if ck is None or ck[0] <= self.considered:
+            return
+        step, src = ck
+        v = self.version + 1
+        mine = self.out / "drafters" / f"v{v:04d}"
+        rec = {"served": done, "step": step, "version": v, "from_version": self.version}
+        t0 = time.perf_counter()
+        try:
+            shutil.rmtree(mine, ignore_errors=True)
+            shutil.copytree(src, mine)  # the trainer deletes its older checkpoints: the gate and a rollback need it
+            self.considered = step
+            gate = self._gate(mine)
+            rec.update(gate=gate, gate_s=time.perf_counter() - t0)
+            if gate["decision"] == "wait":
+                self.considered = step - 1  # not judged: the same checkpoint is considered again
+                shutil.rmtree(mine, ignore_errors=True)
+                return  # nothing logged: the next --update-every tries again
+            if gate["decision"] != "load":
+                shutil.rmtree(mine, ignore_errors=True)
+                self._log(rec)
+                return
+            rec.update(self.load(v, mine, step))
+        except Exception as e:  # noqa: BLE001 - serving goes on with the drafter it has
+            rec["error"] = one_line(e)
+            shutil.rmtree(mine, ignore_errors=True)
+            shutil.rmtree(self.out / "exports" / f"v{v:04d}", ignore_errors=True)
+            print(f"serve-loop: drafter update to step {step} failed: {rec['error']}", file=sys.stderr, flush=True)
+        self._log(rec)
 
-def _store_block(cfg: ServeLoopConfig, out: Path, up: Updater) -> dict:
-    from hstap.store.format import committed_ids_of, load_manifest, store_bytes_per_token
+    def load(self, v: int, hstap_dir: Path, step: int) -> dict:
+        """Export `hstap_dir` as version v and load it into the server; it serves from here on, and its reload check
+        is pending."""
+        from hstap.serve_loop.requests import post
 
-    store = out / "store"
-    if not (store / "manifest.json").is_file():
-        return {"peak_bytes": up.peak_bytes, "samples_committed": 0}
-    m = load_manifest(store)
-    per_tok = store_bytes_per_token(len(m["layers"]), int(m["target"]["hidden_size"]), m["dtype"])
-    longest = cfg.max_model_len
-    return {"peak_bytes": up.peak_bytes, "peak_shard_files": up.peak_shards,
-            "bound_bytes": cfg.keep_shards * (cfg.shard_tokens + longest) * per_tok,
-            "bytes_at_end": _du(store), "samples_committed": len(committed_ids_of(store)),
-            "layers": m["layers"], "dtype": m["dtype"]}
+        dst = self.out / "exports" / f"v{v:04d}"
+        t0 = time.perf_counter()
+        export_vllm(self.cfg.target, self.cfg.k, hstap_dir, dst, self.dtype)
+        t1 = time.perf_counter()
+        res = post(self.url + "/collective_rpc", {"method": "hstap_load_drafter", "args": [str(dst.resolve())]})
+        self.version, self.step, self.hstap_dirs[v] = v, step, hstap_dir
+        self.history.append((v, step, self.clock()))
+        self.pending = {"version": v}
+        self._prune()
+        return {"export_s": t1 - t0, "load_s": time.perf_counter() - t1, "loaded_at_s": self.clock(),
+                "server": (res.get("results") or [None])[0]}
 
+    def _prune(self) -> None:
+        """Keep the start drafter, the served one and the one before it; delete the rest (exports and copies)."""
+        keep = {0, self.version, self.history[-2][0] if len(self.history) > 1 else 0}
+        for v in [v for v in self.hstap_dirs if v not in keep]:
+            if v:
+                shutil.rmtree(self.hstap_dirs.pop(v), ignore_errors=True)
+                shutil.rmtree(self.out / "exports" / f"v{v:04d}", ignore_errors=True)
 
-def summarize(cfg: ServeLoopConfig, out: Path, prompts: list, records: list[dict], wall: float, up: Updater,
-              before: dict, after: dict, ref: dict | None, started_s: float) -> dict:
-    from hstap.serve_loop.requests import acceptance
+    def _check(self, done: int) -> None:
+        """The pending load's reload check, once --check-answers answers that started after it ended; a rollback when
+        it fails (module docstring)."""
+        from hstap.serve_loop.gate import reload_check
 
-    ok = [r for r in records if "tokens" in r]
-    idx = [r["i"] for r in records]
-    ids = [r["id"] for r in ok]
-    acc, tau = acceptance(ok)
-    diff = {k: after[k] - before.get(k, 0) for k in after if not isinstance(after[k], list)}
-    per_req = {k: sum(r.get(k, 0) for r in ok) for k in ("num_draft_tokens", "num_accepted_draft_tokens")}
-    gen = sum(len(r["tokens"]) for r in ok)
-    s = {"mode": cfg.mode, "drafter": cfg.drafter, "k": cfg.k, "requests": len(prompts), "answered": len(ok),
-         "lost": len(prompts) - len(ok), "duplicates": len(idx) - len(set(idx)) + len(ids) - len(set(ids)),
-         "wall_s": wall, "server_start_s": started_s, "generated_tokens": gen, "tokens_per_s": gen / wall,
-         "requests_per_s": len(ok) / wall, "acceptance": acc, "tau": tau,
-         "windows": _windows(ok, cfg.update_every),
-         "server_counters": diff, "per_request_sums": per_req,
-         "counters_agree": None if cfg.mode == "target" else (
-             per_req["num_draft_tokens"] == diff.get("vllm:spec_decode_num_draft_tokens")
-             and per_req["num_accepted_draft_tokens"] == diff.get("vllm:spec_decode_num_accepted_tokens")),
-         "updates": up.updates, "updates_taken": sum("error" not in u for u in up.updates),
-         "lossless": _lossless(records, ref), "store": _store_block(cfg, out, up),
-         "disk_bytes": {"exports": _du(out / "exports"), "run": _du(out / "run"), "store": _du(out / "store")}}
-    if cfg.mode != "target":
-        from hstap.plots import serve_loop_plot
+        at = self.history[-1][2]
+        after = [r for r in self.answers if started(r) >= at]
+        if len(after) < self.cfg.check_answers:
+            return
+        before = [r for r in self.answers if r["t_s"] <= at][-BEFORE:]
+        check = reload_check(before, after, self.cfg.rollback_ratio)
+        rec = {"served": done, "check_of_version": self.version, "check": check}
+        if not check["ok"]:
+            prev = self.history[-2][0]
+            try:
+                rec["rollback"] = {"to_version": prev, **self._load_back(prev)}
+            except Exception as e:  # noqa: BLE001 - serving goes on; the next update tries again
+                rec["rollback_error"] = one_line(e)
+            print(f"serve-loop: drafter v{rec['check_of_version']} failed its check (acceptance "
+                  f"{check['acceptance']:.3f} after, {check['before']:.3f} before): back to v{prev}",
+                  file=sys.stderr, flush=True)
+        self.pending = None
+        self._log(rec)
 
-        serve_loop_plot({cfg.mode: s}, out / "acceptance.png")
-    w = s["windows"]
-    print(f"hstap serve-loop ({cfg.mode}): {s['answered']}/{s['requests']} answered, {s['lost']} lost, "
-          f"{s['duplicates']} duplicated, {s['tokens_per_s']:.1f} generated tok/s"
-          + (f"; vLLM acceptance {acc:.3f} (tau {tau:.2f}), first {w[0]['acceptance']:.3f} -> last "
-             f"{w[-1]['acceptance']:.3f} per {cfg.update_every} answers" if w and cfg.mode != "target" else "")
-          + (f"; {s['updates_taken']} drafter updates" if cfg.mode == "loop" else "")
-          + (f"; store peak {s['store']['peak_bytes'] / 1e6:.1f} MB (bound "
-             f"{s['store'].get('bound_bytes', 0) / 1e6:.1f} MB)" if cfg.mode == "loop" else "")
-          + (f"; outputs equal the reference on {s['lossless']['equal']}/{s['lossless']['compared']}"
-             if s["lossless"] else ""), flush=True)
-    return s
+    def _load_back(self, v: int) -> dict:
+        """Load version v (kept on disk) back into the server (a rollback)."""
+        from hstap.serve_loop.requests import post
+
+        dst = self.out / "exports" / f"v{v:04d}"
+        t0 = time.perf_counter()
+        res = post(self.url + "/collective_rpc", {"method": "hstap_load_drafter", "args": [str(dst.resolve())]})
+        step = next(s for ver, s, _ in self.history if ver == v)
+        self.version, self.step = v, step
+        self.history.append((v, step, self.clock()))
+        return {"load_s": time.perf_counter() - t0, "server": (res.get("results") or [None])[0]}

@@ -1,0 +1,257 @@
+"""Train as you serve under a traffic shift, on the live vLLM (`hstap serve-loop`): a drafter trained offline on one
+domain of the corpus (the Python documentation conversations) is served traffic that starts in that domain and then
+shifts to another (the Linux kernel documentation), served fixed, continued by the loop with a plain window, and
+continued by the loop with anchor replay (its own offline store rehearsed beside the window); afterwards each run's
+final drafter is served held-back prompts of the first domain (forgetting).
+
+    python benchmarks/bench_serve_shift.py                       # the reference target and corpus (../shared)
+    python benchmarks/bench_serve_shift.py --tiny                # CPU smoke run: a random toy target built on the spot
+
+Stages (each a `python -m hstap.cli` process; one vLLM server at a time):
+  0. the offline drafter: the target's own answers to the first --offline-samples pydocs conversations of
+     corpus/train.jsonl.gz, captured in the same pass (`hstap generate --capture`), then `hstap train` --offline-steps
+     on that store (constant lr, TTT --k, the whole target vocabulary);
+  1. the served stream: --before pydocs prompts (corpus/eval.jsonl.gz), then --requests linuxdocs prompts
+     (corpus/train.jsonl.gz: the offline drafter never saw them), each its conversation's first user turn;
+  2. `serve-loop --mode target` on the stream: reference outputs, target-only throughput;
+  3. `serve-loop --mode fixed --drafter OFFLINE` (the loop off);
+  4. `serve-loop --mode loop --drafter OFFLINE` (plain window: the trainer follows the served traffic alone);
+  5. `serve-loop --mode loop --drafter OFFLINE --anchor-store OFFLINE_STORE --anchor-fraction A` (anchor replay);
+  6. forgetting: `serve-loop --mode fixed` with each run's final served drafter on --forget held-back pydocs prompts
+     of corpus/eval.jsonl.gz that the stream does not contain.
+Every serve-loop run: the same server settings (fp32, enforce_eager on the CPU, prefix caching off) and client load;
+vLLM pinned to CPU --server-cpus, the serve-loop process (client, gate) and the loop's trainer to --trainer-cpus, so
+that serving throughput with the loop on against off says what the loop costs when the trainer has a core of its own.
+Outputs of every stream run are compared with stage 2's token for token; requests lost or answered twice are counted.
+
+Figures: vLLM's acceptance (its per-request counters) per --window answers across the shift for the three drafter
+runs; after the shift, over the last --tail answers: each loop run against the fixed drafter (the goal: >= 1.25x
+within 1,000 requests after the shift); forgetting: acceptance on the held-back first-domain prompts, each loop run's
+final drafter against the fixed one (the goal: within 5%); the gate's decisions (loaded, refused, rolled back); the
+time from an answer to a served drafter that learned from it; generated tokens/s per run. Writes OUT (--work)/
+bench_serve_shift.json and shift.png, prints a table and ONE JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_serve_loop import _cli, _tiny, _vocab  # noqa: E402
+
+
+def first_turns(src: Path, source: str | None, skip: int, n: int) -> list[dict]:
+    """One-turn conversations (the first user turn) of conversations skip..skip+n of `source` in a JSONL(.gz) file
+    (source None: any)."""
+    out, seen = [], 0
+    with (gzip.open(src, "rt") if str(src).endswith(".gz") else open(src)) as f:
+        for line in f:
+            rec = json.loads(line)
+            if source is not None and rec.get("source") != source:
+                continue
+            seen += 1
+            if seen <= skip:
+                continue
+            conv = rec.get("conversations") or rec.get("messages")
+            user = next(m for m in conv if (m.get("role") or m.get("from")) in ("user", "human"))
+            out.append({"id": rec.get("id"), "source": rec.get("source"),
+                        "conversations": [{"role": "user", "content": user.get("content", user.get("value"))}]})
+            if len(out) == n:
+                break
+    if len(out) < n:
+        raise SystemExit(f"{src}: {len(out)} {source} conversations after the first {skip}, fewer than {n}")
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict], answer: bool = False) -> Path:
+    with open(path, "w") as f:
+        for r in rows:
+            conv = r["conversations"] + ([{"role": "assistant", "content": "-"}] if answer else [])
+            f.write(json.dumps({"id": r["id"], "source": r.get("source"), "conversations": conv}) + "\n")
+    return path
+
+
+def windows(served: Path, size: int) -> list[dict]:
+    """vLLM's acceptance per `size` answers in the order the prompts were sent (prompt index), the shift at a fixed
+    place whatever the finishing order."""
+    recs = sorted((json.loads(x) for x in served.read_text().splitlines()), key=lambda r: r["i"])
+    recs = [r for r in recs if "tokens" in r]
+    out = []
+    for a in range(0, len(recs), size):
+        w = recs[a:a + size]
+        d = sum(r.get("num_draft_tokens", 0) for r in w)
+        acc = sum(r.get("num_accepted_draft_tokens", 0) for r in w) / d if d else 0.0
+        out.append({"upto": w[-1]["i"] + 1, "acceptance": acc, "drafter": max(r.get("drafter", 0) for r in w)})
+    return out
+
+
+def acceptance_of(served: Path, lo: int, hi: int) -> float:
+    """vLLM's acceptance over the answers to prompts lo..hi-1."""
+    recs = [json.loads(x) for x in served.read_text().splitlines()]
+    recs = [r for r in recs if "tokens" in r and lo <= r["i"] < hi]
+    d = sum(r.get("num_draft_tokens", 0) for r in recs)
+    return sum(r.get("num_accepted_draft_tokens", 0) for r in recs) / d if d else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a random toy target")
+    ap.add_argument("--target", default=str(HERE.parent.parent / "shared" / "reference" / "target-tiny"))
+    ap.add_argument("--corpus", default=str(HERE.parent.parent / "shared" / "reference" / "corpus"))
+    ap.add_argument("--work", default=None, help="work dir (default: a temp dir, removed unless --keep)")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--offline-samples", type=int, default=400)
+    ap.add_argument("--offline-steps", type=int, default=300)
+    ap.add_argument("--before", type=int, default=100, help="first-domain requests before the shift")
+    ap.add_argument("--requests", type=int, default=1000, help="second-domain requests after the shift")
+    ap.add_argument("--forget", type=int, default=150, help="held-back first-domain prompts (forgetting)")
+    ap.add_argument("--tail", type=int, default=300, help="the last N answers: 'after the shift' figures")
+    ap.add_argument("--window", type=int, default=50)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--update-every", type=int, default=32)
+    ap.add_argument("--keep-shards", type=int, default=6)
+    ap.add_argument("--shard-tokens", type=int, default=4096)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=3e-3, help="offline training's learning rate")
+    ap.add_argument("--loop-lr", type=float, default=1e-3, help="the loop trainer's (continuing a trained drafter)")
+    ap.add_argument("--anchor-fraction", type=float, default=0.3)
+    ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--save-every", type=int, default=5)
+    ap.add_argument("--server-cpus", default="0")
+    ap.add_argument("--trainer-cpus", default="1")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    a = ap.parse_args()
+    work = Path(a.work or tempfile.mkdtemp(prefix="hstap-serve-shift-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if a.tiny:
+        target, train_src, eval_src = _tiny(work)
+        first, second = None, None  # the toy chats have one source: the smoke run checks the machinery only
+        a.offline_samples, a.offline_steps, a.before, a.requests, a.forget = 48, 30, 16, 48, 16
+        a.max_tokens, a.shard_tokens, a.update_every, a.max_model_len, a.window, a.tail = 24, 512, 8, 512, 16, 24
+        a.keep_shards, a.save_every, a.batch_tokens = 4, 3, 1024
+        fsrc = ssrc = eval_src
+        offline = first_turns(train_src, None, 0, a.offline_samples)
+        before = first_turns(eval_src, None, 0, a.before)
+        after = first_turns(eval_src, None, a.before, a.requests)
+        forget = first_turns(eval_src, None, a.before + a.requests, a.forget)
+    else:
+        corpus = Path(a.corpus)
+        target, first, second = Path(a.target), "pydocs", "linuxdocs"
+        fsrc, ssrc = corpus / "eval.jsonl.gz", corpus / "train.jsonl.gz"
+        offline = first_turns(ssrc, first, 0, a.offline_samples)
+        before = first_turns(fsrc, first, 0, a.before)
+        after = first_turns(ssrc, second, 0, a.requests)
+        forget = first_turns(fsrc, first, a.before, a.forget)
+    other = write_jsonl(work / "offline.jsonl", offline, answer=True)
+    stream = write_jsonl(work / "stream.jsonl", before + after)
+    held = write_jsonl(work / "forget.jsonl", forget)
+    n = len(before) + len(after)
+
+    t = time.monotonic()  # 0. the offline drafter, on the first domain
+    _cli(work / "generate.log", "generate", "--target", target, "--data", other, "--out",
+         work / "offline.generated.jsonl", "--capture", work / "offline-store", "--max-new-tokens", a.max_tokens,
+         "--device", "cpu")
+    _cli(work / "train-offline.log", "train", "--store", work / "offline-store", "--target", target, "--out",
+         work / "offline-run", "--steps", a.offline_steps, "--ttt", a.k, "--lr", a.lr, "--warmup-ratio", 0,
+         "--min-lr-ratio", 1, "--batch-tokens", a.batch_tokens, "--draft-vocab", _vocab(target), "--eval-frac", 0,
+         "--save-every", a.offline_steps, "--device", "cpu", "--tensorboard", "false")
+    offline_s = time.monotonic() - t
+
+    common = ["--target", target, "--concurrency", a.concurrency, "--max-tokens", a.max_tokens, "--k", a.k,
+              "--update-every", a.update_every, "--max-model-len", a.max_model_len, "--device", "cpu",
+              "--server-cpus", a.server_cpus]
+    loop = ["--mode", "loop", "--drafter", work / "offline-run", "--keep-shards", a.keep_shards, "--shard-tokens",
+            a.shard_tokens, "--train.epochs", a.epochs, "--train.lr", a.loop_lr, "--train.ttt", a.k,
+            "--train.batch_tokens", a.batch_tokens, "--train.save_every", a.save_every, "--trainer-cpus",
+            a.trainer_cpus]
+    runs = {"target only": ["--mode", "target"],
+            "fixed": ["--mode", "fixed", "--drafter", work / "offline-run"],
+            "loop, window": loop,
+            "loop, anchor replay": [*loop, "--anchor-store", work / "offline-store", "--anchor-fraction",
+                                    a.anchor_fraction]}
+    summaries, loads, pin = {}, {}, ["taskset", "-c", a.trainer_cpus] if a.trainer_cpus else []
+    for i, (name, extra) in enumerate(runs.items()):
+        out = work / f"run{i}"
+        ref = ["--reference", work / "run0" / "served.jsonl"] if i else []
+        loads[name] = os.getloadavg()[0]
+        _cli(work / f"run{i}.log", "serve-loop", *common, "--prompts", stream, *extra, *ref, "--out", out,
+             prefix=pin)
+        summaries[name] = json.loads((out / "summary.json").read_text())
+        print(f"bench_serve_shift: {name}: {summaries[name]['tokens_per_s']:.1f} tok/s, acceptance "
+              f"{summaries[name]['acceptance']:.3f}", file=sys.stderr, flush=True)
+    forgetting = {}
+    for i, name in enumerate(["fixed", "loop, window", "loop, anchor replay"], 1):
+        final = summaries[name].get("final_drafter") or str(work / "offline-run")
+        out = work / f"forget{i}"
+        _cli(work / f"forget{i}.log", "serve-loop", *common, "--prompts", held, "--mode", "fixed", "--drafter", final,
+             "--out", out, prefix=pin)
+        forgetting[name] = json.loads((out / "summary.json").read_text())["acceptance"]
+    report(a, work, n, len(before), summaries, forgetting, loads, offline_s, time.monotonic() - t0)
+    if not a.keep and a.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def report(a, work: Path, n: int, shift: int, summaries: dict, forgetting: dict, loads: dict, offline_s: float,
+           total_s: float) -> None:
+    from hstap.console import table
+    from hstap.plots import serve_shift_plot
+
+    curves = {k: windows(work / f"run{i}" / "served.jsonl", a.window) for i, k in enumerate(summaries) if i}
+    serve_shift_plot(curves, shift, work / "shift.png")
+    tail = {k: acceptance_of(work / f"run{i}" / "served.jsonl", n - a.tail, n) for i, k in enumerate(summaries) if i}
+    pre = {k: acceptance_of(work / f"run{i}" / "served.jsonl", 0, shift) for i, k in enumerate(summaries) if i}
+    post = {k: acceptance_of(work / f"run{i}" / "served.jsonl", shift, n) for i, k in enumerate(summaries) if i}
+    base, fbase = tail["fixed"], forgetting["fixed"]
+    tps = summaries["fixed"]["tokens_per_s"]
+    rows = []
+    for name, s in summaries.items():
+        spec, loop = s["mode"] != "target", s["mode"] == "loop"
+        ll, g, la = s.get("lossless") or {}, s.get("gate") or {}, s.get("learned_after") or {}
+        rows.append([name, f"{s['answered']}/{s['requests']}, {s['lost']} lost, {s['duplicates']} twice",
+                     f"{ll.get('equal')}/{ll.get('compared')}" if ll else "ref",
+                     f"{pre[name]:.3f}" if spec else "-", f"{post[name]:.3f}" if spec else "-",
+                     f"{tail[name]:.3f} ({tail[name] / base:.2f}x)" if spec and base else "-",
+                     f"{forgetting[name]:.3f} ({forgetting[name] / fbase:.2f}x)" if name in forgetting and fbase
+                     else "-",
+                     f"{s['updates_taken']} / {g.get('refused')} / {g.get('rolled_back')}" if loop else "-",
+                     f"{la['median_s']:.0f}" if loop and la.get("median_s") is not None else "-",
+                     f"{s['tokens_per_s']:.1f} ({s['tokens_per_s'] / tps:.2f}x)", f"{loads[name]:.1f}"])
+    print(table(["run", "requests", "= target", "acc before shift", "acc after", f"acc last {a.tail}",
+                 "acc first domain, final drafter", "loaded / refused / rolled back", "answer -> served s",
+                 "tok/s (vs fixed)", "load"], rows))
+    goals = {name: {"after_shift_vs_fixed": tail[name] / base if base else None,
+                    "forgetting_vs_fixed": forgetting[name] / fbase if fbase else None}
+             for name in ("loop, window", "loop, anchor replay")}
+    result = {"bench": "serve_shift", "args": {k: str(v) for k, v in vars(a).items()}, "offline_s": offline_s,
+              "total_s": total_s, "loadavg": loads, "shift_at": shift, "requests": n, "tail_acceptance": tail,
+              "before_shift": pre, "after_shift": post, "forgetting": forgetting, "goals": goals, "curves": curves,
+              "runs": {k: {x: v.get(x) for x in ("mode", "answered", "lost", "duplicates", "tokens_per_s",
+                                                  "acceptance", "tau", "updates_taken", "gate", "learned_after",
+                                                  "lossless", "counters_agree", "store", "wall_s")}
+                       for k, v in summaries.items()}}
+    (work / "bench_serve_shift.json").write_text(json.dumps(result, indent=1))
+    if os.environ.get("OUT"):
+        dst = Path(os.environ["OUT"])
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in ("bench_serve_shift.json", "shift.png"):
+            shutil.copy(work / f, dst / f)
+    print(json.dumps({k: result[k] for k in ("bench", "total_s", "shift_at", "requests", "tail_acceptance",
+                                              "forgetting", "goals")}))
+
+
+if __name__ == "__main__":
+    main()
