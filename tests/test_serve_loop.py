@@ -81,8 +81,8 @@ def loop(vllm_llama, tmp_path_factory):
     cfg = ServeLoopConfig(target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
                           requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
                           keep_shards=4, shard_tokens=512, tap_dtype="fp32", flush_s=0.5, max_model_len=512,
-                          device="cpu", holdout_frac=0.3, gate_min_samples=4, train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2,
-                                                                           lr=5e-3))))
+                          device="cpu", holdout_frac=0.3, gate_min_samples=4,
+                          train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2, lr=5e-3))))
     summary = serve_loop(cfg, probe=probe)
     return summary, probed, root, run_b
 
@@ -114,7 +114,8 @@ def _bad_load_rolled_back(url, root, run_b, cfg, prompts, client) -> dict:
     up = Updater(dataclasses.replace(cfg, out=str(out), check_answers=4), url, out, "fp32", None, b, clock=clock)
     from hstap.serve_loop.requests import post
 
-    post(url + "/collective_rpc", {"method": "hstap_load_drafter", "args": [str((out / "exports" / "v0000").resolve())]})
+    v0 = str((out / "exports" / "v0000").resolve())
+    post(url + "/collective_rpc", {"method": "hstap_load_drafter", "args": [v0]})
 
     def serve(n0):
         for j, p in enumerate(prompts):
@@ -259,6 +260,21 @@ def test_bad_settings_are_one_error_each(tmp_path):
                     ({"server_cpus": "0;1"}, "--server-cpus: expected a CPU list")):
         with pytest.raises(HstapError, match=msg):
             ServeLoopConfig(**base, **kw)
+
+
+def test_an_anchor_store_unlike_the_tapped_one_is_refused_before_anything_is_written(small_run, tmp_path):
+    from hstap.common import HstapError
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.stage import serve_loop
+
+    base = dict(target=str(small_run["target"]), prompts=str(small_run["chats"]), drafter=str(small_run["run"]),
+                anchor_fraction=0.3, device="cpu")
+    out = tmp_path / "w"
+    with pytest.raises(HstapError, match=r"manifest.json:1: dtype: the anchor store has 'fp32'.* has 'bf16'"):
+        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"])))  # the tap writes bf16
+    with pytest.raises(HstapError, match="--anchor-store: not an hstap store"):
+        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(tmp_path)))
+    assert not out.exists()
 
 
 def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):

@@ -130,6 +130,26 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
     return d
 
 
+def check_anchor(cfg: ServeLoopConfig, out: Path) -> None:
+    """--anchor-store against the store the tap will write (the served drafter's layers, the target's hidden size and
+    fingerprint, --tap-dtype), before anything is written: the trainer would refuse it only once serving has begun."""
+    from hstap.artifacts.drafter_dir import resolve_drafter_dir
+    from hstap.artifacts.model_dir import load_config, target_fingerprint
+    from hstap.layers import default_aux_layers, parse_layers
+    from hstap.train.follow import open_anchor
+
+    hf = load_config(cfg.target)
+    if cfg.drafter:
+        meta = json.loads((resolve_drafter_dir(cfg.drafter) / "drafter.json").read_text())
+        layers = list(meta["config"]["aux_layers"])
+    else:
+        N = hf.num_hidden_layers
+        layers = parse_layers(cfg.layers, N) if cfg.layers else default_aux_layers(N)
+    header = {"layers": layers, "hidden_size": int(hf.hidden_size), "dtype": cfg.tap_dtype,
+              "target": target_fingerprint(cfg.target)}
+    open_anchor(cfg.anchor_store, str(out / "store"), header)
+
+
 def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path | None, store: Path) -> list[str]:
     """`vllm serve` arguments of a --mode run (module docstring)."""
     from hstap.capture.vllm.eagle_tap import CONNECTOR, CONNECTOR_MODULE
@@ -240,6 +260,8 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     dtype = auto_dtype(cfg.dtype, device)
     prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
     ref = read_reference(cfg.reference) if cfg.reference else None
+    if cfg.anchor_store and cfg.mode == "loop":
+        check_anchor(cfg, out)
     require_vllm("serve-loop")  # last of the checks (its import takes seconds), before anything is written
     if replace:  # an earlier serve-loop's directory (its run record says so)
         shutil.rmtree(out)
