@@ -262,7 +262,7 @@ def test_bad_settings_are_one_error_each(tmp_path):
             ServeLoopConfig(**base, **kw)
 
 
-def test_an_anchor_store_unlike_the_tapped_one_is_refused_before_anything_is_written(small_run, tmp_path):
+def test_an_anchor_store_unlike_the_tapped_one_or_absent_cpus_are_refused_before_anything_is_written(small_run, tmp_path):
     from hstap.common import HstapError
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.serve_loop.stage import serve_loop
@@ -274,6 +274,9 @@ def test_an_anchor_store_unlike_the_tapped_one_is_refused_before_anything_is_wri
         serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"])))  # the tap writes bf16
     with pytest.raises(HstapError, match="--anchor-store: not an hstap store"):
         serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(tmp_path)))
+    with pytest.raises(HstapError, match=r"--trainer-cpus 0,4096: CPU\(s\) \[4096\] not available here"):
+        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"]),
+                                   trainer_cpus="0,4096"))
     assert not out.exists()
 
 

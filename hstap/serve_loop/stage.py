@@ -130,6 +130,19 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
     return d
 
 
+def check_cpus(cfg: ServeLoopConfig) -> None:
+    """--server-cpus / --trainer-cpus name CPUs this process may run on (else taskset would fail only after start)."""
+    have = os.sched_getaffinity(0)
+    for name in ("server_cpus", "trainer_cpus"):
+        want = set()
+        for part in filter(None, getattr(cfg, name).split(",")):
+            lo, _, hi = part.partition("-")
+            want |= set(range(int(lo), int(hi or lo) + 1))
+        if want - have:
+            raise HstapError(f"serve-loop: --{name.replace('_', '-')} {getattr(cfg, name)}: CPU(s) "
+                             f"{sorted(want - have)} not available here (this process may use {sorted(have)})")
+
+
 def check_anchor(cfg: ServeLoopConfig, out: Path) -> None:
     """--anchor-store against the store the tap will write (the served drafter's layers, the target's hidden size and
     fingerprint, --tap-dtype), before anything is written: the trainer would refuse it only once serving has begun."""
@@ -260,6 +273,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     dtype = auto_dtype(cfg.dtype, device)
     prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
     ref = read_reference(cfg.reference) if cfg.reference else None
+    check_cpus(cfg)
     if cfg.anchor_store and cfg.mode == "loop":
         check_anchor(cfg, out)
     require_vllm("serve-loop")  # last of the checks (its import takes seconds), before anything is written
