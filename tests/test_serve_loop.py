@@ -262,7 +262,7 @@ def test_bad_settings_are_one_error_each(tmp_path):
             ServeLoopConfig(**base, **kw)
 
 
-def test_an_anchor_store_unlike_the_tapped_one_or_absent_cpus_are_refused_before_anything_is_written(small_run, tmp_path):
+def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_written(small_run, tmp_path):
     from hstap.common import HstapError
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.serve_loop.stage import serve_loop
