@@ -106,6 +106,19 @@ def training_curves(metrics: str | Path, path: str | Path):
     return fig
 
 
+def _acceptance_axes(fig, ax, xlabel: str, top: float, title: str, legend: bool, path: str | Path):
+    """The serve-loop figures' axes: acceptance from 0 (low acceptance stays readable), grid, legend; saved."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("draft tokens accepted / proposed")
+    ax.set_ylim(0, min(1.02, max(0.25, 1.25 * top)))
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
+    _save(fig, path)
+    return fig
+
+
 def serve_loop_plot(runs: dict[str, dict], path: str | Path):
     """vLLM's acceptance (accepted / proposed draft tokens) over windows of answered requests, against requests served,
     one line per `hstap serve-loop` summary in `runs` (name -> summary.json); a loop's drafter updates are the ticks
@@ -118,16 +131,9 @@ def serve_loop_plot(runs: dict[str, dict], path: str | Path):
         ups = [u["served"] for u in s.get("updates") or [] if "load_s" in u and "error" not in u]
         if ups:
             ax.plot(ups, [0.01 + 0.02 * n] * len(ups), linestyle="none", marker="|", markersize=10, color=f"C{n}")
-    ax.set_xlabel("requests served")
-    ax.set_ylabel("draft tokens accepted / proposed")
     top = max((p["acceptance"] for s in runs.values() for p in s.get("windows") or []), default=0.0)
-    ax.set_ylim(0, min(1.02, max(0.25, 1.25 * top)))  # low acceptance stays readable
-    ax.set_title("vLLM's acceptance while serving (ticks: drafter updates taken up)", fontsize=10)
-    ax.grid(alpha=0.3)
-    if runs:
-        ax.legend(fontsize=8)
-    _save(fig, path)
-    return fig
+    return _acceptance_axes(fig, ax, "requests served", top,
+                            "vLLM's acceptance while serving (ticks: drafter updates taken up)", bool(runs), path)
 
 
 def serve_shift_plot(curves: dict[str, list[dict]], shift: int, path: str | Path):
@@ -140,13 +146,6 @@ def serve_shift_plot(curves: dict[str, list[dict]], shift: int, path: str | Path
                 label=name)
     ax.axvline(shift, color="0.4", linestyle="--", linewidth=1)
     ax.text(shift, 0.02, " traffic shifts", fontsize=8, color="0.3")
-    ax.set_xlabel("requests sent")
-    ax.set_ylabel("draft tokens accepted / proposed")
     top = max((p["acceptance"] for w in curves.values() for p in w), default=0.0)
-    ax.set_ylim(0, min(1.02, max(0.25, 1.25 * top)))
-    ax.set_title("vLLM's acceptance per window of requests, across a traffic shift", fontsize=10)
-    ax.grid(alpha=0.3)
-    if curves:
-        ax.legend(fontsize=8)
-    _save(fig, path)
-    return fig
+    return _acceptance_axes(fig, ax, "requests sent", top,
+                            "vLLM's acceptance per window of requests, across a traffic shift", bool(curves), path)

@@ -38,8 +38,9 @@ def test_serve_loop_plot_one_line_per_run_and_update_ticks(tmp_path):
     from hstap.plots import serve_loop_plot
 
     win = [{"served": 8 * i, "acceptance": 0.1 * i} for i in range(1, 5)]
-    runs = {"loop": {"windows": win, "acceptance": 0.2, "tau": 1.5, "updates": [{"served": 8}, {"served": 16},
-                                                                                {"served": 24, "error": "x"}]},
+    ups = [{"served": 8, "load_s": 0.1}, {"served": 12, "gate": {"decision": "refuse"}}, {"served": 16, "load_s": 0.1},
+           {"served": 20, "check": {"ok": True}}, {"served": 24, "error": "x"}]  # ticks: the loads alone
+    runs = {"loop": {"windows": win, "acceptance": 0.2, "tau": 1.5, "updates": ups},
             "fixed": {"windows": win[:2], "acceptance": 0.15, "tau": 1.4}}
     fig = serve_loop_plot(runs, tmp_path / "a.png")
     assert (tmp_path / "a.png").read_bytes()[:8] == PNG
