@@ -4,7 +4,8 @@ bench_ngram.py on a few streams (its index and its scan propose the same drafts)
 (speculators' trainer on a tiny store, hstap's reading of its checkpoints equal to speculators' model); bench_wide.py
 --tiny (a SmolLM2-like tiny target widened, every method lossless); bench_capture.py --tiny (every pass profiled, the
 stores bitwise equal to the old gather path's); bench_decode.py --tiny --big-spec (every step split against the bound);
-gpu_speed.sh's SMOKE form (the H200 protocol's two parts and its summary)."""
+gpu_speed.sh's SMOKE form (the H200 protocol's two parts and its summary); bench_serve_shift.py --tiny (the serve loop
+across a traffic shift, on the live vLLM)."""
 
 from __future__ import annotations
 
@@ -256,3 +257,35 @@ def test_gpu_speed_protocol_smoke(tmp_path):
     assert "bytes vs the old gather: bf16 equal, fp8 equal" in summary and "spec cdt/chain5" in summary, summary
     assert "capture_disk_bf16_tailsplit" in summary, summary
     assert json.loads((out / "decode.json").read_text())["checks"]["big_spec_no_violations"]
+
+
+@pytest.mark.vllm
+@pytest.mark.procs
+@pytest.mark.slow
+def test_bench_serve_shift_tiny(tmp_path):
+    """benchmarks/bench_serve_shift.py --tiny on the live vLLM: the offline drafter, the four stream runs and the three
+    forgetting runs end to end; every request answered once, outputs equal target-only, the figures in its JSON."""
+    from helpers.vllm import require_vllm
+
+    require_vllm()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_serve_shift.py"), "--tiny", "--work",
+                        str(tmp_path / "w"), "--server-cpus", "", "--trainer-cpus", ""], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = json.loads(p.stdout.strip().splitlines()[-1])
+    assert line["requests"] == 64 and line["shift_at"] == 16
+    r = json.loads((tmp_path / "w" / "bench_serve_shift.json").read_text())
+    assert set(r["curves"]) == {"fixed", "loop, window", "loop, anchor replay"}
+    for name, run in r["runs"].items():
+        assert run["answered"] == 64 and run["lost"] == 0 and run["duplicates"] == 0, name
+        assert name == "target only" or run["lossless"]["lossless"], name
+    assert all(a > 0 for a in r["forgetting"].values())  # every final drafter served the held-back first domain
+    for i in (2, 3):  # the loops trained, and every load they made beat the served drafter on held-back samples
+        assert (tmp_path / "w" / f"run{i}" / "run" / "follow.jsonl").read_text().strip()
+        for u in map(json.loads, (tmp_path / "w" / f"run{i}" / "updates.jsonl").read_text().splitlines()):
+            g = u.get("gate")
+            assert g is None or (g["decision"] == "load") == (g["candidate_sim_tau"] > g["served_sim_tau"])
+    follow = (tmp_path / "w" / "run3" / "run" / "follow.jsonl").read_text().splitlines()
+    assert any(json.loads(x).get("anchor") for x in follow)  # the anchor run rehearsed the offline store
+    assert (tmp_path / "w" / "shift.png").read_bytes()[:4] == b"\x89PNG"
