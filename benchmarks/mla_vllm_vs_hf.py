@@ -117,6 +117,7 @@ def vllm_worker(model_dir: str, out: str, rope: str) -> None:
     from vllm import LLM, SamplingParams
 
     kw = {"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if rope == "native" else {}
+    kw["attention_config"] = {"backend": "CPU_MLA"}  # fp32: vLLM's AMX MLA backend takes bf16 weights only
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True,
               enable_prefix_caching=False, seed=0, **kw)
     got: dict = {}

