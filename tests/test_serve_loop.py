@@ -274,7 +274,7 @@ def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_wr
         serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"])))  # the tap writes bf16
     with pytest.raises(HstapError, match="--anchor-store: not an hstap store"):
         serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(tmp_path)))
-    with pytest.raises(HstapError, match=r"--trainer-cpus 0,4096: CPU\(s\) \[4096\] not available here"):
+    with pytest.raises(HstapError, match=r"--trainer-cpus 0,4096: CPU\(s\) \[4096\] not on this machine"):
         serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"]),
                                    trainer_cpus="0,4096"))
     assert not out.exists()

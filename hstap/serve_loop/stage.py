@@ -131,8 +131,9 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
 
 
 def check_cpus(cfg: ServeLoopConfig) -> None:
-    """--server-cpus / --trainer-cpus name CPUs this process may run on (else taskset would fail only after start)."""
-    have = os.sched_getaffinity(0)
+    """--server-cpus / --trainer-cpus name CPUs of this machine (else taskset would fail only after start). Not this
+    process's own affinity: it may be pinned to the trainer's CPUs itself."""
+    have = set(range(os.cpu_count() or 1))
     for name in ("server_cpus", "trainer_cpus"):
         want = set()
         for part in filter(None, getattr(cfg, name).split(",")):
@@ -140,7 +141,7 @@ def check_cpus(cfg: ServeLoopConfig) -> None:
             want |= set(range(int(lo), int(hi or lo) + 1))
         if want - have:
             raise HstapError(f"serve-loop: --{name.replace('_', '-')} {getattr(cfg, name)}: CPU(s) "
-                             f"{sorted(want - have)} not available here (this process may use {sorted(have)})")
+                             f"{sorted(want - have)} not on this machine (CPUs 0-{max(have)})")
 
 
 def check_anchor(cfg: ServeLoopConfig, out: Path) -> None:
