@@ -183,6 +183,8 @@ CHECKED_FIELDS = ("target.config_sha256", "target.weights_fingerprint", "target.
 _RESERVED = ("format", "version", "created", "created_unix", "shards")
 SHARD_RE = re.compile(r"^r(\d{3,})-(\d{6,})\.safetensors$")
 TEMP_RE = re.compile(r"^\.r(\d{3,})-(\d{6,})\.safetensors\.tmp$")
+TEMP_OF_RE = re.compile(r"^\..+\.[^.]+\.tmp$")
+"""An atomic write's temporary file (`.NAME.RANDOM.tmp` beside NAME) left by a process killed before its rename."""
 log = logging.getLogger("hstap.store")
 
 
@@ -295,6 +297,9 @@ def check_store_dir(path: str | os.PathLike) -> bool:
             continue  # e.g. a following trainer's consumer.json, written before the store is created
         if f.name == "config.json" and read_record(f) is not None:
             continue
+        if f.is_file() and any(TEMP_OF_RE.match(f.name) and f.name[1:].startswith(n + ".")
+                               for n in (*STORE_FILES, "config.json")):
+            continue  # an atomic write of the store's own file, killed before its rename: the creation was cut short
         raise HstapError(f"{p}: holds {f.name!r} and no manifest.json: not an hstap store; a store is created only "
                          f"in a new or empty directory (nothing there was touched): choose another directory")
     return False

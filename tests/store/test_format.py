@@ -236,3 +236,25 @@ def test_check_names_the_first_damaged_shard_and_ranks_split_the_hashing(tmp_pat
                        "consumed": {"0": 1}})
     with pytest.raises(HstapError, match=re.escape(str(f))):  # shard 0 is passed over; shard 2 is still damaged
         s.check()
+
+
+def test_a_creation_killed_before_its_manifest_rename_is_not_a_foreign_directory(tmp_path):
+    """A writer killed between writing the manifest's temporary file and renaming it leaves `.manifest.json.X.tmp`
+    beside empty shards/ and parts/: the next run creates the store there; a file of the user's is still refused."""
+    import pytest
+
+    from hstap.common import HstapError
+    from hstap.store.format import check_store_dir
+
+    d = tmp_path / "store"
+    (d / "shards").mkdir(parents=True)
+    (d / "parts").mkdir()
+    (d / ".manifest.json.olbim8ns.tmp").write_text("{")
+    assert check_store_dir(d) is False  # nothing to resume: created anew
+    (d / "notes.txt").write_text("mine")
+    with pytest.raises(HstapError, match="holds 'notes.txt' and no manifest.json"):
+        check_store_dir(d)
+    (d / "notes.txt").unlink()
+    (d / ".notes.txt.abc.tmp").write_text("x")  # a temporary file of another name is not the store's
+    with pytest.raises(HstapError, match="no manifest.json"):
+        check_store_dir(d)
