@@ -54,7 +54,7 @@ from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
 from hstap.artifacts.model_dir import load_target, resolve_dtype
 from hstap.models.target import Target
-from hstap.store.format import committed_ids_of
+from hstap.store.manifest import committed_ids_of
 from hstap.store.writer import StoreWriter
 
 ZERO_COPY_MAX_SHARD = 4 << 30  # larger shards: copy batches out of pinned memory rather than pin a whole shard

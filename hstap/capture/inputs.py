@@ -82,7 +82,8 @@ def check_out(out: str, new: bool, rank: int = 0, world: int = 1, header: dict |
     captured: made with this run's target, layers and dtype (`header`, when given: refused before anything is loaded),
     and every committed shard present at its recorded size and hashed against its checksum (ranks split the shards).
     Returns whether there is a store to resume."""
-    from hstap.store.format import check_resumable, check_store_dir
+    from hstap.store.header import check_resumable
+    from hstap.store.manifest import check_store_dir
     from hstap.store.reader import open_store
 
     if not check_store_dir(out) or new:  # a directory of other files is refused, --new or not
@@ -132,7 +133,7 @@ def copy_vocab_map(data: str, out: str) -> None:
     (same sha256) and the store lacks it: after the store is created, or on the resume of a run killed before.
     A store created from another prepared set keeps its own map (with a note)."""
     from hstap.data.vocab import VOCAB_MAP_FILE, vocab_map_record
-    from hstap.store.format import load_manifest
+    from hstap.store.manifest import load_manifest
 
     rec, stored = vocab_map_record(data), load_manifest(Path(out)).get("vocab_map")
     if rec is None or stored is None:

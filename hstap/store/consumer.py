@@ -13,8 +13,9 @@ import os
 import time
 from pathlib import Path
 
-from hstap.common import HstapError
-from hstap.store.format import SHARD_RE, TEMP_RE, load_manifest, read_json, write_json
+from hstap.common import HstapError, read_json
+from hstap.store.format import SHARD_RE, TEMP_RE
+from hstap.store.manifest import load_manifest, write_json
 
 CONSUMER_FORMAT = "hstap-store-consumer"
 CONSUMER_VERSION = 1
