@@ -52,7 +52,8 @@ from hstap.capture.staging import (PinnedPool, staging_layout, staging_nbytes, s
                                    to_store_dtype)
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
-from hstap.artifacts.model_dir import load_target, resolve_dtype
+from hstap.artifacts.model_dir import load_target
+from hstap.device import resolve_dtype
 from hstap.models.target import Target
 from hstap.store.manifest import committed_ids_of
 from hstap.store.writer import StoreWriter

@@ -158,7 +158,7 @@ def generate(cfg: GenerateConfig) -> dict:
 
     if cfg.capture is None:
         return run(cfg)
-    from hstap.artifacts.model_dir import resolve_device, resolve_dtype
+    from hstap.device import resolve_device, resolve_dtype
 
     def make_tap() -> GeneratedStore:
         dt = resolve_dtype(cfg.dtype, resolve_device(cfg.device))

@@ -58,7 +58,7 @@ Nothing is ever padded.
                   resumed it with another world size ("Writers and the end of writing"); absent in older stores
     vocab_map     optional (added without a version bump: readers ignore keys they do not know): {file
                   ("vocab_map.safetensors", relative to STORE), sha256 (of the file's bytes), size (draft ids N)}, the
-                  prepared set's draft vocabulary map (d2t, t2d: hstap/data/vocab.py), copied by capture atomically after
+                  prepared set's draft vocabulary map (d2t, t2d: hstap/artifacts/vocab_map.py), copied by capture atomically after
                   the manifest is created; `hstap train --store STORE` uses it unless given another map
     contents      optional (no version bump): {kind, what, loss_mask, ...} for samples that are not a prepared set's
                   conversations: "generated" (`hstap generate --capture`: the target's answers, captured while it
