@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch
 from hstap.common import HstapError, one_line, sha256_bytes
 from hstap.device import resolve_device, resolve_dtype
 from hstap.models.target import Target
+from hstap.artifacts.quantization import LOADING_ATTRIBUTES_WARNING, load_kwargs, quantization_of
 from hstap.artifacts.tiktoken_dir import TIKTOKEN_FILE, is_tiktoken_dir, load_tiktoken_dir
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -182,7 +184,9 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
 
     A multimodal wrapper (Kimi-K2.5's `KimiK25ForConditionalGeneration`, ...) loads as its language model alone, a
     causal LM of its `text_config`, from the tensors `text_weights` finds (no vision tower). A tensor of the model
-    missing from the checkpoint is an error, never a random initialisation.
+    missing from the checkpoint is an error, never a random initialisation. A quantized checkpoint (INT4 W4A16
+    compressed-tensors, DeepSeek-V3's block FP8: hstap.artifacts.quantization) loads as the quantized model, its
+    weights unpacked to the values they stand for; another quantization is one error line.
 
     dtype: "fp32" | "bf16" | "auto" (fp32 on CPU, bf16 on CUDA). Attention is SDPA, or eager for architectures without
     it."""
@@ -198,7 +202,7 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
-    kw: dict = {"dtype": dt}
+    kw: dict = {"dtype": dt, **load_kwargs(quantization_of(p))}
     wrapper = text_config(cfg) is not cfg
     if wrapper:
         kw.update(text_model_kwargs(p, cfg))
@@ -209,8 +213,11 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
     # DeepSeek MTP layer) are left out on purpose
     hf_logging.set_verbosity_error()
     try:
-        model, info = _from_pretrained(p, kw)
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a damaged or incomplete directory
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=f".*{LOADING_ATTRIBUTES_WARNING}", category=UserWarning)
+            model, info = _from_pretrained(p, kw)
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError, SafetensorError) as e:  # a damaged or incomplete
+        # directory, or a quantized one without its package (compressed-tensors)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise HstapError(f"{p}: cannot load the target model: {type(e).__name__}: {first}") from None
     finally:
