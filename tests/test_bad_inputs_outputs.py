@@ -191,7 +191,7 @@ def test_a_run_record_of_another_stage_is_not_this_ones(tmp_path):
 
 def test_a_store_is_created_beside_a_waiting_trainer_but_never_in_a_users_shards(tmp_path):
     from hstap.common import HstapError
-    from hstap.store.format import check_store_dir
+    from hstap.store.manifest import check_store_dir
 
     waiting = tmp_path / "waiting"  # `train --follow --consume` claims the store's window before it exists
     waiting.mkdir()

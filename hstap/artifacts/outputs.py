@@ -20,28 +20,16 @@ would swallow it), a directory output a directory, and the output, or the neares
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
 
-from hstap.common import HstapError
+from hstap.common import HstapError, read_record
 
 RECORDS = ("config.json", "hstap_export.json", "hstap_convert.json")
 """The files a stage's run record may live in (the first one found that is a run record counts)."""
 RECORD_OF = {"export": "hstap_export.json", "convert": "hstap_convert.json"}
 """Stages whose run record is not config.json (there, config.json is the model's)."""
-
-
-def read_record(path: Path) -> dict | None:
-    """The run record in `path` (a JSON object with "stage" and "hstap_version"), or None."""
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    if isinstance(rec, dict) and isinstance(rec.get("stage"), str) and "hstap_version" in rec:
-        return rec
-    return None
 
 
 def written_by(d: Path) -> str | None:

@@ -106,10 +106,10 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
         w = load_file(str(d / "drafter.safetensors"))
         d2t, t2d = w["d2t"], w["t2d"]
     else:
-        from hstap.data.vocab import load_vocab_map
+        from hstap.artifacts.vocab_map import load_vocab_map
         from hstap.layers import default_aux_layers, parse_layers
         from hstap.artifacts.model_dir import load_config, target_head
-        from hstap.train.plan import VocabMap
+        from hstap.artifacts.vocab_map import VocabMap
         from hstap.train.trainer import init_drafter
 
         hf = load_config(cfg.target)
@@ -262,7 +262,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     from hstap.serve_loop.report import summarize
     from hstap.serve_loop.updates import Updater, export_vllm
     from hstap.engines.vllm import require_vllm, vllm_server
-    from hstap.artifacts.model_dir import auto_device, auto_dtype
+    from hstap.device import auto_device, auto_dtype
     from hstap.artifacts.outputs import check_not_input, check_out_dir
 
     # Everything is checked before anything is written or removed: --out, the engine, the prompts, the reference.

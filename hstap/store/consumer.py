@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hstap.common import HstapError, atomic_write_bytes
-from hstap.store.format import SHARD_RE, TEMP_RE, load_manifest, read_json, write_json
+from hstap.common import HstapError, atomic_write_bytes, read_json
+from hstap.store.format import SHARD_RE, TEMP_RE
+from hstap.store.manifest import load_manifest, write_json
 
 CONSUMER_FORMAT = "hstap-store-consumer"
 CONSUMER_VERSION = 1

@@ -75,7 +75,7 @@ from hstap.batching import collate
 from hstap.common import HstapError
 from hstap.store.consumer import (claim_store, delete_consumed, is_consumed, own_shard_files, read_consumer,
                                   write_consumer)
-from hstap.store.format import load_manifest, load_parts, union_entries, writing_state
+from hstap.store.manifest import load_manifest, load_parts, union_entries, writing_state
 from hstap.store.reader import Store, check_shard, open_store
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig

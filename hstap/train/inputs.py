@@ -32,7 +32,8 @@ from hstap.artifacts.model_dir import load_config, target_head
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.data import TrainData, auto_ce_chunk, build_data, source_layers
-from hstap.train.plan import TrainPlan, VocabMap
+from hstap.artifacts.vocab_map import VocabMap
+from hstap.train.plan import TrainPlan
 
 
 @dataclass
@@ -142,7 +143,7 @@ def resolve_vocab(cfg: TrainConfig, store, V: int) -> VocabMap:
     prepared or stored map builds the top N from the store's counts instead (one printed line; never ignored); one that
     differs from an explicit --vocab-map's, or with no complete store to count (`store` None: --online, --follow), is an
     error."""
-    from hstap.data.vocab import build_vocab_map, load_store_vocab_map, load_vocab_map
+    from hstap.artifacts.vocab_map import build_vocab_map, load_store_vocab_map, load_vocab_map
     src = cfg.vocab_map or cfg.data
     stored = load_store_vocab_map(store.path, store.header) if not src and store is not None else None
     if src:

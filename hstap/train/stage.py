@@ -83,7 +83,7 @@ import torch
 from hstap import dist as D
 from hstap.batching import TrainBatches
 from hstap.common import HstapError, atomic_write_json, write_run_config
-from hstap.artifacts.model_dir import auto_dtype
+from hstap.device import auto_dtype
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.data import Feed, TrainData
