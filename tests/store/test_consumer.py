@@ -169,7 +169,7 @@ def test_follow_config_errors_are_one_line_each(tmp_path):
 
 
 def test_too_small_a_window_and_a_store_consumed_by_another_run(tmp_path):
-    from hstap.train.follow import claim_store
+    from hstap.store.consumer import claim_store
 
     p = tmp_path / "s"
     write(p, 6, shard_tokens=50)

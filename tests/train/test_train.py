@@ -420,7 +420,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, assets, tmp_path, capsy
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             train(_cfg(assets, run, steps=1, eval_frac=0.0, tensorboard=False))
         _other_vocab_store(assets, store)
-        opts = {"resume": True, "steps": 2}
+        opts = {"resume": True, "steps": 2, "eval_frac": 0.0}
         expect = ["step_00000001/drafter.safetensors: d2t/t2d: the run was trained on a draft vocabulary map of 96 ids",
                   f"from {assets['store']}", "this resume resolves another one of 96 ids", f"from {store}"]
     elif case == "empty training split":
