@@ -1,5 +1,6 @@
-"""Everything about reading a local HF model directory: device and dtype, config, tokenizer and chat template (and
-their hashes), the target model, its embedding and lm_head, and the fingerprint a store header records.
+"""Everything about reading a local HF model directory: config, tokenizer and chat template (and their hashes), the
+target model (on the device and dtype `hstap.device` resolves), its embedding and lm_head, and the fingerprint a store
+header records.
 
 Every stage that touches a target goes through here (capture, train, verify, eval, generate, the engines), so "which
 model is this" is decided in one place. No model hub: paths are local directories only.
@@ -25,55 +26,14 @@ from pathlib import Path
 import torch
 
 from hstap.common import HstapError, one_line, sha256_bytes
+from hstap.device import resolve_device, resolve_dtype
 from hstap.models.target import Target
 from hstap.artifacts.quantization import LOADING_ATTRIBUTES_WARNING, load_kwargs, quantization_of
 from hstap.artifacts.tiktoken_dir import TIKTOKEN_FILE, is_tiktoken_dir, load_tiktoken_dir
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", TIKTOKEN_FILE)
 FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a weight file
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Device and dtype
-
-
-def auto_device(device: str | torch.device) -> str:
-    """The device a --device value names: "auto" -> "cuda" where torch sees a GPU, else "cpu"; any other as given."""
-    if str(device) != "auto":
-        return str(device)
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def auto_dtype(dtype: str, device: str | torch.device) -> str:
-    """The compute dtype a --dtype value names on `device` (a --device value): "auto" -> "bf16" on CUDA (what serving
-    engines run), "fp32" on the CPU (exact, tests); any other as given."""
-    if dtype != "auto":
-        return dtype
-    return "bf16" if torch.device(auto_device(device)).type == "cuda" else "fp32"
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """`auto_device(device)` as a torch.device; "cuda" without an index -> the current CUDA device."""
-    device = auto_device(device)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise HstapError(f"--device: {device} requested but CUDA is not available (torch {torch.__version__})")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise HstapError(f"--device: expected cpu, cuda or auto, got {device!r}")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto_dtype(dtype, device)` as a torch.dtype."""
-    dtype = auto_dtype(dtype, device)
-    if dtype not in COMPUTE_DTYPES:
-        raise HstapError(f"--compute-dtype: expected auto, fp32 or bf16, got {dtype!r}")
-    return COMPUTE_DTYPES[dtype]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
