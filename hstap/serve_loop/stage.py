@@ -56,7 +56,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from hstap.common import HstapError, atomic_write_json, free_port, run_meta, write_run_config
+from hstap.common import HstapError, atomic_write_json, free_port, one_line, run_meta, write_run_config
 from hstap.serve_loop.config import ServeLoopConfig
 from hstap.train.config import TrainConfig
 
@@ -106,10 +106,10 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
         w = load_file(str(d / "drafter.safetensors"))
         d2t, t2d = w["d2t"], w["t2d"]
     else:
-        from hstap.data.vocab import load_vocab_map
+        from hstap.artifacts.vocab_map import load_vocab_map
         from hstap.layers import default_aux_layers, parse_layers
         from hstap.artifacts.model_dir import load_config, target_head
-        from hstap.train.plan import VocabMap
+        from hstap.artifacts.vocab_map import VocabMap
         from hstap.train.trainer import init_drafter
 
         hf = load_config(cfg.target)
@@ -215,19 +215,44 @@ def start_trainer(cfg: ServeLoopConfig, out: Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def read_reference(path: str) -> dict[int, list[int]]:
-    """{prompt index: output tokens} of a --mode target run's served.jsonl (--reference)."""
+def read_reference(path: str, n: int) -> dict[int, list[int]]:
+    """{prompt index: output tokens} of a --mode target run's served.jsonl (--reference), checked to be one: every line
+    a record of a served request ("i", and its "tokens" or its "error"), every one of the `n` prompts served here
+    recorded there (else the comparison would be of nothing), and, where its run record lies beside it, of a --mode
+    target run. One line naming the file (and line) otherwise."""
+    from hstap.common import read_record
+
     p = Path(path)
     if not p.is_file():
         raise HstapError(f"{p}: --reference: not a file (the served.jsonl of a --mode target run)")
-    out = {}
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    what = "--reference: not a served.jsonl of hstap serve-loop"
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise HstapError(f"{p}: {what} (not UTF-8 text)") from None
+    out: dict[int, list[int]] = {}
+    seen: set[int] = set()
+    for k, line in enumerate(lines, 1):
         try:
             r = json.loads(line)
+            i = r["i"]
+            if not isinstance(i, int) or isinstance(i, bool) or not ("tokens" in r or "error" in r):
+                raise ValueError("a record has an integer \"i\" and its \"tokens\" or its \"error\"")
             if "tokens" in r:
-                out[int(r["i"])] = [int(t) for t in r["tokens"]]
+                if not isinstance(r["tokens"], list) or not all(isinstance(t, int) for t in r["tokens"]):
+                    raise ValueError("\"tokens\" is a list of token ids")
+                out[i] = r["tokens"]
+            seen.add(i)
         except (ValueError, KeyError, TypeError) as e:
-            raise HstapError(f"{p}:{n}: --reference: not a served.jsonl record ({e})") from None
+            raise HstapError(f"{p}:{k}: {what} ({one_line(e)})") from None
+    missing = [i for i in range(n) if i not in seen]
+    if missing:
+        raise HstapError(f"{p}: --reference: holds no answer to prompt {missing[0]} ({len(missing)} of the {n} served "
+                         f"here are not in it): the reference of other prompts, or of fewer")
+    rec = read_record(p.parent / "config.json")
+    if rec is not None and rec["stage"] == "serve-loop" and (rec.get("config") or {}).get("mode") != "target":
+        raise HstapError(f"{p}: --reference: served by a --mode {rec['config'].get('mode')} run "
+                         f"({p.parent / 'config.json'}); the reference is a --mode target run's")
     return out
 
 
@@ -262,18 +287,23 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     from hstap.serve_loop.report import summarize
     from hstap.serve_loop.updates import Updater, export_vllm
     from hstap.engines.vllm import require_vllm, vllm_server
-    from hstap.artifacts.model_dir import auto_device, auto_dtype
+    from hstap.device import auto_device, auto_dtype
     from hstap.artifacts.outputs import check_not_input, check_out_dir
 
     # Everything is checked before anything is written or removed: --out, the engine, the prompts, the reference.
     out = Path(cfg.out)
+    if cfg.mode == "loop":  # the tap reads V1's model runner: a server asked for V2 is refused now, not once started
+        from hstap.engines.vllm_runner import ENV, require_v1
+
+        require_v1("v2" if os.environ.get(ENV, "").strip().lower() in ("1", "true") else "v1", "hstap serve-loop",
+                   "its tap beside EAGLE-3")
     check_not_input(out, [("--target", cfg.target), ("--prompts", cfg.prompts), ("--drafter", cfg.drafter),
                           ("--reference", cfg.reference), ("--vocab-map", cfg.vocab_map)])
     replace = check_out_dir(out, "serve-loop", cfg.overwrite)
     device = auto_device(cfg.device)
     dtype = auto_dtype(cfg.dtype, device)
     prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
-    ref = read_reference(cfg.reference) if cfg.reference else None
+    ref = read_reference(cfg.reference, len(prompts)) if cfg.reference else None
     check_cpus(cfg)
     if cfg.anchor_store and cfg.mode == "loop":
         check_anchor(cfg, out)
@@ -287,7 +317,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
         atomic_write_json(out / "run.config.json", run_meta("train", trainer_config(cfg, out, drafter0, device)))
     if drafter0 is not None:
         export_vllm(cfg.target, cfg.k, drafter0, out / "exports" / "v0000", dtype)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_V2_MODEL_RUNNER": "0"}  # V1: the tap reads it
     if cfg.mode == "loop":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's /collective_rpc endpoint (its development endpoints)
     if device == "cpu":
