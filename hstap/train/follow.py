@@ -77,7 +77,7 @@ from hstap.store.consumer import delete_consumed, is_consumed, own_shard_files, 
 from hstap.store.format import load_manifest, load_parts, union_entries, writing_state
 from hstap.store.reader import Store, check_shard, open_store
 from hstap.train import checkpoint
-from hstap.train.config import TrainConfig
+from hstap.train.config import HyperParams, StreamParams
 from hstap.train.follow_plan import (ANCHOR, ANCHOR_UNIT, END, REGULAR, REPLAY, TAKE, StreamSpec, kept, next_unit,
                                      plan_slot)
 
@@ -124,18 +124,19 @@ def claim_store(store: str, keep_shards: int, run: Path, resuming: bool) -> None
                           "keep_shards": keep_shards, "consumed": rec["consumed"] if rec else {}})
 
 
-def open_followed_store(cfg: TrainConfig, run: Path, rank: int) -> None:
-    """With --consume, rank 0 claims the store (`claim_store`) first; then every rank waits until a writer created
-    it."""
+def open_followed_store(store: str, keep_shards: int | None, consume: bool, resume: bool, run: Path,
+                        rank: int) -> None:
+    """With --consume, rank 0 claims the store (`claim_store`, the window --keep-shards) first; then every rank waits
+    until a writer created it. resume: --resume (a run with checkpoints resumes its claim)."""
     err = None
-    if rank == 0 and cfg.consume:
+    if rank == 0 and consume:
         try:
-            claim_store(cfg.store, cfg.keep_shards, run, resuming=bool(cfg.resume and checkpoint.complete(run)))
+            claim_store(store, keep_shards, run, resuming=bool(resume and checkpoint.complete(run)))
         except HstapError as e:
             err = e
     if not D.agree(err is None):
-        raise err or HstapError(f"{cfg.store}: rank 0 could not claim the store (see its output)")
-    wait_for_store(Path(cfg.store))
+        raise err or HstapError(f"{store}: rank 0 could not claim the store (see its output)")
+    wait_for_store(Path(store))
 
 
 def check_store_target(store: str, target: str) -> None:
@@ -191,17 +192,21 @@ class FollowBatches:
     stream ended), takes grad_accum micro-batches with `next()`, calls `step_done(step)` after the step and
     `committed(step)` after each checkpoint; `state()` goes into trainer_state.json; `finish()` at a normal end."""
 
-    def __init__(self, cfg: TrainConfig, run: Path, rank: int, world: int, dev: torch.device, state: dict | None,
-                 pin: bool, workers: int):
-        self.path, self.run, self.rank, self.world, self.dev = Path(cfg.store), run, rank, world, dev
-        self.pin, self.workers, self.consume = pin, workers, cfg.consume
+    def __init__(self, stream: StreamParams, hyper: HyperParams, store: str, consume: bool, seed: int, run: Path,
+                 rank: int, world: int, dev: torch.device, state: dict | None, pin: bool, workers: int):
+        """stream: the run's follow section; hyper: its --epochs, --batch-tokens, --grad-accum; store: --store;
+        consume: --consume; seed: --seed."""
+        self.path, self.run, self.rank, self.world, self.dev = Path(store), run, rank, world, dev
+        self.pin, self.workers, self.consume = pin, workers, consume
         self.manifest = load_manifest(self.path)
         self.header = {k: v for k, v in self.manifest.items() if k != "shards"}
         self.ranks = writing_state(self.manifest, load_parts(self.path))[0]
-        self.settings = {k: getattr(cfg, k) for k in SETTINGS} | {"epochs": cfg.epochs or 1}
-        self.spec = StreamSpec(self.settings["epochs"], self._retain(cfg), cfg.replay_fraction, cfg.seed,
-                               cfg.batch_tokens, world * cfg.grad_accum, cfg.holdout_frac, cfg.anchor_fraction)
-        self.anchor = open_anchor(cfg.anchor_store, cfg.store, self.header) if cfg.anchor_store else None
+        given = {"epochs": hyper.epochs or 1, "consume": consume}
+        self.settings = {k: given[k] if k in given else getattr(stream, k) for k in SETTINGS}
+        self.spec = StreamSpec(self.settings["epochs"], self._retain(stream), stream.replay_fraction, seed,
+                               hyper.batch_tokens, world * hyper.grad_accum, stream.holdout_frac,
+                               stream.anchor_fraction)
+        self.anchor = open_anchor(stream.anchor_store, store, self.header) if stream.anchor_store else None
         self.anchor_lengths = list(self.anchor.lengths) if self.anchor is not None else None
         a_entries = self.anchor.manifest["shards"] if self.anchor is not None else []
         self.anchor_shard = np.repeat(np.arange(len(a_entries), dtype=np.int64),
@@ -222,17 +227,17 @@ class FollowBatches:
             self._consume()  # binds the record to this store; a resume redoes what a kill interrupted (idempotent)
         D.barrier()
 
-    def _retain(self, cfg: TrainConfig) -> int:
+    def _retain(self, stream: StreamParams) -> int:
         """R: how many consecutive slots use a shard (see StreamSpec), checked against the window."""
-        E, W = cfg.epochs or 1, self.ranks
-        if not cfg.consume:
+        E, W = self.settings["epochs"], self.ranks
+        if not self.consume:
             return E  # replay needs --consume (TrainConfig): its pool is the retained window
-        quota = cfg.keep_shards // W
-        need, R = (E, E) if cfg.replay_fraction == 0 else (E + 2, quota - 1)
+        quota = stream.keep_shards // W
+        need, R = (E, E) if stream.replay_fraction == 0 else (E + 2, quota - 1)
         if quota < need:
-            raise HstapError(f"train: --keep-shards {cfg.keep_shards} is too small for {W} writer rank(s) and "
-                             f"--epochs {E}{' with replay' if cfg.replay_fraction else ''}: each writer rank gets "
-                             f"{cfg.keep_shards} // {W} = {quota} shards and needs >= {need}")
+            raise HstapError(f"train: --keep-shards {stream.keep_shards} is too small for {W} writer rank(s) and "
+                             f"--epochs {E}{' with replay' if stream.replay_fraction else ''}: each writer rank gets "
+                             f"{stream.keep_shards} // {W} = {quota} shards and needs >= {need}")
         return R
 
     def _restore(self, state: dict) -> None:
