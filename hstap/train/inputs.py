@@ -20,6 +20,7 @@ The config is never changed: what `resolve` decides (ce chunk, draft vocabulary 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,8 @@ from hstap.train import checkpoint
 from hstap.config import flag_values
 from hstap.train.config import TrainConfig, TrainInputs
 from hstap.train.data import TrainData, auto_ce_chunk, build_data, source_layers
-from hstap.train.plan import TrainPlan, VocabMap
+from hstap.artifacts.vocab_map import VocabMap
+from hstap.train.plan import TrainPlan
 
 
 @dataclass
@@ -54,28 +56,50 @@ class RunInputs:
     run_config: dict
     """trainer_state.json's "config" of this run: {"world_size": world, **the TrainConfig's flags}
     (`hstap.config.flag_values`: flat, every section's fields by their own names)."""
+    release: Callable[[], None]
+    """Undoes --consume's claim of the followed store (`hstap.store.consumer.claim_store`; a no-op without one): for a
+    run refused before RUN is written, which leaves the store as it found it."""
 
 
 def resolve(cfg: TrainConfig, rank: int, world: int, dev: torch.device, bf16: bool) -> RunInputs:
     """The run's inputs (module docstring), in the order they are checked; raises HstapError on the first bad one."""
-    run, inp = Path(cfg.out), cfg.inputs
+    run = Path(cfg.out)
     done = checkpoint.complete(run)
     if done and not cfg.resume:  # no silent overwrite of a trained run
         raise HstapError(f"{run}: has checkpoints already; pass --resume to continue or choose another --out")
     ckpt = done[-1] if cfg.resume and done else None
-    hf_cfg = load_config(cfg.target)
+    run_config = {"world_size": world, **flag_values(cfg)}
+    # a resume against its checkpoint first, before anything (of RUN, of the followed store) is written
+    state = checkpoint.read_state(ckpt, run_config) if ckpt else {}
+    if ckpt and cfg.follow:
+        from hstap.train.follow import check_resume, stream_settings
+        check_resume(run, state, stream_settings(cfg.stream, cfg.hyper.epochs, cfg.consume))
+    elif ckpt and "follow" in state:
+        raise HstapError(f"{ckpt}/trainer_state.json: a --follow run; resume it with --follow")
+    hf_cfg, inp = load_config(cfg.target), cfg.inputs
     if inp.data:  # --online's samples, or the vocab map's source: tokenized as the target tokenizes
         from hstap.data.fits import check_tokenizer
         from hstap.data.prepare import read_meta
         from hstap.artifacts.model_dir import target_fingerprint
         check_tokenizer(inp.data, read_meta(inp.data), target_fingerprint(cfg.target))
     V = int(hf_cfg.vocab_size)
-    ce_chunk = cfg.devices.ce_chunk or auto_ce_chunk(V)
-    vocab = None
+    vocab, release = None, (lambda: None)
     if cfg.follow:  # the vocabulary is fixed before the store is claimed and waited for: it is not complete yet
         vocab = resolve_vocab(inp, None, V)
         from hstap.train.follow import open_followed_store
-        open_followed_store(inp.store, cfg.stream.keep_shards, cfg.consume, cfg.resume, run, rank)
+        release = open_followed_store(inp.store, cfg.stream.keep_shards, cfg.consume, cfg.resume, run, rank)
+    try:
+        plan, data, embed, head = _sources(cfg, rank, world, dev, bf16, hf_cfg, vocab, ckpt, state)
+    except BaseException:
+        release()  # a refused run leaves no active claim on the store
+        raise
+    return RunInputs(plan, hf_cfg, embed, head, data, state, run_config, release)
+
+
+def _sources(cfg: TrainConfig, rank: int, world: int, dev: torch.device, bf16: bool, hf_cfg, vocab, ckpt, state):
+    """`resolve`'s checks of the store (opened once), the layers, the vocabulary and the samples: (plan, data, embed,
+    head)."""
+    V, inp = int(hf_cfg.vocab_size), cfg.inputs
     store = None
     if not inp.online:
         from hstap.store.reader import open_store
@@ -100,11 +124,10 @@ def resolve(cfg: TrainConfig, rank: int, world: int, dev: torch.device, bf16: bo
     if store is not None and not cfg.follow:
         check_checksums(inp.store, [store] + ([data.eval_rows.src] if inp.eval_store else []), rank, world)
     embed, head = target_head(cfg.target)
-    run_config = {"world_size": world, **flag_values(cfg)}
-    state = checkpoint.read_state(ckpt, run_config) if ckpt else {}
-    plan = TrainPlan(world=world, device=dev.type, bf16=bf16, ce_chunk=ce_chunk, vocab=vocab, layers=tuple(layers),
-                     store_indices=None if sel is None else tuple(sel), resume=ckpt, resume_step=state.get("step", 0))
-    return RunInputs(plan, hf_cfg, embed, head, data, state, run_config)
+    plan = TrainPlan(world=world, device=dev.type, bf16=bf16, ce_chunk=cfg.devices.ce_chunk or auto_ce_chunk(V),
+                     vocab=vocab, layers=tuple(layers), store_indices=None if sel is None else tuple(sel), resume=ckpt,
+                     resume_step=state.get("step", 0))
+    return plan, data, embed, head
 
 
 def _size_conflict(inputs: TrainInputs, n: int, V: int, src) -> str | None:
@@ -123,7 +146,7 @@ def resolve_vocab(inputs: TrainInputs, store, V: int) -> VocabMap:
     prepared or stored map builds the top N from the store's counts instead (one printed line; never ignored); one that
     differs from an explicit --vocab-map's, or with no complete store to count (`store` None: --online, --follow), is an
     error."""
-    from hstap.data.vocab import build_vocab_map, load_store_vocab_map, load_vocab_map
+    from hstap.artifacts.vocab_map import build_vocab_map, load_store_vocab_map, load_vocab_map
     src = inputs.vocab_map or inputs.data
     stored = load_store_vocab_map(store.path, store.header) if not src and store is not None else None
     if src:
