@@ -304,15 +304,33 @@ def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
         check_same_drafter(tmp_path / "a", tmp_path / "c")
 
 
-def test_a_bad_reference_is_one_error_naming_the_line(tmp_path):
+def test_a_bad_reference_is_one_error_naming_the_line(small_run, tmp_path, capsys):
+    """--reference is a --mode target run's served.jsonl of these prompts: a broken line, a binary file, a JSONL of
+    something else (its comparison would be on 0/0 and pass), one of fewer prompts, or a --mode loop run's are one
+    line naming the file, before anything is written or started."""
+    from helpers.refusals import refused
+
     from hstap.common import HstapError
     from hstap.serve_loop.stage import read_reference
 
     p = tmp_path / "served.jsonl"
     p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n{"i": 2, "tokens": [3\n')
-    with pytest.raises(HstapError, match=r"served.jsonl:3: --reference: not a served.jsonl record"):
-        read_reference(str(p))
+    with pytest.raises(HstapError, match=r"served.jsonl:3: --reference: not a served.jsonl of hstap serve-loop"):
+        read_reference(str(p), 3)
     p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n')
-    assert read_reference(str(p)) == {0: [1, 2]}  # a lost request has no reference
+    assert read_reference(str(p), 2) == {0: [1, 2]}  # a lost request has no reference
+    with pytest.raises(HstapError, match="--reference: holds no answer to prompt 2 "):
+        read_reference(str(p), 3)
     with pytest.raises(HstapError, match="--reference: not a file"):
-        read_reference(str(tmp_path / "none.jsonl"))
+        read_reference(str(tmp_path / "none.jsonl"), 1)
+    (tmp_path / "config.json").write_text(json.dumps({"stage": "serve-loop", "hstap_version": "0", "config":
+                                                      {"mode": "loop"}}))
+    with pytest.raises(HstapError, match="--reference: served by a --mode loop run"):
+        read_reference(str(p), 2)
+    out, binary = tmp_path / "loop", tmp_path / "ref.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    base = ["serve-loop", "--target", small_run["target"], "--prompts", small_run["chats"], "--out", out]
+    refused([*base, "--reference", binary], capsys, f"{binary}: --reference: not a served.jsonl of hstap serve-loop",
+            untouched=[out])
+    refused([*base, "--reference", small_run["chats"]], capsys,
+            f"{small_run['chats']}:1: --reference: not a served.jsonl of hstap serve-loop", untouched=[out])

@@ -55,7 +55,7 @@ import sys
 import time
 from pathlib import Path
 
-from hstap.common import HstapError, atomic_write_json, free_port, run_meta, write_run_config
+from hstap.common import HstapError, atomic_write_json, free_port, one_line, run_meta, write_run_config
 from hstap.serve_loop.config import ServeLoopConfig
 from hstap.train.config import DrafterInit, Devices, TrainConfig, TrainInputs
 
@@ -213,19 +213,44 @@ def start_trainer(cfg: ServeLoopConfig, out: Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def read_reference(path: str) -> dict[int, list[int]]:
-    """{prompt index: output tokens} of a --mode target run's served.jsonl (--reference)."""
+def read_reference(path: str, n: int) -> dict[int, list[int]]:
+    """{prompt index: output tokens} of a --mode target run's served.jsonl (--reference), checked to be one: every line
+    a record of a served request ("i", and its "tokens" or its "error"), every one of the `n` prompts served here
+    recorded there (else the comparison would be of nothing), and, where its run record lies beside it, of a --mode
+    target run. One line naming the file (and line) otherwise."""
+    from hstap.common import read_record
+
     p = Path(path)
     if not p.is_file():
         raise HstapError(f"{p}: --reference: not a file (the served.jsonl of a --mode target run)")
-    out = {}
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    what = "--reference: not a served.jsonl of hstap serve-loop"
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise HstapError(f"{p}: {what} (not UTF-8 text)") from None
+    out: dict[int, list[int]] = {}
+    seen: set[int] = set()
+    for k, line in enumerate(lines, 1):
         try:
             r = json.loads(line)
+            i = r["i"]
+            if not isinstance(i, int) or isinstance(i, bool) or not ("tokens" in r or "error" in r):
+                raise ValueError("a record has an integer \"i\" and its \"tokens\" or its \"error\"")
             if "tokens" in r:
-                out[int(r["i"])] = [int(t) for t in r["tokens"]]
+                if not isinstance(r["tokens"], list) or not all(isinstance(t, int) for t in r["tokens"]):
+                    raise ValueError("\"tokens\" is a list of token ids")
+                out[i] = r["tokens"]
+            seen.add(i)
         except (ValueError, KeyError, TypeError) as e:
-            raise HstapError(f"{p}:{n}: --reference: not a served.jsonl record ({e})") from None
+            raise HstapError(f"{p}:{k}: {what} ({one_line(e)})") from None
+    missing = [i for i in range(n) if i not in seen]
+    if missing:
+        raise HstapError(f"{p}: --reference: holds no answer to prompt {missing[0]} ({len(missing)} of the {n} served "
+                         f"here are not in it): the reference of other prompts, or of fewer")
+    rec = read_record(p.parent / "config.json")
+    if rec is not None and rec["stage"] == "serve-loop" and (rec.get("config") or {}).get("mode") != "target":
+        raise HstapError(f"{p}: --reference: served by a --mode {rec['config'].get('mode')} run "
+                         f"({p.parent / 'config.json'}); the reference is a --mode target run's")
     return out
 
 
@@ -276,7 +301,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     device = auto_device(cfg.device)
     dtype = auto_dtype(cfg.dtype, device)
     prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
-    ref = read_reference(cfg.reference) if cfg.reference else None
+    ref = read_reference(cfg.reference, len(prompts)) if cfg.reference else None
     check_cpus(cfg)
     if cfg.stream.anchor_store and cfg.mode == "loop":
         check_anchor(cfg, out)
