@@ -185,6 +185,7 @@ def staged(quantized, tmp_path_factory) -> dict[str, dict]:
 
     from hstap.capture.config import CaptureConfig
     from hstap.capture.stage import capture
+    from hstap.config import from_flags
     from hstap.data.prepare import prepare
     from hstap.data.prepare_config import PrepareConfig
     from hstap.export.config import ExportConfig
@@ -208,7 +209,7 @@ def staged(quantized, tmp_path_factory) -> dict[str, dict]:
                                   device="cpu", batch_tokens=2048))
             r["verify"] = recompute(str(r["store"]), t, samples=3, device="cpu", compute_dtype="fp32")
             torch.manual_seed(0)
-            r["train"] = train(TrainConfig(store=str(r["store"]), target=t, out=str(d / "run"), steps=4, lr=3e-3,
+            r["train"] = train(from_flags(TrainConfig, store=str(r["store"]), target=t, out=str(d / "run"), steps=4, lr=3e-3,
                                            batch_tokens=600, ttt=2, eval_frac=0.0, save_every=4, device="cpu",
                                            compile=False, tensorboard=False))
             r["vllm"] = d / "vllm"
