@@ -21,6 +21,7 @@ import os
 import shlex
 
 from hstap.common import HstapError
+from hstap.config import positive
 
 CONNECTOR = "HstapConnector"
 CONNECTOR_MODULE = "hstap.capture.vllm.connector"
@@ -85,4 +86,5 @@ class ConnectorConfig:
         c = cls(**{"data": "", **cfg})
         if not 0.0 < c.tap_fraction <= 1.0 or c.tap_dtype not in ("bf16", "fp8", "fp32"):
             raise HstapError("--kv-transfer-config: hstap: tap_fraction must be in (0, 1], tap_dtype bf16|fp8|fp32")
+        positive("--kv-transfer-config: hstap: kv_connector_extra_config", c, ("flush_s", "max_store_gb"))
         return c
