@@ -211,6 +211,7 @@ def pipeline(targets, tmp_path_factory) -> dict[str, dict]:
     from hstap.export.stage import export
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
+    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
     from hstap.train.stage import train
     from hstap.verify.stage import recompute
@@ -229,7 +230,7 @@ def pipeline(targets, tmp_path_factory) -> dict[str, dict]:
         r["verify"] = _quiet(recompute, str(r["store"]), str(target), samples=4, device="cpu", compute_dtype="fp32")
         r["run"] = d / "run"
         torch.manual_seed(0)
-        r["train"] = _quiet(train, TrainConfig(store=str(r["store"]), target=str(target), out=str(r["run"]), steps=6,
+        r["train"] = _quiet(train, from_flags(TrainConfig, store=str(r["store"]), target=str(target), out=str(r["run"]), steps=6,
                                                lr=3e-3, batch_tokens=600, ttt=2, log_every=1, eval_frac=0.25,
                                                save_every=6, device="cpu"))
         for to in ("sglang", "vllm"):

@@ -34,6 +34,7 @@ def loop(vllm_llama, tmp_path_factory):
     from hstap.export.stage import export
     from hstap.serve_loop.requests import Client, post
     from hstap.serve_loop.config import TRAIN
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.serve_loop.stage import serve_loop, stop_ids
     from hstap.train.config import HyperParams
@@ -78,11 +79,11 @@ def loop(vllm_llama, tmp_path_factory):
         probed["rollback"] = _bad_load_rolled_back(url, root, run_b, cfg, prompts, c)
 
 
-    cfg = ServeLoopConfig(target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
-                          requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
-                          keep_shards=4, shard_tokens=512, tap_dtype="fp32", flush_s=0.5, max_model_len=512,
-                          device="cpu", holdout_frac=0.3, gate_min_samples=4,
-                          train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2, lr=5e-3))))
+    cfg = from_flags(ServeLoopConfig, target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
+                     requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
+                     keep_shards=4, shard_tokens=512, tap_dtype="fp32", flush_s=0.5, max_model_len=512, device="cpu",
+                     holdout_frac=0.3, gate_min_samples=4,
+                     train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2, lr=5e-3))))
     summary = serve_loop(cfg, probe=probe)
     return summary, probed, root, run_b
 
@@ -248,6 +249,7 @@ def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
 
 def test_bad_settings_are_one_error_each(tmp_path):
     from hstap.common import HstapError
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.train.config import HyperParams
 
@@ -272,11 +274,12 @@ def test_bad_settings_are_one_error_each(tmp_path):
                     ({"drafter": "d", "layers": "1,2,3"}, "--layers: shapes the drafter started from nothing"),
                     ({"drafter": "d", "vocab_map": "v"}, "--vocab-map: shapes the drafter started from nothing")):
         with pytest.raises(HstapError, match=msg):
-            ServeLoopConfig(**base, **kw)
+            from_flags(ServeLoopConfig, **base, **kw)
 
 
 def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_written(small_run, tmp_path):
     from hstap.common import HstapError
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.serve_loop.stage import serve_loop
 
@@ -284,12 +287,13 @@ def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_wr
                 anchor_fraction=0.3, device="cpu")
     out = tmp_path / "w"
     with pytest.raises(HstapError, match=r"manifest.json:1: dtype: the anchor store has 'fp32'.* has 'bf16'"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"])))  # the tap writes bf16
+        # the tap writes bf16
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(small_run["store"])))
     with pytest.raises(HstapError, match="--anchor-store: not an hstap store"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(tmp_path)))
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(tmp_path)))
     with pytest.raises(HstapError, match=r"--trainer-cpus 0,4096: CPU\(s\) \[4096\] not on this machine"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"]),
-                                   trainer_cpus="0,4096"))
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(small_run["store"]),
+                              trainer_cpus="0,4096"))
     assert not out.exists()
 
 

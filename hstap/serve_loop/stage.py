@@ -53,12 +53,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_json, free_port, one_line, run_meta, write_run_config
 from hstap.serve_loop.config import ServeLoopConfig, cpu_list
-from hstap.train.config import TrainConfig
+from hstap.train.config import DrafterInit, Devices, TrainConfig, TrainInputs
 
 
 def stop_ids(target: str) -> list[int]:
@@ -184,7 +183,7 @@ def check_anchor(cfg: ServeLoopConfig, out: Path) -> None:
         layers = parse_layers(cfg.layers, N) if cfg.layers else default_aux_layers(N)
     header = {"layers": layers, "hidden_size": int(hf.hidden_size), "dtype": cfg.tap_dtype,
               "target": target_fingerprint(cfg.target)}
-    open_anchor(cfg.anchor_store, str(out / "store"), header)
+    open_anchor(cfg.stream.anchor_store, str(out / "store"), header)
 
 
 def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path | None, store: Path) -> list[str]:
@@ -215,12 +214,11 @@ def trainer_config(cfg: ServeLoopConfig, out: Path, drafter0: Path, device: str)
     no eval split, the loop's seed and device, no TensorBoard; the loop's hold-out (the gate's samples), window replay
     and anchor store."""
     dl = json.loads((drafter0 / "drafter.json").read_text())["config"].get("num_layers", 1)
-    return TrainConfig(**asdict(cfg.train), out=str(out / "run"), target=cfg.target, store=str(out / "store"),
-                       follow=True, consume=True, keep_shards=cfg.keep_shards,
-                       vocab_map=str(out / "vocab_map.safetensors"), eval_frac=0.0, init_from=str(drafter0),
-                       draft_layers=dl, seed=cfg.seed, device=device, tensorboard=False,
-                       holdout_frac=cfg.holdout_frac, replay_fraction=cfg.replay_fraction,
-                       anchor_store=cfg.anchor_store, anchor_fraction=cfg.anchor_fraction)
+    return TrainConfig(out=str(out / "run"), target=cfg.target, seed=cfg.seed, tensorboard=False, follow=True,
+                       consume=True, hyper=cfg.train, stream=cfg.stream,
+                       inputs=TrainInputs(store=str(out / "store"), vocab_map=str(out / "vocab_map.safetensors"),
+                                          eval_frac=0.0),
+                       drafter=DrafterInit(init_from=str(drafter0), draft_layers=dl), devices=Devices(device=device))
 
 
 def pinned(cmd: list[str], cpus: str) -> list[str]:
@@ -329,7 +327,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     ref = read_reference(cfg.reference, len(prompts)) if cfg.reference else None
     check_cpus(cfg)
     check_start_drafter(cfg)
-    if cfg.anchor_store and cfg.mode == "loop":
+    if cfg.stream.anchor_store and cfg.mode == "loop":
         check_anchor(cfg, out)
     require_vllm("serve-loop")  # last of the checks (its import takes seconds), before anything is written
     if replace:  # an earlier serve-loop's directory (its run record says so)
