@@ -242,3 +242,14 @@ def test_every_stage_runs_on_the_quantized_target(staged, quantized, kind):
     conf = json.loads((r["vllm"] / "config.json").read_text())
     assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert r["eval"]["lossless"] is True and r["eval"]["tau"] >= 1.0
+
+
+def test_vllm_on_the_cpu_runs_int4_in_bf16_only(quantized):
+    from hstap.engines.vllm import check_quantized_dtype
+
+    with pytest.raises(HstapError, match=r"INT4 W4A16 .*group 32.* bf16 only in vLLM on the CPU .*CPUWNA16") as e:
+        check_quantized_dtype(str(quantized["int4"]), "fp32", "cpu")
+    assert "\n" not in str(e.value)
+    for target, dtype, device in ((quantized["int4"], "bf16", "cpu"), (quantized["int4"], "fp32", "cuda"),
+                                  (quantized["fp8"], "fp32", "cpu"), (quantized["fp"], "fp32", "cpu")):
+        check_quantized_dtype(str(target), dtype, device)  # what vLLM runs
