@@ -27,6 +27,7 @@ so; config.json holds the config as parsed, each section nested under its name.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -78,6 +79,19 @@ def at_least(where: str, cfg: Any, names: Iterable[str], lo: int = 1) -> None:
             raise HstapError(f"{where}: {flag(name)}: must be an integer >= {lo}, got {v!r}")
         if v < lo:
             raise HstapError(f"{where}: {flag(name)}: must be >= {lo}, got {v!r}")
+
+
+def positive(where: str, cfg: Any, names: Iterable[str], zero: bool = False) -> None:
+    """Every number field of `names` is finite and > 0 (>= 0 with `zero`); None: unset, left to the field's meaning.
+    nan passes every comparison that is not made with it and inf trains a drafter of NaNs: neither is a setting. The
+    first that is not is one error line naming its flag. `where`: the stage, as the line starts."""
+    for name in names:
+        v = getattr(cfg, name)
+        if v is None:
+            continue
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 or zero and v == 0)
+        if not ok:
+            raise HstapError(f"{where}: {flag(name)}: must be a finite number {'>=' if zero else '>'} 0, got {v!r}")
 
 
 def layer_list(where: str, cfg: Any, name: str) -> None:

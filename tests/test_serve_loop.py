@@ -261,7 +261,18 @@ def test_bad_settings_are_one_error_each(tmp_path):
                     ({"anchor_fraction": 0.2}, "--anchor-store and --anchor-fraction go together"),
                     ({"holdout_frac": 1.0}, r"--holdout-frac: must be in \[0, 1\)"),
                     ({"gate_min_samples": 80}, "--gate-min-samples 80 > --gate-samples 64"),
-                    ({"server_cpus": "0;1"}, "--server-cpus: expected a CPU list")):
+                    ({"server_cpus": "0;1"}, "--server-cpus: expected a CPU list"),
+                    ({"server_cpus": "1-0"}, r"--server-cpus: expected a CPU list like 0 or 0-1,3 \(ranges low-high\)"),
+                    ({"trainer_cpus": "3-"}, "--trainer-cpus: expected a CPU list"),
+                    ({"port": 70000}, "--port: must be a TCP port, 1-65535"),
+                    ({"flush_s": -1.0}, "--flush-s: must be a finite number > 0"),
+                    ({"flush_s": float("nan")}, "--flush-s: must be a finite number > 0"),
+                    ({"max_store_gb": -2.0}, "--max-store-gb: must be a finite number > 0"),
+                    ({"mode": "fixed", "drafter": "d", "anchor_store": "s", "anchor_fraction": 0.3},
+                     "--anchor-store: the trainer's and the tap's, which run only in --mode loop"),
+                    ({"mode": "target", "drafter": "d"}, "--drafter: --mode target serves no drafter"),
+                    ({"drafter": "d", "layers": "1,2,3"}, "--layers: shapes the drafter started from nothing"),
+                    ({"drafter": "d", "vocab_map": "v"}, "--vocab-map: shapes the drafter started from nothing")):
         with pytest.raises(HstapError, match=msg):
             from_flags(ServeLoopConfig, **base, **kw)
 
@@ -284,6 +295,76 @@ def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_wr
         serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(small_run["store"]),
                               trainer_cpus="0,4096"))
     assert not out.exists()
+
+
+def test_a_start_drafter_of_another_target_is_refused_before_anything_is_written(small_run, tmp_path):
+    """--drafter, --layers and --vocab-map are checked against the target before --out is written and vLLM starts."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hstap.common import HstapError
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.stage import serve_loop
+
+    out = tmp_path / "w"
+    base = dict(target=str(small_run["target"]), prompts=str(small_run["chats"]), out=str(out), device="cpu")
+    V = json.loads((small_run["target"] / "config.json").read_text())["vocab_size"]
+    vm = tmp_path / "vocab_map.safetensors"
+    save_file({"d2t": torch.zeros(8, dtype=torch.long), "t2d": torch.arange(V + 5) < 8}, str(vm))
+    wide = tmp_path / "wide"  # the target's files, a config of another hidden size
+    shutil.copytree(small_run["target"], wide)
+    conf = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**conf, "hidden_size": 2 * conf["hidden_size"]}))
+    for kw, msg in (({"vocab_map": str(vm)}, f"--vocab-map: covers {V + 5} token ids, the target"),
+                    ({"layers": "1,3,40"}, "serve-loop: --layers: layer id 40 is out of range"),
+                    ({"drafter": str(tmp_path)}, "no drafter found"),
+                    ({"drafter": str(small_run["run"]), "target": str(wide)}, "target_hidden_size: the drafter was "
+                                                                               "made for a target of")):
+        with pytest.raises(HstapError, match=msg):
+            serve_loop(ServeLoopConfig(**(base | kw)))
+        assert not out.exists()
+
+
+def test_a_tap_or_trainer_that_dies_fails_the_loop(tmp_path):
+    """The tap's writer thread leaves a "stopped" event as it dies (a negative --flush-s used to kill it silently: the
+    run reported "store peak 0.0 MB" and exit 0), and a trainer process can exit on an error: either fails the run in
+    one line naming its log."""
+    import queue
+    import shutil
+    import subprocess
+    import sys
+
+    from hstap.capture.served import ServedWriter, drain, stopped_writer
+    from hstap.capture.vllm.protocol import EVENTS_DIR, ConnectorConfig
+    from hstap.common import HstapError
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.updates import Updater
+
+    out = tmp_path / "w"
+    (out / "store").mkdir(parents=True)
+    cfg = ServeLoopConfig(target="t", prompts="p", out=str(out))
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        up = Updater(cfg, "http://127.0.0.1:1", out, "fp32", trainer, None)
+        up.check_running()  # all running
+        with pytest.raises(ValueError):  # the queue refuses a negative timeout: the thread ends
+            drain(queue.Queue(), -1.0, ServedWriter(str(out / "store"), [1, 2], EVENTS_DIR), lambda item: None)
+        assert "ValueError" in stopped_writer(out / "store", EVENTS_DIR)
+        with pytest.raises(HstapError, match=rf"^{out / 'server.log'}: the tap beside vLLM stopped writing the store"):
+            up.check_running()
+    finally:
+        trainer.kill()
+        trainer.wait()
+    shutil.rmtree(out / "store" / EVENTS_DIR)
+    (out / "train.log").write_text("hstap: error: something the trainer refused\n")
+    up.trainer = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(2)"])
+    up.trainer.wait()
+    with pytest.raises(HstapError, match=r"train.log: the trainer exited with status 2 after 0 answers: hstap: error"):
+        up.check_running()
+    with pytest.raises(HstapError, match="kv_connector_extra_config: --flush-s: must be a finite number > 0"):
+        ConnectorConfig.from_dict({"store": str(out / "store"), "tap": True, "flush_s": -1.0})
 
 
 def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_json, free_port, one_line, run_meta, write_run_config
-from hstap.serve_loop.config import ServeLoopConfig
+from hstap.serve_loop.config import ServeLoopConfig, cpu_list
 from hstap.train.config import DrafterInit, Devices, TrainConfig, TrainInputs
 
 
@@ -134,13 +134,36 @@ def check_cpus(cfg: ServeLoopConfig) -> None:
     process's own affinity: it may be pinned to the trainer's CPUs itself."""
     have = set(range(os.cpu_count() or 1))
     for name in ("server_cpus", "trainer_cpus"):
-        want = set()
-        for part in filter(None, getattr(cfg, name).split(",")):
-            lo, _, hi = part.partition("-")
-            want |= set(range(int(lo), int(hi or lo) + 1))
+        want = cpu_list(name, getattr(cfg, name))
         if want - have:
             raise HstapError(f"serve-loop: --{name.replace('_', '-')} {getattr(cfg, name)}: CPU(s) "
                              f"{sorted(want - have)} not on this machine (CPUs 0-{max(have)})")
+
+
+def check_start_drafter(cfg: ServeLoopConfig) -> None:
+    """The drafter the server starts with, before anything is written: a --drafter is an hstap drafter (or RUN: the
+    trainer continues it) made for this target (`hstap.export.fit.check_drafter_target`: vocabulary, hidden size,
+    tapped layers, tokenizer); the one started from nothing taps --layers the target has, and its --vocab-map covers
+    the target's vocabulary."""
+    from hstap.artifacts.drafter_dir import resolve_drafter_dir
+    from hstap.artifacts.model_dir import load_config, target_fingerprint
+
+    if cfg.mode == "target":
+        return
+    if cfg.drafter:
+        from hstap.export.fit import check_drafter_target
+        check_drafter_target(resolve_drafter_dir(cfg.drafter), target_fingerprint(cfg.target))
+        return
+    from hstap.artifacts.vocab_map import load_vocab_map
+    from hstap.layers import parse_layers
+
+    hf = load_config(cfg.target)
+    if cfg.layers:
+        parse_layers(cfg.layers, hf.num_hidden_layers, "serve-loop: --layers")
+    n = load_vocab_map(cfg.vocab_map)[1].numel() if cfg.vocab_map else hf.vocab_size
+    if n != hf.vocab_size:
+        raise HstapError(f"{cfg.vocab_map}: --vocab-map: covers {n} token ids, the target {cfg.target} has "
+                         f"{hf.vocab_size}: the map of another target")
 
 
 def check_anchor(cfg: ServeLoopConfig, out: Path) -> None:
@@ -299,6 +322,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
     ref = read_reference(cfg.reference, len(prompts)) if cfg.reference else None
     check_cpus(cfg)
+    check_start_drafter(cfg)
     if cfg.stream.anchor_store and cfg.mode == "loop":
         check_anchor(cfg, out)
     require_vllm("serve-loop")  # last of the checks (its import takes seconds), before anything is written
@@ -335,6 +359,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
             up = Updater(cfg, url, out, dtype, trainer, drafter0, clock=stream.clock)
             stream.status = up.status
             records, wall = stream.run(up.on_answer)
+            up.check_running()  # the stream is over: a trainer or tap that died on the way fails the run
             after = server_counters(url) if cfg.mode != "target" else {}
             stop_process(trainer)  # the stream is over
             if probe is not None:

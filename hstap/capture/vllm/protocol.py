@@ -23,6 +23,7 @@ import os
 import shlex
 
 from hstap.common import HstapError
+from hstap.config import positive
 from hstap.engines.vllm import kv_transfer_config as producer_config
 
 CONNECTOR = "HstapConnector"
@@ -96,4 +97,5 @@ class ConnectorConfig:
         c = cls(**{"data": "", **cfg})
         if not 0.0 < c.tap_fraction <= 1.0 or c.tap_dtype not in ("bf16", "fp8", "fp32"):
             raise HstapError("--kv-transfer-config: hstap: tap_fraction must be in (0, 1], tap_dtype bf16|fp8|fp32")
+        positive("--kv-transfer-config: hstap: kv_connector_extra_config", c, ("flush_s", "max_store_gb"))
         return c
