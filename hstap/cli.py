@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hstap.common import HstapError, one_line, user_message
+from hstap.config import FieldError
 
 # subcommand -> (module of its config, config class, entry function, one-line help). Only stages that work are listed.
 # An entry "module:function" lives in another module than its config: a config whose fields more than its entry module
@@ -181,6 +183,17 @@ def _section(tp: Any) -> type | None:
     return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
 
 
+def _parse_float(s: str) -> float:
+    """A float flag's value: a finite number (nan and inf are no setting: `hstap.config.positive`)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    return v
+
+
 def _parse_bool(s: str) -> bool:
     v = s.strip().lower()
     if v in ("1", "true", "yes", "on"):
@@ -239,7 +252,7 @@ def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParse
             p.add_argument(f"--no-{dashed}", dest=dotted, action="store_false", default=argparse.SUPPRESS,
                            help=argparse.SUPPRESS)
             continue
-        kw["type"] = tp
+        kw["type"] = _parse_float if tp is float else tp
         kw["metavar"] = tp.__name__.upper() if tp in (int, float) else "STR"
         if is_list:
             kw["nargs"] = "+"
@@ -317,8 +330,8 @@ def check_value(where: str, hint: Any, meta: Any, v: Any) -> Any:
     ok = {bool: lambda x: isinstance(x, bool), int: lambda x: isinstance(x, int) and not isinstance(x, bool),
           float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
           str: lambda x: isinstance(x, str)}.get(tp, lambda x: True)
-    if not ok(v):
-        raise HstapError(f"{where}: expected {_KINDS[tp]}, got {v!r}")
+    if not ok(v) or (tp is float and not math.isfinite(v)):
+        raise HstapError(f"{where}: expected {'a finite number' if ok(v) else _KINDS[tp]}, got {v!r}")
     if "choices" in meta and v not in meta["choices"]:
         raise HstapError(f"{where}: expected one of {', '.join(map(str, meta['choices']))}, got {v!r}")
     return float(v) if tp is float else v
@@ -384,11 +397,17 @@ def join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[s
 
 def make_config(stage: str, cls: type, argv: list[str], helptext: str = "") -> Any:
     """The stage's config from its command line: a `--config` file's values (`file_values`), then the flags over them
-    (a section's field by field over the section's default)."""
+    (a section's field by field over the section's default). A field's value refused by its config (`FieldError`) is
+    named as the user gave it: the flag as typed, or the `--config` file and the field's key."""
     parser = build_parser(stage, cls, helptext)
-    ns = vars(parser.parse_args(join_dash_values(parser, argv)))
+    args = join_dash_values(parser, argv)
+    ns = vars(parser.parse_args(args))
     cfg_file = ns.pop("config", None)
     values = file_values(cfg_file, stage, cls) if cfg_file else {}
+    in_file = {f"{k}.{g}" if isinstance(v, dict) else k for k, v in values.items() for g in (v if isinstance(v, dict)
+                                                                                           else [None])}
+    typed = {parser._option_string_actions[a.split("=", 1)[0]].dest: a.split("=", 1)[0] for a in args
+             if a.split("=", 1)[0] in parser._option_string_actions}
     for dest, v in ns.items():
         sec, _, name = dest.rpartition(".")
         (values.setdefault(sec, {}) if sec else values)[name] = v
@@ -397,11 +416,22 @@ def make_config(stage: str, cls: type, argv: list[str], helptext: str = "") -> A
     if missing:
         parser.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
     hints = typing.get_type_hints(cls)
+    sec = ""
     try:
         for f in fields:
             if _section(hints[f.name]) is not None and f.name in values:
+                sec = f.name
                 values[f.name] = dataclasses.replace(_default(f), **values[f.name])
+        sec = ""
         return cls(**values)
+    except FieldError as e:
+        dest = f"{sec}.{e.name}" if sec else e.name
+        if dest in typed:
+            raise HstapError(f"{stage}: {typed[dest]}: {e.reason}") from None
+        if dest in in_file:  # the key as the file may hold it: a FLAT section's field by its own name
+            key = e.name if sec and cls.__dataclass_fields__[sec].metadata.get("flat") else dest
+            raise HstapError(f"{cfg_file}: {key}: {e.reason}") from None
+        raise HstapError(f"{stage}: --{dest.replace('_', '-')}: {e.reason}") from None
     except (TypeError, ValueError) as e:
         raise HstapError(str(e)) from None
 
