@@ -177,7 +177,8 @@ def _parity(x: Path, y: Path) -> dict:
 def run(a, work: Path) -> dict:
     from hstap.artifacts.model_dir import load_target
     from hstap.demo.quantize import quantize_int4
-    from hstap.speculative.evaluate import eos_ids, load_prompts
+    from hstap.data.prompts import load_prompts
+    from hstap.speculative.evaluate import eos_ids
 
     t_all = time.perf_counter()
     target, int4 = Path(a.target), work / "target-int4"

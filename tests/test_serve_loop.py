@@ -53,7 +53,7 @@ def loop(vllm_llama, tmp_path_factory):
         """After the stream (the trainer stopped): release the window it held, load drafter B while requests are in
         flight, serve the probe prompts one at a time, wait for the tap to commit them."""
         from hstap.artifacts.model_dir import load_tokenizer
-        from hstap.speculative.evaluate import load_prompts
+        from hstap.data.prompts import load_prompts
         from hstap.store.reader import open_store
 
         write_consumer(out / "store", {**read_consumer(out / "store"), "active": False})
@@ -143,7 +143,7 @@ def _hf(vllm_llama):
 def test_every_request_answered_once_and_lossless(loop, vllm_llama):
     from hstap.artifacts.model_dir import load_tokenizer
     from hstap.speculative.drivers import target_generate
-    from hstap.speculative.evaluate import load_prompts
+    from hstap.data.prompts import load_prompts
 
     s, _, root, _ = loop
     assert s["answered"] == REQUESTS and s["lost"] == 0 and s["duplicates"] == 0

@@ -79,7 +79,7 @@ def stop_ids(target: str) -> list[int]:
 def request_prompts(cfg: ServeLoopConfig) -> list[list[int]]:
     """The requests' prompt token ids, in order, checked against --requests and --max-model-len."""
     from hstap.artifacts.model_dir import load_tokenizer
-    from hstap.speculative.evaluate import load_prompts
+    from hstap.data.prompts import load_prompts
 
     prompts = [p for _, p in load_prompts(cfg.prompts, load_tokenizer(cfg.target), cfg.requests or None)]
     if cfg.requests and len(prompts) < cfg.requests:
@@ -188,23 +188,19 @@ def check_anchor(cfg: ServeLoopConfig, out: Path) -> None:
 
 def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path | None, store: Path) -> list[str]:
     """`vllm serve` arguments of a --mode run (module docstring)."""
-    from hstap.capture.vllm.eagle_tap import CONNECTOR, CONNECTOR_MODULE
-    from hstap.engines.vllm import VLLM_DTYPES
+    from hstap.capture.vllm.protocol import tap_transfer_config
+    from hstap.engines.vllm import VLLM_DTYPES, eagle3_config, serve_flags
 
     args = ["--dtype", VLLM_DTYPES[dtype], "--max-model-len", str(cfg.max_model_len), "--no-enable-prefix-caching",
             "--seed", str(cfg.seed)] + (["--enforce-eager"] if device == "cpu" else [])
     if cfg.mode == "target":
         return args
-    args += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(drafter_dir),
-                                                 "num_speculative_tokens": cfg.k}),
+    args += [*serve_flags(speculative_config=eagle3_config(drafter_dir, cfg.k)),
              "--per-request-spec-decode-metrics", "summary"]
     if cfg.mode == "loop":
-        extra = {"store": str(store), "tap": True, "tap_dtype": cfg.tap_dtype, "shard_tokens": cfg.shard_tokens,
-                 "flush_s": cfg.flush_s, **({"max_store_gb": cfg.max_store_gb} if cfg.max_store_gb else {})}
-        args += ["--kv-transfer-config", json.dumps({"kv_connector": CONNECTOR, "kv_connector_module_path":
-                                                     CONNECTOR_MODULE, "kv_role": "kv_producer",
-                                                     "kv_connector_extra_config": extra}),
-                 "--worker-extension-cls", "hstap.serve_loop.worker.HstapWorker"]
+        tap = tap_transfer_config(store, tap_dtype=cfg.tap_dtype, shard_tokens=cfg.shard_tokens, flush_s=cfg.flush_s,
+                                  **({"max_store_gb": cfg.max_store_gb} if cfg.max_store_gb else {}))
+        args += [*serve_flags(kv_transfer_config=tap), "--worker-extension-cls", "hstap.serve_loop.worker.HstapWorker"]
     return args
 
 

@@ -174,7 +174,8 @@ def greedy_drafter(target_dir: Path, root: Path, ttt: int = 3, n_new: int = 24, 
     from hstap.data.prepare import load_prepared, prepare, record_batch
     from hstap.artifacts.model_dir import load_target
     from hstap.speculative.drivers import target_generate
-    from hstap.speculative.evaluate import eos_ids, prompt_from_mask
+    from hstap.data.prompts import prompt_from_mask
+    from hstap.speculative.evaluate import eos_ids
     from hstap.demo.toy import stdlib_conversations
     from hstap.config import from_flags
     from hstap.train.config import TrainConfig
