@@ -86,7 +86,8 @@ INPUT_PATHS: dict[str, tuple[str, ...]] = {
 
 
 def check_input_paths(stage: str, cfg: Any) -> None:
-    """HstapError naming the first input path of `cfg` (INPUT_PATHS) that does not exist."""
+    """HstapError naming the first input path of `cfg` (INPUT_PATHS) that does not exist, or that is neither a regular
+    file nor a directory (a FIFO would be read once, and hangs or reads empty where an input is read twice)."""
     from hstap.config import lookup
 
     for name in INPUT_PATHS.get(stage, ()):
@@ -96,6 +97,9 @@ def check_input_paths(stage: str, cfg: Any) -> None:
         for p in v if isinstance(v, list) else [v]:
             if p and not os.path.exists(p):
                 raise HstapError(f"{p}: --{name.replace('_', '-')}: does not exist")
+            if p and not (os.path.isfile(p) or os.path.isdir(p)):
+                raise HstapError(f"{p}: --{name.replace('_', '-')}: is not a regular file (a FIFO, a socket or a "
+                                 f"device); give a file")
 
 
 # Fields that name outputs, and what is written there: checked before the stage's module loads, so that an output

@@ -110,3 +110,16 @@ def test_float_settings_are_finite_and_named_as_given(tmp_path, capsys):
     cfg.write_text("train:\n  ttt_decay: -1\n  lr: 0.01\n")
     refused(["demo", "--config", cfg, "--out", out], capsys, f"{cfg}: train.ttt_decay: must be a finite number >= 0",
             untouched=[out])
+
+
+def test_an_input_that_is_a_fifo_is_refused_by_name(small_run, tmp_path, capsys):
+    """A FIFO as --prompts (it said "no such file"), as --data: refused before the stage loads."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    out = tmp_path / "o"
+    refused(["serve-loop", "--target", small_run["target"], "--prompts", fifo, "--out", out], capsys,
+            f"{fifo}: --prompts: is not a regular file", untouched=[out])
+    refused(["eval", "--target", small_run["target"], "--data", fifo, "--out", out], capsys,
+            f"{fifo}: --data: is not a regular file", untouched=[out])
