@@ -73,7 +73,7 @@ def test_convert_says_a_directory_is_one(tmp_path, capsys):
 
 
 def test_missing_inputs_are_refused_before_the_stage_loads(tmp_path, capsys):
-    """The CLI's own check (hstap.cli.INPUT_PATHS), before the stage's module imports torch and transformers."""
+    """The CLI's own check (hstap.stage_paths.INPUT_PATHS), before the stage's module imports torch and transformers."""
     nx = tmp_path / "nowhere"
     for argv, flag in ((["capture", "--target", nx, "--data", tmp_path, "--out", tmp_path / "s"], "--target"),
                        (["export", "--run", nx, "--to", "vllm", "--out", tmp_path / "e"], "--run"),
