@@ -52,6 +52,16 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class FieldError(HstapError):
+    """One field's value refused: `where: --field: reason`, the field's flag as the config that declares it spells it.
+    The command line says it again as the user gave the value (`hstap.cli.make_config`): the flag as typed (a
+    section's `--train-lr` of the serve loop, not train's `--lr`), or the `--config` file and the field's key."""
+
+    def __init__(self, where: str, name: str, reason: str):
+        super().__init__(f"{where}: {flag(name)}: {reason}")
+        self.where, self.name, self.reason = where, name, reason
+
+
 def settle(cfg: Any, name: str, value: Any) -> None:
     """Set a field of a frozen config while it is parsed (in its `__post_init__`), never after."""
     object.__setattr__(cfg, name, value)
@@ -76,9 +86,9 @@ def at_least(where: str, cfg: Any, names: Iterable[str], lo: int = 1) -> None:
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, int):
-            raise HstapError(f"{where}: {flag(name)}: must be an integer >= {lo}, got {v!r}")
+            raise FieldError(where, name, f"must be an integer >= {lo}, got {v!r}")
         if v < lo:
-            raise HstapError(f"{where}: {flag(name)}: must be >= {lo}, got {v!r}")
+            raise FieldError(where, name, f"must be >= {lo}, got {v!r}")
 
 
 def positive(where: str, cfg: Any, names: Iterable[str], zero: bool = False) -> None:
@@ -91,7 +101,17 @@ def positive(where: str, cfg: Any, names: Iterable[str], zero: bool = False) -> 
             continue
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 or zero and v == 0)
         if not ok:
-            raise HstapError(f"{where}: {flag(name)}: must be a finite number {'>=' if zero else '>'} 0, got {v!r}")
+            raise FieldError(where, name, f"must be a finite number {'>=' if zero else '>'} 0, got {v!r}")
+
+
+def fractions(where: str, cfg: Any, names: Iterable[str]) -> None:
+    """Every fraction field of `names` (a share of the samples, of a slot, of a warm-up) is a number in [0, 1): 0 is
+    none, and all of them would leave nothing for the rest; nan is none of them. The first that is not is one error
+    line naming its flag."""
+    for name in names:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+            raise FieldError(where, name, f"must be in [0, 1), got {v}")
 
 
 def layer_list(where: str, cfg: Any, name: str) -> None:
