@@ -227,7 +227,7 @@ class StreamParams:
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """`hstap train`: the run (its directory, target, seed and modes) and its sections (module docstring), each `FLAT`:
-    `--lr`, `--store`, `--device`, `--keep-shards` as before sections."""
+    their fields keep their own flag names (`--lr`, `--store`, `--device`, `--keep-shards`)."""
 
     out: str
     """Run directory (config.json, plan.json, metrics.jsonl, checkpoints/, best/)."""
