@@ -34,6 +34,7 @@ def loop(vllm_llama, tmp_path_factory):
     from hstap.export.stage import export
     from hstap.serve_loop.requests import Client, post
     from hstap.serve_loop.config import TRAIN
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.serve_loop.stage import serve_loop, stop_ids
     from hstap.train.config import HyperParams
@@ -52,7 +53,7 @@ def loop(vllm_llama, tmp_path_factory):
         """After the stream (the trainer stopped): release the window it held, load drafter B while requests are in
         flight, serve the probe prompts one at a time, wait for the tap to commit them."""
         from hstap.artifacts.model_dir import load_tokenizer
-        from hstap.speculative.evaluate import load_prompts
+        from hstap.data.prompts import load_prompts
         from hstap.store.reader import open_store
 
         write_consumer(out / "store", {**read_consumer(out / "store"), "active": False})
@@ -78,11 +79,11 @@ def loop(vllm_llama, tmp_path_factory):
         probed["rollback"] = _bad_load_rolled_back(url, root, run_b, cfg, prompts, c)
 
 
-    cfg = ServeLoopConfig(target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
-                          requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
-                          keep_shards=4, shard_tokens=512, tap_dtype="fp32", flush_s=0.5, max_model_len=512,
-                          device="cpu", holdout_frac=0.3, gate_min_samples=4,
-                          train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2, lr=5e-3))))
+    cfg = from_flags(ServeLoopConfig, target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
+                     requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
+                     keep_shards=4, shard_tokens=512, tap_dtype="fp32", flush_s=0.5, max_model_len=512, device="cpu",
+                     holdout_frac=0.3, gate_min_samples=4,
+                     train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2, lr=5e-3))))
     summary = serve_loop(cfg, probe=probe)
     return summary, probed, root, run_b
 
@@ -142,7 +143,7 @@ def _hf(vllm_llama):
 def test_every_request_answered_once_and_lossless(loop, vllm_llama):
     from hstap.artifacts.model_dir import load_tokenizer
     from hstap.speculative.drivers import target_generate
-    from hstap.speculative.evaluate import load_prompts
+    from hstap.data.prompts import load_prompts
 
     s, _, root, _ = loop
     assert s["answered"] == REQUESTS and s["lost"] == 0 and s["duplicates"] == 0
@@ -248,6 +249,7 @@ def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
 
 def test_bad_settings_are_one_error_each(tmp_path):
     from hstap.common import HstapError
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.train.config import HyperParams
 
@@ -259,13 +261,25 @@ def test_bad_settings_are_one_error_each(tmp_path):
                     ({"anchor_fraction": 0.2}, "--anchor-store and --anchor-fraction go together"),
                     ({"holdout_frac": 1.0}, r"--holdout-frac: must be in \[0, 1\)"),
                     ({"gate_min_samples": 80}, "--gate-min-samples 80 > --gate-samples 64"),
-                    ({"server_cpus": "0;1"}, "--server-cpus: expected a CPU list")):
+                    ({"server_cpus": "0;1"}, "--server-cpus: expected a CPU list"),
+                    ({"server_cpus": "1-0"}, r"--server-cpus: expected a CPU list like 0 or 0-1,3 \(ranges low-high\)"),
+                    ({"trainer_cpus": "3-"}, "--trainer-cpus: expected a CPU list"),
+                    ({"port": 70000}, "--port: must be a TCP port, 1-65535"),
+                    ({"flush_s": -1.0}, "--flush-s: must be a finite number > 0"),
+                    ({"flush_s": float("nan")}, "--flush-s: must be a finite number > 0"),
+                    ({"max_store_gb": -2.0}, "--max-store-gb: must be a finite number > 0"),
+                    ({"mode": "fixed", "drafter": "d", "anchor_store": "s", "anchor_fraction": 0.3},
+                     "--anchor-store: the trainer's and the tap's, which run only in --mode loop"),
+                    ({"mode": "target", "drafter": "d"}, "--drafter: --mode target serves no drafter"),
+                    ({"drafter": "d", "layers": "1,2,3"}, "--layers: shapes the drafter started from nothing"),
+                    ({"drafter": "d", "vocab_map": "v"}, "--vocab-map: shapes the drafter started from nothing")):
         with pytest.raises(HstapError, match=msg):
-            ServeLoopConfig(**base, **kw)
+            from_flags(ServeLoopConfig, **base, **kw)
 
 
 def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_written(small_run, tmp_path):
     from hstap.common import HstapError
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.serve_loop.stage import serve_loop
 
@@ -273,13 +287,84 @@ def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_wr
                 anchor_fraction=0.3, device="cpu")
     out = tmp_path / "w"
     with pytest.raises(HstapError, match=r"manifest.json:1: dtype: the anchor store has 'fp32'.* has 'bf16'"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"])))  # the tap writes bf16
+        # the tap writes bf16
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(small_run["store"])))
     with pytest.raises(HstapError, match="--anchor-store: not an hstap store"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(tmp_path)))
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(tmp_path)))
     with pytest.raises(HstapError, match=r"--trainer-cpus 0,4096: CPU\(s\) \[4096\] not on this machine"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"]),
-                                   trainer_cpus="0,4096"))
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(small_run["store"]),
+                              trainer_cpus="0,4096"))
     assert not out.exists()
+
+
+def test_a_start_drafter_of_another_target_is_refused_before_anything_is_written(small_run, tmp_path):
+    """--drafter, --layers and --vocab-map are checked against the target before --out is written and vLLM starts."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hstap.common import HstapError
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.stage import serve_loop
+
+    out = tmp_path / "w"
+    base = dict(target=str(small_run["target"]), prompts=str(small_run["chats"]), out=str(out), device="cpu")
+    V = json.loads((small_run["target"] / "config.json").read_text())["vocab_size"]
+    vm = tmp_path / "vocab_map.safetensors"
+    save_file({"d2t": torch.zeros(8, dtype=torch.long), "t2d": torch.arange(V + 5) < 8}, str(vm))
+    wide = tmp_path / "wide"  # the target's files, a config of another hidden size
+    shutil.copytree(small_run["target"], wide)
+    conf = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**conf, "hidden_size": 2 * conf["hidden_size"]}))
+    for kw, msg in (({"vocab_map": str(vm)}, f"--vocab-map: covers {V + 5} token ids, the target"),
+                    ({"layers": "1,3,40"}, "serve-loop: --layers: layer id 40 is out of range"),
+                    ({"drafter": str(tmp_path)}, "no drafter found"),
+                    ({"drafter": str(small_run["run"]), "target": str(wide)}, "target_hidden_size: the drafter was "
+                                                                               "made for a target of")):
+        with pytest.raises(HstapError, match=msg):
+            serve_loop(ServeLoopConfig(**(base | kw)))
+        assert not out.exists()
+
+
+def test_a_tap_or_trainer_that_dies_fails_the_loop(tmp_path):
+    """The tap's writer thread leaves a "stopped" event as it dies (a negative --flush-s used to kill it silently: the
+    run reported "store peak 0.0 MB" and exit 0), and a trainer process can exit on an error: either fails the run in
+    one line naming its log."""
+    import queue
+    import shutil
+    import subprocess
+    import sys
+
+    from hstap.capture.served import ServedWriter, drain, stopped_writer
+    from hstap.capture.vllm.protocol import EVENTS_DIR, ConnectorConfig
+    from hstap.common import HstapError
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.updates import Updater
+
+    out = tmp_path / "w"
+    (out / "store").mkdir(parents=True)
+    cfg = ServeLoopConfig(target="t", prompts="p", out=str(out))
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        up = Updater(cfg, "http://127.0.0.1:1", out, "fp32", trainer, None)
+        up.check_running()  # all running
+        with pytest.raises(ValueError):  # the queue refuses a negative timeout: the thread ends
+            drain(queue.Queue(), -1.0, ServedWriter(str(out / "store"), [1, 2], EVENTS_DIR), lambda item: None)
+        assert "ValueError" in stopped_writer(out / "store", EVENTS_DIR)
+        with pytest.raises(HstapError, match=rf"^{out / 'server.log'}: the tap beside vLLM stopped writing the store"):
+            up.check_running()
+    finally:
+        trainer.kill()
+        trainer.wait()
+    shutil.rmtree(out / "store" / EVENTS_DIR)
+    (out / "train.log").write_text("hstap: error: something the trainer refused\n")
+    up.trainer = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(2)"])
+    up.trainer.wait()
+    with pytest.raises(HstapError, match=r"train.log: the trainer exited with status 2 after 0 answers: hstap: error"):
+        up.check_running()
+    with pytest.raises(HstapError, match="kv_connector_extra_config: --flush-s: must be a finite number > 0"):
+        ConnectorConfig.from_dict({"store": str(out / "store"), "tap": True, "flush_s": -1.0})
 
 
 def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
@@ -300,15 +385,33 @@ def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
         check_same_drafter(tmp_path / "a", tmp_path / "c")
 
 
-def test_a_bad_reference_is_one_error_naming_the_line(tmp_path):
+def test_a_bad_reference_is_one_error_naming_the_line(small_run, tmp_path, capsys):
+    """--reference is a --mode target run's served.jsonl of these prompts: a broken line, a binary file, a JSONL of
+    something else (its comparison would be on 0/0 and pass), one of fewer prompts, or a --mode loop run's are one
+    line naming the file, before anything is written or started."""
+    from helpers.refusals import refused
+
     from hstap.common import HstapError
     from hstap.serve_loop.stage import read_reference
 
     p = tmp_path / "served.jsonl"
     p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n{"i": 2, "tokens": [3\n')
-    with pytest.raises(HstapError, match=r"served.jsonl:3: --reference: not a served.jsonl record"):
-        read_reference(str(p))
+    with pytest.raises(HstapError, match=r"served.jsonl:3: --reference: not a served.jsonl of hstap serve-loop"):
+        read_reference(str(p), 3)
     p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n')
-    assert read_reference(str(p)) == {0: [1, 2]}  # a lost request has no reference
+    assert read_reference(str(p), 2) == {0: [1, 2]}  # a lost request has no reference
+    with pytest.raises(HstapError, match="--reference: holds no answer to prompt 2 "):
+        read_reference(str(p), 3)
     with pytest.raises(HstapError, match="--reference: not a file"):
-        read_reference(str(tmp_path / "none.jsonl"))
+        read_reference(str(tmp_path / "none.jsonl"), 1)
+    (tmp_path / "config.json").write_text(json.dumps({"stage": "serve-loop", "hstap_version": "0", "config":
+                                                      {"mode": "loop"}}))
+    with pytest.raises(HstapError, match="--reference: served by a --mode loop run"):
+        read_reference(str(p), 2)
+    out, binary = tmp_path / "loop", tmp_path / "ref.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    base = ["serve-loop", "--target", small_run["target"], "--prompts", small_run["chats"], "--out", out]
+    refused([*base, "--reference", binary], capsys, f"{binary}: --reference: not a served.jsonl of hstap serve-loop",
+            untouched=[out])
+    refused([*base, "--reference", small_run["chats"]], capsys,
+            f"{small_run['chats']}:1: --reference: not a served.jsonl of hstap serve-loop", untouched=[out])

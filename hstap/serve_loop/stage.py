@@ -53,12 +53,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-from hstap.common import HstapError, atomic_write_json, free_port, run_meta, write_run_config
-from hstap.serve_loop.config import ServeLoopConfig
-from hstap.train.config import TrainConfig
+from hstap.common import HstapError, atomic_write_json, free_port, one_line, run_meta, write_run_config
+from hstap.serve_loop.config import ServeLoopConfig, cpu_list
+from hstap.train.config import DrafterInit, Devices, TrainConfig, TrainInputs
 
 
 def stop_ids(target: str) -> list[int]:
@@ -80,7 +79,7 @@ def stop_ids(target: str) -> list[int]:
 def request_prompts(cfg: ServeLoopConfig) -> list[list[int]]:
     """The requests' prompt token ids, in order, checked against --requests and --max-model-len."""
     from hstap.artifacts.model_dir import load_tokenizer
-    from hstap.speculative.evaluate import load_prompts
+    from hstap.data.prompts import load_prompts
 
     prompts = [p for _, p in load_prompts(cfg.prompts, load_tokenizer(cfg.target), cfg.requests or None)]
     if cfg.requests and len(prompts) < cfg.requests:
@@ -106,10 +105,10 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
         w = load_file(str(d / "drafter.safetensors"))
         d2t, t2d = w["d2t"], w["t2d"]
     else:
-        from hstap.data.vocab import load_vocab_map
+        from hstap.artifacts.vocab_map import load_vocab_map
         from hstap.layers import default_aux_layers, parse_layers
         from hstap.artifacts.model_dir import load_config, target_head
-        from hstap.train.plan import VocabMap
+        from hstap.artifacts.vocab_map import VocabMap
         from hstap.train.trainer import init_drafter
 
         hf = load_config(cfg.target)
@@ -135,13 +134,36 @@ def check_cpus(cfg: ServeLoopConfig) -> None:
     process's own affinity: it may be pinned to the trainer's CPUs itself."""
     have = set(range(os.cpu_count() or 1))
     for name in ("server_cpus", "trainer_cpus"):
-        want = set()
-        for part in filter(None, getattr(cfg, name).split(",")):
-            lo, _, hi = part.partition("-")
-            want |= set(range(int(lo), int(hi or lo) + 1))
+        want = cpu_list(name, getattr(cfg, name))
         if want - have:
             raise HstapError(f"serve-loop: --{name.replace('_', '-')} {getattr(cfg, name)}: CPU(s) "
                              f"{sorted(want - have)} not on this machine (CPUs 0-{max(have)})")
+
+
+def check_start_drafter(cfg: ServeLoopConfig) -> None:
+    """The drafter the server starts with, before anything is written: a --drafter is an hstap drafter (or RUN: the
+    trainer continues it) made for this target (`hstap.export.fit.check_drafter_target`: vocabulary, hidden size,
+    tapped layers, tokenizer); the one started from nothing taps --layers the target has, and its --vocab-map covers
+    the target's vocabulary."""
+    from hstap.artifacts.drafter_dir import resolve_drafter_dir
+    from hstap.artifacts.model_dir import load_config, target_fingerprint
+
+    if cfg.mode == "target":
+        return
+    if cfg.drafter:
+        from hstap.export.fit import check_drafter_target
+        check_drafter_target(resolve_drafter_dir(cfg.drafter), target_fingerprint(cfg.target))
+        return
+    from hstap.artifacts.vocab_map import load_vocab_map
+    from hstap.layers import parse_layers
+
+    hf = load_config(cfg.target)
+    if cfg.layers:
+        parse_layers(cfg.layers, hf.num_hidden_layers, "serve-loop: --layers")
+    n = load_vocab_map(cfg.vocab_map)[1].numel() if cfg.vocab_map else hf.vocab_size
+    if n != hf.vocab_size:
+        raise HstapError(f"{cfg.vocab_map}: --vocab-map: covers {n} token ids, the target {cfg.target} has "
+                         f"{hf.vocab_size}: the map of another target")
 
 
 def check_anchor(cfg: ServeLoopConfig, out: Path) -> None:
@@ -161,28 +183,24 @@ def check_anchor(cfg: ServeLoopConfig, out: Path) -> None:
         layers = parse_layers(cfg.layers, N) if cfg.layers else default_aux_layers(N)
     header = {"layers": layers, "hidden_size": int(hf.hidden_size), "dtype": cfg.tap_dtype,
               "target": target_fingerprint(cfg.target)}
-    open_anchor(cfg.anchor_store, str(out / "store"), header)
+    open_anchor(cfg.stream.anchor_store, str(out / "store"), header)
 
 
 def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path | None, store: Path) -> list[str]:
     """`vllm serve` arguments of a --mode run (module docstring)."""
-    from hstap.capture.vllm.eagle_tap import CONNECTOR, CONNECTOR_MODULE
-    from hstap.engines.vllm import VLLM_DTYPES
+    from hstap.capture.vllm.protocol import tap_transfer_config
+    from hstap.engines.vllm import VLLM_DTYPES, eagle3_config, serve_flags
 
     args = ["--dtype", VLLM_DTYPES[dtype], "--max-model-len", str(cfg.max_model_len), "--no-enable-prefix-caching",
             "--seed", str(cfg.seed)] + (["--enforce-eager"] if device == "cpu" else [])
     if cfg.mode == "target":
         return args
-    args += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(drafter_dir),
-                                                 "num_speculative_tokens": cfg.k}),
+    args += [*serve_flags(speculative_config=eagle3_config(drafter_dir, cfg.k)),
              "--per-request-spec-decode-metrics", "summary"]
     if cfg.mode == "loop":
-        extra = {"store": str(store), "tap": True, "tap_dtype": cfg.tap_dtype, "shard_tokens": cfg.shard_tokens,
-                 "flush_s": cfg.flush_s, **({"max_store_gb": cfg.max_store_gb} if cfg.max_store_gb else {})}
-        args += ["--kv-transfer-config", json.dumps({"kv_connector": CONNECTOR, "kv_connector_module_path":
-                                                     CONNECTOR_MODULE, "kv_role": "kv_producer",
-                                                     "kv_connector_extra_config": extra}),
-                 "--worker-extension-cls", "hstap.serve_loop.worker.HstapWorker"]
+        tap = tap_transfer_config(store, tap_dtype=cfg.tap_dtype, shard_tokens=cfg.shard_tokens, flush_s=cfg.flush_s,
+                                  **({"max_store_gb": cfg.max_store_gb} if cfg.max_store_gb else {}))
+        args += [*serve_flags(kv_transfer_config=tap), "--worker-extension-cls", "hstap.serve_loop.worker.HstapWorker"]
     return args
 
 
@@ -192,12 +210,11 @@ def trainer_config(cfg: ServeLoopConfig, out: Path, drafter0: Path, device: str)
     no eval split, the loop's seed and device, no TensorBoard; the loop's hold-out (the gate's samples), window replay
     and anchor store."""
     dl = json.loads((drafter0 / "drafter.json").read_text())["config"].get("num_layers", 1)
-    return TrainConfig(**asdict(cfg.train), out=str(out / "run"), target=cfg.target, store=str(out / "store"),
-                       follow=True, consume=True, keep_shards=cfg.keep_shards,
-                       vocab_map=str(out / "vocab_map.safetensors"), eval_frac=0.0, init_from=str(drafter0),
-                       draft_layers=dl, seed=cfg.seed, device=device, tensorboard=False,
-                       holdout_frac=cfg.holdout_frac, replay_fraction=cfg.replay_fraction,
-                       anchor_store=cfg.anchor_store, anchor_fraction=cfg.anchor_fraction)
+    return TrainConfig(out=str(out / "run"), target=cfg.target, seed=cfg.seed, tensorboard=False, follow=True,
+                       consume=True, hyper=cfg.train, stream=cfg.stream,
+                       inputs=TrainInputs(store=str(out / "store"), vocab_map=str(out / "vocab_map.safetensors"),
+                                          eval_frac=0.0),
+                       drafter=DrafterInit(init_from=str(drafter0), draft_layers=dl), devices=Devices(device=device))
 
 
 def pinned(cmd: list[str], cpus: str) -> list[str]:
@@ -215,19 +232,44 @@ def start_trainer(cfg: ServeLoopConfig, out: Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def read_reference(path: str) -> dict[int, list[int]]:
-    """{prompt index: output tokens} of a --mode target run's served.jsonl (--reference)."""
+def read_reference(path: str, n: int) -> dict[int, list[int]]:
+    """{prompt index: output tokens} of a --mode target run's served.jsonl (--reference), checked to be one: every line
+    a record of a served request ("i", and its "tokens" or its "error"), every one of the `n` prompts served here
+    recorded there (else the comparison would be of nothing), and, where its run record lies beside it, of a --mode
+    target run. One line naming the file (and line) otherwise."""
+    from hstap.common import read_record
+
     p = Path(path)
     if not p.is_file():
         raise HstapError(f"{p}: --reference: not a file (the served.jsonl of a --mode target run)")
-    out = {}
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    what = "--reference: not a served.jsonl of hstap serve-loop"
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise HstapError(f"{p}: {what} (not UTF-8 text)") from None
+    out: dict[int, list[int]] = {}
+    seen: set[int] = set()
+    for k, line in enumerate(lines, 1):
         try:
             r = json.loads(line)
+            i = r["i"]
+            if not isinstance(i, int) or isinstance(i, bool) or not ("tokens" in r or "error" in r):
+                raise ValueError("a record has an integer \"i\" and its \"tokens\" or its \"error\"")
             if "tokens" in r:
-                out[int(r["i"])] = [int(t) for t in r["tokens"]]
+                if not isinstance(r["tokens"], list) or not all(isinstance(t, int) for t in r["tokens"]):
+                    raise ValueError("\"tokens\" is a list of token ids")
+                out[i] = r["tokens"]
+            seen.add(i)
         except (ValueError, KeyError, TypeError) as e:
-            raise HstapError(f"{p}:{n}: --reference: not a served.jsonl record ({e})") from None
+            raise HstapError(f"{p}:{k}: {what} ({one_line(e)})") from None
+    missing = [i for i in range(n) if i not in seen]
+    if missing:
+        raise HstapError(f"{p}: --reference: holds no answer to prompt {missing[0]} ({len(missing)} of the {n} served "
+                         f"here are not in it): the reference of other prompts, or of fewer")
+    rec = read_record(p.parent / "config.json")
+    if rec is not None and rec["stage"] == "serve-loop" and (rec.get("config") or {}).get("mode") != "target":
+        raise HstapError(f"{p}: --reference: served by a --mode {rec['config'].get('mode')} run "
+                         f"({p.parent / 'config.json'}); the reference is a --mode target run's")
     return out
 
 
@@ -262,7 +304,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     from hstap.serve_loop.report import summarize
     from hstap.serve_loop.updates import Updater, export_vllm
     from hstap.engines.vllm import require_vllm, vllm_server
-    from hstap.artifacts.model_dir import auto_device, auto_dtype
+    from hstap.device import auto_device, auto_dtype
     from hstap.artifacts.outputs import check_not_input, check_out_dir
 
     # Everything is checked before anything is written or removed: --out, the engine, the prompts, the reference.
@@ -278,9 +320,10 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     device = auto_device(cfg.device)
     dtype = auto_dtype(cfg.dtype, device)
     prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
-    ref = read_reference(cfg.reference) if cfg.reference else None
+    ref = read_reference(cfg.reference, len(prompts)) if cfg.reference else None
     check_cpus(cfg)
-    if cfg.anchor_store and cfg.mode == "loop":
+    check_start_drafter(cfg)
+    if cfg.stream.anchor_store and cfg.mode == "loop":
         check_anchor(cfg, out)
     require_vllm("serve-loop")  # last of the checks (its import takes seconds), before anything is written
     if replace:  # an earlier serve-loop's directory (its run record says so)
@@ -316,6 +359,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
             up = Updater(cfg, url, out, dtype, trainer, drafter0, clock=stream.clock)
             stream.status = up.status
             records, wall = stream.run(up.on_answer)
+            up.check_running()  # the stream is over: a trainer or tap that died on the way fails the run
             after = server_counters(url) if cfg.mode != "target" else {}
             stop_process(trainer)  # the stream is over
             if probe is not None:

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 import hstap
 from hstap.common import HstapError, atomic_write_json
-from hstap.artifacts.outputs import check_out_file
+from hstap.artifacts.outputs import check_not_input, check_out_file
 from hstap.layers import EMBEDDINGS, last_layer, reference_ids, reference_index
 from hstap.verify.config import VerifyConfig
 from hstap.verify.parity import (NOISE_FACTOR, compute_class, finish_stats, layer_stats, merge_stats, noise_limit,
@@ -392,7 +393,9 @@ def _fail(rep: dict, what: str) -> None:
 
 def verify(cfg: VerifyConfig) -> dict:
     """Run the chosen check, print the report, write it as JSON with --report; HstapError on failure."""
-    if cfg.report:  # before any work: a file of the user's is replaced only when asked
+    if cfg.report:  # before any work: only an earlier report of verify is replaced, and only when asked
+        check_not_input(cfg.report, [("--store", cfg.store), ("--target", cfg.target), ("--a", cfg.a), ("--b", cfg.b)],
+                        "--report")
         check_out_file(cfg.report, "verify", cfg.overwrite, "--report")
     if cfg.a is not None:
         rep = compare_stores(cfg.a, cfg.b, cfg.samples)
@@ -405,6 +408,7 @@ def verify(cfg: VerifyConfig) -> dict:
         what = str(cfg.store)
     _print(rep)
     if cfg.report:
+        Path(cfg.report).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(cfg.report, {"stage": "verify", "hstap_version": hstap.__version__, **rep})
     if not rep["ok"]:
         _fail(rep, what)
