@@ -128,3 +128,22 @@ def test_the_twin_rounds_activations_where_the_serving_engine_does():
     for g in range(0, 300, 128):  # per group of 128 columns: e4m3's half-spacing at most, relative to the group's max
         a, b = x[:, g:g + 128], qf[:, g:g + 128]
         assert float(((b - a).abs() / a.abs().amax(-1, keepdim=True)).max()) <= 2.0 ** -4 + 1e-6
+
+
+def test_train_refuses_a_store_of_another_variant_unless_told(variants, tmp_path):
+    from hstap.common import HstapError
+    from hstap.config import from_flags
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
+
+    def cfg(**kw):
+        return from_flags(TrainConfig, store=str(variants["fp-store"]), target=str(variants["int4"]),
+                          out=str(tmp_path / "run"), steps=1, batch_tokens=600, device="cpu", **kw)
+
+    with pytest.raises(HstapError, match=r"manifest.json:1: target.config_sha256: .*another variant.*"
+                                         r"--allow-other-variant") as e:
+        train(cfg())
+    assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+    with pytest.raises(HstapError, match="noise floor"):  # told: the recomputation still judges the states
+        train(cfg(allow_other_variant=True))
+    assert not (tmp_path / "run").exists()
