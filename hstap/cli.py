@@ -36,12 +36,13 @@ from typing import Any
 
 from hstap.common import HstapError, one_line, user_message
 from hstap.config import FieldError
+from hstap.stage_paths import check_input_paths, check_output_paths
 
 # subcommand -> (module of its config, config class, entry function, one-line help). Only stages that work are listed.
 # An entry "module:function" lives in another module than its config: a config whose fields more than its entry module
 # reads has a module of its own below them all (`train`: hstap/train/config.py); `generate` is the capture stage's
 # composition (--capture). A config module loads no torch, numpy nor transformers: `hstap STAGE --help`, a bad value
-# and a missing input path (INPUT_PATHS) are answered before the stage's own module loads them.
+# and a missing input path (`hstap.stage_paths`) are answered before the stage's own module loads them.
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": ("hstap.demo.config", "DemoConfig", "hstap.demo.stage:demo",
              "the whole pipeline end to end, offline, on a toy target (or yours)"),
@@ -68,62 +69,6 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "verify": ("hstap.verify.config", "VerifyConfig", "hstap.verify.stage:verify",
                "store integrity, recompute vs the target, layer-offset detection, compare two stores"),
 }
-
-
-# Fields that name inputs which must exist before the stage starts: checked here, before the stage's module (torch,
-# transformers: seconds) is imported, so that a mistyped path is one line at once. The stages check them again.
-INPUT_PATHS: dict[str, tuple[str, ...]] = {
-    "prepare": ("tokenizer", "data", "chat_template"),
-    "generate": ("target", "data"),
-    "capture": ("target", "data", "src"),
-    "train": ("target", "store", "data", "vocab_map", "eval_store", "init_from"),
-    "export": ("run", "store", "target"),
-    "eval": ("target", "data", "drafter"),
-    "serve-loop": ("target", "prompts", "drafter", "reference", "vocab_map"),
-    "verify": ("store", "target", "a", "b"),
-    "demo": ("target", "data"),
-}
-
-
-def check_input_paths(stage: str, cfg: Any) -> None:
-    """HstapError naming the first input path of `cfg` (INPUT_PATHS) that does not exist."""
-    from hstap.config import lookup
-
-    for name in INPUT_PATHS.get(stage, ()):
-        if stage == "train" and name == "store" and getattr(cfg, "follow", False):
-            continue  # --follow: the store may be created by a capture that starts later
-        v = lookup(cfg, name)
-        for p in v if isinstance(v, list) else [v]:
-            if p and not os.path.exists(p):
-                raise HstapError(f"{p}: --{name.replace('_', '-')}: does not exist")
-
-
-# Fields that name outputs, and what is written there: checked before the stage's module loads, so that an output
-# that cannot be written (under a file, in a read-only directory, a FIFO) is one line before any work
-# (`hstap.artifacts.outputs.check_writable`), not a traceback after minutes of it. The stages decide what they replace.
-OUTPUT_PATHS: dict[str, tuple[tuple[str, str], ...]] = {
-    "data": (("out", "file"),),
-    "convert": (("out", "dir"),),
-    "prepare": (("out", "dir"),),
-    "generate": (("out", "file"), ("capture", "dir")),
-    "capture": (("out", "dir"),),
-    "train": (("out", "dir"),),
-    "export": (("out", "dir"),),
-    "eval": (("out", "dir"),),
-    "serve-loop": (("out", "dir"),),
-    "verify": (("report", "file"),),
-    "demo": (("out", "dir"),),
-}
-
-
-def check_output_paths(stage: str, cfg: Any) -> None:
-    """HstapError naming the first output path of `cfg` (OUTPUT_PATHS) that cannot be written."""
-    from hstap.artifacts.outputs import check_writable
-
-    for name, kind in OUTPUT_PATHS.get(stage, ()):
-        v = getattr(cfg, name, None)
-        if v:
-            check_writable(v, "--" + name.replace("_", "-"), kind)
 
 
 def stage_entry(stage: str):

@@ -73,7 +73,7 @@ def test_convert_says_a_directory_is_one(tmp_path, capsys):
 
 
 def test_missing_inputs_are_refused_before_the_stage_loads(tmp_path, capsys):
-    """The CLI's own check (hstap.cli.INPUT_PATHS), before the stage's module imports torch and transformers."""
+    """The CLI's own check (hstap.stage_paths.INPUT_PATHS), before the stage's module imports torch and transformers."""
     nx = tmp_path / "nowhere"
     for argv, flag in ((["capture", "--target", nx, "--data", tmp_path, "--out", tmp_path / "s"], "--target"),
                        (["export", "--run", nx, "--to", "vllm", "--out", tmp_path / "e"], "--run"),
@@ -110,3 +110,16 @@ def test_float_settings_are_finite_and_named_as_given(tmp_path, capsys):
     cfg.write_text("train:\n  ttt_decay: -1\n  lr: 0.01\n")
     refused(["demo", "--config", cfg, "--out", out], capsys, f"{cfg}: train.ttt_decay: must be a finite number >= 0",
             untouched=[out])
+
+
+def test_an_input_that_is_a_fifo_is_refused_by_name(small_run, tmp_path, capsys):
+    """A FIFO as --prompts (it said "no such file"), as --data: refused before the stage loads."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    out = tmp_path / "o"
+    refused(["serve-loop", "--target", small_run["target"], "--prompts", fifo, "--out", out], capsys,
+            f"{fifo}: --prompts: is not a regular file", untouched=[out])
+    refused(["eval", "--target", small_run["target"], "--data", fifo, "--out", out], capsys,
+            f"{fifo}: --data: is not a regular file", untouched=[out])

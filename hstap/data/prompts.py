@@ -25,9 +25,10 @@ def prompt_from_mask(input_ids: list[int], loss_mask: list[int]) -> list[int] | 
     return list(input_ids[:start]) or None
 
 
-def load_prompts(data: str, tokenizer, num_prompts: int | None = None) -> list[tuple[str, list[int]]]:
-    """[(id, prompt ids)] from a prepared dataset directory or a conversations file; samples without a usable turn
-    are skipped."""
+def load_prompts(data: str, tokenizer, num_prompts: int | None = None,
+                 template_kwargs: dict | None = None) -> list[tuple[str, list[int]]]:
+    """[(id, prompt ids)] from a prepared dataset directory or a conversations file (rendered with the chat template's
+    `template_kwargs`); samples without a usable turn are skipped."""
     out: list[tuple[str, list[int]]] = []
     want = num_prompts or float("inf")
     if Path(data).is_dir():
@@ -49,7 +50,7 @@ def load_prompts(data: str, tokenizer, num_prompts: int | None = None) -> list[t
         for cid, messages in read_conversations([data]):
             last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
             if last_user >= 0:
-                out.append((cid, render_prompt(tokenizer, messages[:last_user + 1])))
+                out.append((cid, render_prompt(tokenizer, messages[:last_user + 1], template_kwargs)))
             if len(out) >= want:
                 break
     if not out:

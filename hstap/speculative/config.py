@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hstap.common import HstapError
-from hstap.config import FLAT, absolute, at_least
+from hstap.config import FLAT, absolute, at_least, settle
+from hstap.data.reasoning import canonical_kwargs
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,11 @@ class EvalConfig:
     """Extra baseline next to target-only decoding: n-gram prompt lookup."""
     num_prompts: int | None = None
     """Use the first N usable prompts of --data (unset = all)."""
+    chat_template_kwargs: str | None = None
+    """JSON object passed to the chat template when --data is a conversations file, as the server runs the target (a
+    reasoning model's switch: '{"enable_thinking": false}' for Qwen3, '{"thinking": false}' for Kimi-K2.5), as
+    `hstap generate` and `hstap prepare` take it; unset: the template's defaults. A prepared set was rendered by
+    prepare: given here, it must be the one prepare recorded."""
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (cuda when available)."""
     dtype: str = field(default="auto", metadata={"choices": ["auto", "fp32", "bf16"]})
@@ -102,6 +108,8 @@ class EvalConfig:
             if getattr(self, name) not in choices:
                 raise HstapError(f"--{name}: expected one of {', '.join(choices)}, got {getattr(self, name)!r}")
         absolute(self, "target", "data", "out", "drafter")
+        settle(self, "chat_template_kwargs", canonical_kwargs(self.chat_template_kwargs,
+                                                              "eval: --chat-template-kwargs"))
         if self.engine in ("vllm", "sglang") and (self.drafter is None or self.decode.mode != "chain"):
             raise HstapError(f"--engine {self.engine}: needs --drafter and --mode chain (hstap runs the engine's chain "
                              "drafting: the counts compare round by round)")

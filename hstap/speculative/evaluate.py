@@ -45,6 +45,7 @@ import torch
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, write_run_config
 from hstap.console import Progress
 from hstap.data.prompts import load_prompts
+from hstap.data.reasoning import template_kwargs
 from hstap.plots import acceptance_plot
 from hstap.speculative.config import EvalConfig
 from hstap.speculative.drivers import (acceptance_rates, new_cache, ngram_generate, speculative_generate,
@@ -220,7 +221,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     target, tok = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
     dev = target.device
     drafter, meta = load_any_drafter(cfg.drafter, target) if cfg.drafter is not None else (None, None)
-    prompts = load_prompts(cfg.data, tok, cfg.num_prompts)
+    prompts = load_prompts(cfg.data, tok, cfg.num_prompts, template_kwargs(cfg.chat_template_kwargs))
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)  # after the input checks, before the long runs
     write_run_config(out_dir, "eval", cfg)  # first: the record that makes the directory eval's (hstap.artifacts.outputs)
