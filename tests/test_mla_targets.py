@@ -230,9 +230,9 @@ def pipeline(targets, tmp_path_factory) -> dict[str, dict]:
         r["verify"] = _quiet(recompute, str(r["store"]), str(target), samples=4, device="cpu", compute_dtype="fp32")
         r["run"] = d / "run"
         torch.manual_seed(0)
-        r["train"] = _quiet(train, from_flags(TrainConfig, store=str(r["store"]), target=str(target), out=str(r["run"]), steps=6,
-                                               lr=3e-3, batch_tokens=600, ttt=2, log_every=1, eval_frac=0.25,
-                                               save_every=6, device="cpu"))
+        r["train"] = _quiet(train, from_flags(TrainConfig, store=str(r["store"]), target=str(target), out=str(r["run"]),
+                                              steps=6, lr=3e-3, batch_tokens=600, ttt=2, log_every=1, eval_frac=0.25,
+                                              save_every=6, device="cpu"))
         for to in ("sglang", "vllm"):
             r[to] = d / to
             _quiet(export, ExportConfig(run=str(r["run"]), to=to, out=str(r[to]), dtype="fp32", target=str(target)))
