@@ -5,5 +5,6 @@
 `data.py` what it reads (store or live target, eval split, aux-layer selection, vocab map); `ttt.py` the training-time
 test (masks, target distribution, objectives, chain replay, FLOPs); `trainer.py` the drafter under training (DDP/FSDP2
 wrapping, AdamW, schedule); `checkpoint.py` atomic checkpoints and exact resume; `log.py` the metrics; `follow.py`
-`--follow`, the stream over a growing store.
+`--follow`, the stream over a growing store, and `follow_plan.py` its pure plan (canonical order, slot plans: passes,
+replay, anchor, holdout).
 """
