@@ -50,8 +50,11 @@ def check_engine(cfg) -> None:
     """--engine vllm / sglang: the engine is there (vLLM importable here, SGLang in the server venv's python), checked
     before the local runs: without it the eval would fail only after them, with an export on disk."""
     if cfg.engine == "vllm":
-        from hstap.engines.vllm import require_vllm
+        from hstap.device import auto_device, auto_dtype
+        from hstap.engines.vllm import check_quantized_dtype, require_vllm
         require_vllm("--engine vllm")
+        device = auto_device(cfg.device).partition(":")[0]
+        check_quantized_dtype(cfg.target, auto_dtype(cfg.dtype, device), device)
     elif cfg.engine == "sglang":
         from hstap.engines.sglang import require_sglang, server_python
         require_sglang(server_python(cfg.sglang_python))
