@@ -1,4 +1,5 @@
-"""What every stage config shares: the checks of its count-like and layer-list fields, and its settling at parse time.
+"""What every stage config shares: the checks of its count-like, fraction and layer-list fields, and its settling at
+parse time.
 
 A stage config is a frozen `@dataclass` (`hstap.cli` builds it from flags or a `--config` file; a caller in Python
 builds it directly): it is what the user asked, as parsed, and nothing changes it afterwards. Its `__post_init__` may
@@ -78,6 +79,15 @@ def at_least(where: str, cfg: Any, names: Iterable[str], lo: int = 1) -> None:
             raise HstapError(f"{where}: {flag(name)}: must be an integer >= {lo}, got {v!r}")
         if v < lo:
             raise HstapError(f"{where}: {flag(name)}: must be >= {lo}, got {v!r}")
+
+
+def fractions(where: str, cfg: Any, names: Iterable[str]) -> None:
+    """Every fraction field of `names` (a share of the samples, of a slot, of a warm-up) is a number in [0, 1): 0 is
+    none, and all of them would leave nothing for the rest. The first that is not is one error line naming its flag."""
+    for name in names:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+            raise HstapError(f"{where}: {flag(name)}: must be in [0, 1), got {v}")
 
 
 def layer_list(where: str, cfg: Any, name: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hstap.common import HstapError
-from hstap.config import FLAT, LAYERS, at_least, layer_list
+from hstap.config import FLAT, LAYERS, at_least, fractions, layer_list
 from hstap.train.config import HyperParams, StreamParams
 
 TRAIN = {
@@ -120,8 +120,7 @@ class ServeLoopConfig:
                            "max_model_len", "kv_cache_gib"))
         at_least(w, self, ("requests", "port"), lo=0)  # 0: all prompts; a free port
         at_least(w, self, ("gate_samples", "gate_min_samples", "check_answers"))
-        if not 0.0 <= self.rollback_ratio < 1.0:
-            raise HstapError(f"{w}: --rollback-ratio: must be in [0, 1), got {self.rollback_ratio}")
+        fractions(w, self, ("rollback_ratio",))
         if self.stream.keep_shards is None:
             raise HstapError(f"{w}: --keep-shards: the loop's store keeps a window of shards: an integer >= 1")
         if self.gate_min_samples > self.gate_samples:

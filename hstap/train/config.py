@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hstap.common import HstapError
-from hstap.config import FLAT, LAYERS, absolute, at_least, layer_list
+from hstap.config import FLAT, LAYERS, absolute, at_least, fractions, layer_list
 
 LOSS_TERMS = ("ce", "tv", "rkl", "hard", "topk")
 """Terms of `--loss`; "a+b" mixes two of them, "lk" is the adaptive ce/tv hybrid (`hstap.train.ttt.loss_core`)."""
@@ -92,8 +92,9 @@ class HyperParams:
         w = "train"
         at_least(w, self, ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "steps", "epochs"))
         at_least(w, self, ("eval_every",), lo=0)  # 0: at every checkpoint
-        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise HstapError(f"{w}: --warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1]")
+        fractions(w, self, ("warmup_ratio",))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise HstapError(f"{w}: --min-lr-ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.lr <= 0 or self.grad_clip < 0:
             raise HstapError(f"{w}: --lr must be > 0 and --grad-clip >= 0")
         try:
@@ -139,8 +140,7 @@ class TrainInputs:
         if self.online and self.eval_store:
             raise HstapError(f"{w}: --eval-store: offline only (online mode evaluates on an --eval-frac split)")
         at_least(w, self, ("draft_vocab",), lo=0)  # 0: the map's
-        if not 0.0 <= self.eval_frac < 1.0:
-            raise HstapError(f"{w}: --eval-frac: must be in [0, 1), got {self.eval_frac}")
+        fractions(w, self, ("eval_frac",))
         layer_list(w, self, "aux_layers")
         absolute(self, "store", "data", "vocab_map", "eval_store")
 
@@ -215,9 +215,7 @@ class StreamParams:
     def __post_init__(self):
         w = "train"
         at_least(w, self, ("keep_shards",))
-        for name in ("replay_fraction", "holdout_frac", "anchor_fraction"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be in [0, 1), got {getattr(self, name)}")
+        fractions(w, self, ("replay_fraction", "holdout_frac", "anchor_fraction"))
         if bool(self.anchor_fraction) != bool(self.anchor_store):
             raise HstapError(f"{w}: --anchor-store and --anchor-fraction go together (the store each slot also draws "
                              f"from, and how much of it: > 0)")
