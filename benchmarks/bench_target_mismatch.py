@@ -97,10 +97,10 @@ def _train(store: Path, target: Path, out: Path, a) -> dict:
     from hstap.train.stage import train
 
     t0 = time.perf_counter()
-    r = _quiet(train, from_flags(TrainConfig, store=str(store), target=str(target), out=str(out), steps=a.steps, lr=a.lr,
-                                  warmup_ratio=0.0, min_lr_ratio=1.0, batch_tokens=a.batch_tokens, ttt=a.k,
-                                  eval_frac=0.0, save_every=a.steps, device="cpu", dtype="fp32", compile=False,
-                                  tensorboard=False, skip_verify=True, seed=0))
+    r = _quiet(train, from_flags(TrainConfig, store=str(store), target=str(target), out=str(out), steps=a.steps,
+                                 lr=a.lr, warmup_ratio=0.0, min_lr_ratio=1.0, batch_tokens=a.batch_tokens, ttt=a.k,
+                                 eval_frac=0.0, save_every=a.steps, device="cpu", dtype="fp32", compile=False,
+                                 tensorboard=False, skip_verify=True, seed=0))
     return {"seconds": round(time.perf_counter() - t0, 1), "loss": (r or {}).get("loss")}
 
 
@@ -177,7 +177,8 @@ def _parity(x: Path, y: Path) -> dict:
 def run(a, work: Path) -> dict:
     from hstap.artifacts.model_dir import load_target
     from hstap.demo.quantize import quantize_int4
-    from hstap.speculative.evaluate import eos_ids, load_prompts
+    from hstap.data.prompts import load_prompts
+    from hstap.speculative.evaluate import eos_ids
 
     t_all = time.perf_counter()
     target, int4 = Path(a.target), work / "target-int4"

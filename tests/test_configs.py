@@ -210,12 +210,10 @@ def test_the_serve_loops_trainer_starts_from_a_train_config(tmp_path):
     from hstap.train.config import HyperParams, StreamParams, TrainConfig
 
     d0 = tmp_path / "drafter0"
-    d0.mkdir()
-    (d0 / "drafter.json").write_text(json.dumps({"config": {"num_layers": 2}}))
     cfg = ServeLoopConfig(target=str(tmp_path / "t"), prompts="p", out=str(tmp_path / "w"), seed=7,
                           stream=StreamParams(**(STREAM | {"keep_shards": 6})),
                           train=HyperParams(**(TRAIN | {"lr": 1e-3, "epochs": 2})))
-    t = trainer_config(cfg, tmp_path / "w", d0, "cpu")
+    t = trainer_config(cfg, tmp_path / "w", d0, 2, "cpu")  # a start drafter of 2 decoder layers
     assert (t.follow, t.consume, t.inputs.eval_frac, t.drafter.draft_layers, t.seed, t.tensorboard) == (
         True, True, 0.0, 2, 7, False)
     assert t.hyper is cfg.train and t.stream is cfg.stream  # the loop's sections, as they are

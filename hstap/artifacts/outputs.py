@@ -21,6 +21,7 @@ would swallow it), a directory output a directory, and the output, or the neares
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -34,11 +35,20 @@ RECORD_OF = {"export": "hstap_export.json", "convert": "hstap_convert.json"}
 
 
 def written_by(d: Path) -> str | None:
-    """The hstap stage whose run record the directory `d` holds; None: not an hstap output."""
+    """The hstap stage whose run record the directory `d` holds (a drafter directory, RUN/best or a checkpoint, is
+    train's: its drafter.json); None: not an hstap output."""
     for name in RECORDS:
         rec = read_record(d / name)
         if rec is not None:
             return rec["stage"]
+    if (d / "drafter.json").is_file():
+        from hstap.artifacts.drafter_dir import DRAFTER_FORMAT
+
+        try:
+            if json.loads((d / "drafter.json").read_text()).get("format") == DRAFTER_FORMAT:
+                return "train"
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            pass
     return None
 
 

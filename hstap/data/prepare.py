@@ -67,7 +67,7 @@ from hstap.data.conversations import BadRecord, count_skip, expand_paths, iter_r
 from hstap.data.prepare_config import PrepareConfig
 from hstap.data.reasoning import template_kwargs
 from hstap.artifacts.outputs import check_new_out
-from hstap.artifacts.vocab_map import build_vocab_map, check_vocab_map
+from hstap.artifacts.vocab_map import VOCAB_MAP_FILE, build_vocab_map, check_vocab_map, write_vocab_map
 from hstap.artifacts.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
 
 CHUNK = 64  # records per worker task: large enough to amortise IPC, small enough to keep workers busy
@@ -325,7 +325,7 @@ def _prepare_into(cfg: PrepareConfig, files: list[Path], tok, template: str, tmp
     masked = int(freq.sum())
     coverage = 100.0 * float(freq[t2d].sum()) / masked
     atomic_write_bytes(tmp / "token_freq.safetensors", st_save({"token_freq": freq}))
-    atomic_write_bytes(tmp / "vocab_map.safetensors", st_save({"d2t": d2t, "t2d": t2d}))
+    write_vocab_map(tmp / VOCAB_MAP_FILE, d2t, t2d)
     summary = {
         "read": counts["read"], "written": counts["written"], "truncated": counts["truncated"],
         "cut_answers": counts["cut_answers"], "distinct_masked_tokens": int((freq > 0).sum()), "vocab_size": V,

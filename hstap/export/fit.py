@@ -18,8 +18,9 @@ from hstap.common import HstapError, read_json
 
 
 def drafter_facts(path: str | Path) -> dict:
-    """{"file": the JSON the facts come from, "vocab_size", "target_hidden_size", "aux_layers", "target": the target
-    block it was trained on (None: not recorded)} of a drafter directory, RUN, or SGLang / speculators export."""
+    """{"file": the JSON the facts come from, "vocab_size", "target_hidden_size", "aux_layers", "num_layers" (decoder
+    layers), "target": the target block it was trained on (None: not recorded)} of a drafter directory, RUN, or
+    SGLang / speculators export."""
     from hstap.artifacts.drafter_dir import resolve_drafter_dir
     from hstap.export.engines import read_export
 
@@ -28,6 +29,7 @@ def drafter_facts(path: str | Path) -> dict:
         conf, layer, aux, _, info = read_export(p)
         return {"file": p / "config.json", "vocab_size": layer.get("vocab_size"),
                 "target_hidden_size": layer.get("target_hidden_size") or layer.get("hidden_size"), "aux_layers": aux,
+                "num_layers": int(layer.get("num_hidden_layers") or 1),
                 "target": ((info.get("provenance") or {}).get("store") or {}).get("target")}
     d = resolve_drafter_dir(p)
     f = d / "drafter.json"
@@ -36,7 +38,7 @@ def drafter_facts(path: str | Path) -> dict:
     if not isinstance(conf, dict):
         raise HstapError(f"{f}: config: missing (not an hstap drafter?)")
     return {"file": f, "vocab_size": conf.get("vocab_size"), "target_hidden_size": conf.get("target_hidden_size"),
-            "aux_layers": [int(i) for i in conf.get("aux_layers") or []],
+            "aux_layers": [int(i) for i in conf.get("aux_layers") or []], "num_layers": int(conf.get("num_layers", 1)),
             "target": (meta.get("store") or {}).get("target") if isinstance(meta.get("store"), dict) else None}
 
 

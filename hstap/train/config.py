@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hstap.common import HstapError
-from hstap.config import FLAT, LAYERS, absolute, at_least, fractions, layer_list
+from hstap.config import FLAT, LAYERS, FieldError, absolute, at_least, fractions, layer_list, positive
 
 LOSS_TERMS = ("ce", "tv", "rkl", "hard", "topk")
 """Terms of `--loss`; "a+b" mixes two of them, "lk" is the adaptive ce/tv hybrid (`hstap.train.ttt.loss_core`)."""
@@ -93,16 +93,15 @@ class HyperParams:
         at_least(w, self, ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "steps", "epochs"))
         at_least(w, self, ("eval_every",), lo=0)  # 0: at every checkpoint
         fractions(w, self, ("warmup_ratio",))
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise HstapError(f"{w}: --min-lr-ratio: must be in [0, 1], got {self.min_lr_ratio}")
-        if self.lr <= 0 or self.grad_clip < 0:
-            raise HstapError(f"{w}: --lr must be > 0 and --grad-clip >= 0")
+        for name in ("min_lr_ratio", "loss_mix"):  # 1.0: a flat schedule; the second term alone
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise FieldError(w, name, f"must be in [0, 1], got {getattr(self, name)}")
+        positive(w, self, ("lr",))
+        positive(w, self, ("ttt_decay", "grad_clip", "lk_decay", "weight_decay"), zero=True)
         try:
             loss_terms(self.loss)
         except ValueError as e:
-            raise HstapError(f"{w}: --{e}") from None
-        if not 0.0 <= self.loss_mix <= 1.0 or self.lk_decay < 0:
-            raise HstapError(f"{w}: --loss-mix must be in [0, 1] and --lk-decay >= 0")
+            raise FieldError(w, "loss", str(e).removeprefix("loss: ")) from None
 
 
 @dataclass(frozen=True, kw_only=True)
