@@ -131,6 +131,11 @@ class TrainInputs:
     """Fraction of samples held out for evaluation, chosen by a hash of the sample id (0 = no eval split)."""
     skip_verify: bool = False
     """Skip the pre-flight check that the store matches the target (hstap.verify.stage.quick_check)."""
+    allow_other_variant: bool = False
+    """Train on a store whose header's target fingerprint (config.json's sha256, the weight files' fingerprint) is
+    not --target's: a store captured from another variant of the model, e.g. its full-precision original when --target
+    is the INT4 or FP8 checkpoint that serves. Refused by default; the recomputation of the pre-flight check still has
+    to pass."""
 
     def __post_init__(self):
         w = "train"

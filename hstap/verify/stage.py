@@ -23,6 +23,7 @@ their share), and more than `routing.MAX_FLIP_SHARE` flips fail.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,8 +34,10 @@ from hstap.common import HstapError, atomic_write_json
 from hstap.artifacts.outputs import check_not_input, check_out_file
 from hstap.layers import EMBEDDINGS, last_layer, reference_ids, reference_index
 from hstap.verify.config import VerifyConfig
-from hstap.verify.parity import compute_class, finish_stats, layer_stats, merge_stats, row_breaks, tolerance, violations
-from hstap.verify.routing import MAX_FLIP_SHARE, RoutingCheck, recorded, routers
+from hstap.verify.parity import (NOISE_FACTOR, compute_class, finish_stats, layer_stats, merge_stats, noise_limit,
+                                 row_breaks, tolerance, violations)
+from hstap.verify.routing import MAX_FLIP_SHARE, near_tie, recorded, routers
+from hstap.verify.twin import Twin
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -127,19 +130,25 @@ class _Sums:
     tie and breaking the tolerance: `hstap.verify.routing`); None when routing is not checked."""
     near: list[int] | None = None
     """Per stored slot: tokens near a routing tie at some MoE layer up to the slot's."""
+    noise: torch.Tensor | None = None
+    """(K+1, 2) with a twin: per stored slot, the summed squared distance of the twin's state from the recomputation's
+    and the recomputation's squared norm, over the rows not near a routing tie (the bf16 noise floor's parts)."""
 
 
 def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: int, problems: list[str], tol: dict,
-                routing=None) -> _Sums:
+                twin=None) -> _Sums:
     """One forward per picked sample keeping every reference state; each stored slot compared with all of them.
-    `routing` (a `hstap.verify.routing.RoutingCheck`): rows near a routing tie that break `tol` are left out of the
-    slot's metrics and counted instead."""
+    `twin` (a `hstap.verify.twin.Twin`): the noise floor is summed, and on a MoE target the rows near a routing tie that
+    break `tol` are left out of the slot's metrics and counted instead."""
     N, C = target.num_layers, len(reference_ids(target.num_layers))
     slots = len(claimed)
     sums = _Sums(acc=[None] * slots, err=torch.zeros(slots, C, dtype=torch.float64),
                  ref2=torch.zeros(slots, C, dtype=torch.float64), cosmin=torch.ones(slots, C, dtype=torch.float64))
-    if routing is not None:
-        sums.flips, sums.near = [0] * slots, [0] * slots
+    gates = routers(target) if twin is not None else {}
+    if twin is not None:
+        sums.noise = torch.zeros(slots, 2, dtype=torch.float64)
+        if gates:
+            sums.flips, sums.near = [0] * slots, [0] * slots
     for i in picked:
         smp = s[i]
         T = min(int(smp["input_ids"].shape[0]), max_tokens)
@@ -148,7 +157,7 @@ def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: in
         if not _finite(stored):
             problems.append(f"sample {smp['id']!r}: stored hidden states hold NaN/Inf")
             continue
-        with recorded(routing.gates if routing is not None else {}) as got:
+        with recorded(gates) as got:
             aux_all, final, _ = target.capture(ids, list(range(N)))  # (1, T, N, H), (1, T, H)
         emb = target.embed_tokens(ids)  # (1, T, H)
         # (T, C, H) in reference_ids order: embeddings, every layer's output, the final-norm output
@@ -169,9 +178,19 @@ def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: in
         sums.votes.append(rel.argmin(1).tolist())  # this sample's best
         cos = dots / (xx.sqrt()[:, :, None] * rr.sqrt()[:, None]).clamp_min(1e-30)  # (T, K+1, C)
         sums.cosmin = torch.minimum(sums.cosmin, cos.amin(0).double().cpu())
-        near = routing.near_tie(ids, got, claimed)[0].to(stored.device) if routing is not None else None  # (T, K+1)
+        near = twin_refs = None
+        if twin is not None:
+            twin_refs, twin_got = twin.states(ids)  # (T, C, H)
+            twin_refs = twin_refs.to(refs.device)
+            if gates:
+                near = near_tie(gates, got, twin.gates, twin_got, claimed).to(stored.device)  # (T, K+1)
         for k in range(slots):
             x, r = stored[:, k], refs[:, reference_index(claimed[k])]  # (T, H), (T, H)
+            if twin_refs is not None:
+                calm = ~near[:, k] if near is not None else torch.ones(T, dtype=torch.bool, device=r.device)  # (T,)
+                tw = twin_refs[:, reference_index(claimed[k])]  # (T, H)
+                sums.noise[k, 0] += float((tw - r)[calm].double().pow(2).sum())
+                sums.noise[k, 1] += float(r[calm].double().pow(2).sum())
             if near is not None:
                 excused = near[:, k] & row_breaks(x, r, tol)  # (T,)
                 sums.near[k] += int(near[:, k].sum())
@@ -182,7 +201,7 @@ def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: in
     return sums
 
 
-def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list[str]) -> list[dict]:
+def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list[str], dtype: str) -> list[dict]:
     """Per stored slot: its metrics, the reference state it matches best, and what is wrong (appended to problems)."""
     cand = reference_ids(N)
     K = len(claimed) - 1
@@ -200,6 +219,12 @@ def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list
                "best_rel_l2": float(rel_l2[k, best]), "best_cos_min": float(sums.cosmin[k, best]),
                "best_per_sample": [_label(cand[v[k]], N) for v in sums.votes]}
         bad = violations(m, tol)
+        if sums.noise is not None and float(sums.noise[k, 1]) > 0:
+            floor = math.sqrt(float(sums.noise[k, 0]) / float(sums.noise[k, 1]))
+            row["noise_floor"], row["noise_limit"] = floor, noise_limit(floor, dtype)
+            if not m["rel_l2"] <= row["noise_limit"]:
+                bad.append(f"relative L2 error {m['rel_l2']:.3g} > {row['noise_limit']:.3g} ({NOISE_FACTOR:g} x the "
+                           f"bf16 noise floor {floor:.3g} measured in both precisions, with {dtype} storage)")
         if sums.flips is not None:
             row["routing"] = {"tokens_near_tie": sums.near[k], "flips": sums.flips[k],
                               "flip_share": sums.flips[k] / max(sums.tokens, 1)}
@@ -246,15 +271,23 @@ def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = 
     claimed = list(s.layers) + [N]  # stored aux slots, then `final` (the final-norm output, id N in reference_ids)
     problems: list[str] = []
     picked = _pick(len(s), samples)
-    routing = RoutingCheck(target) if compute == "bf16" and routers(target) else None
-    sums = _accumulate(s, target, picked, claimed, max_tokens, problems, tol, routing)
+    twin = None
+    if compute == "bf16":
+        from hstap.artifacts.quantization import quantization_of
+        from hstap.verify.twin import served_activations
+
+        quant = quantization_of(target_dir)
+        twin = Twin(target, served_activations(quant, engine), quant)
+    sums = _accumulate(s, target, picked, claimed, max_tokens, problems, tol, twin)
     base = {"mode": "recompute", "store": str(store_path), "target": str(target_dir), "dtype": s.dtype,
             "layers_claimed": s.layers, "samples": [s.ids[i] for i in picked], "tokens": sums.tokens,
             "compute": {"store": engine.get("compute_dtype"), "recompute": str(target.dtype).replace("torch.", ""),
-                        "device": str(target.device)}, "tolerance_class": tol_name, "tolerance": tol, "notes": notes}
+                        "device": str(target.device),
+                        "served_activations": twin.activations if twin is not None else None},
+            "tolerance_class": tol_name, "tolerance": tol, "notes": notes}
     if sums.tokens == 0:
         return {**base, "metrics": [], "problems": problems or ["no sample could be compared"], "ok": False}
-    layers = _verdicts(sums, claimed, N, tol, problems)
+    layers = _verdicts(sums, claimed, N, tol, problems, s.dtype)
     return {**base, "metrics": layers, "problems": problems, "ok": not problems}
 
 
