@@ -226,3 +226,18 @@ def test_the_serve_loops_trainer_starts_from_a_train_config(tmp_path):
     f = tmp_path / "run.config.json"
     f.write_text(json.dumps(run_meta("train", t)))
     assert make_config("train", TrainConfig, ["--config", str(f)]) == t
+
+
+@pytest.mark.parametrize("stage, flag", [("train", "--warmup-ratio"), ("train", "--eval-frac"),
+                                         ("train", "--replay-fraction"), ("train", "--holdout-frac"),
+                                         ("train", "--anchor-fraction"), ("serve-loop", "--rollback-ratio")])
+def test_every_fraction_is_in_zero_one(stage, flag, tmp_path, capsys):
+    """Each [0, 1) fraction refuses 1 (nothing would be left for the rest) and a negative value, one line naming it."""
+    base = {"train": ["--store", str(tmp_path / "s"), "--target", str(tmp_path / "t")],
+            "serve-loop": ["--target", str(tmp_path / "t"), "--prompts", str(tmp_path / "p")]}[stage]
+    for bad in ("1.0", "-0.1"):
+        assert main([stage, *base, "--out", str(tmp_path / "out"), flag, bad]) == 2
+        line = _error_line(capsys)
+        assert f"{flag}: must be in [0, 1), got {float(bad)}" in line, line
+    assert not (tmp_path / "out").exists()
+

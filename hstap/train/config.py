@@ -144,8 +144,7 @@ class TrainInputs:
         if self.online and self.eval_store:
             raise HstapError(f"{w}: --eval-store: offline only (online mode evaluates on an --eval-frac split)")
         at_least(w, self, ("draft_vocab",), lo=0)  # 0: the map's
-        if not 0.0 <= self.eval_frac < 1.0:
-            raise HstapError(f"{w}: --eval-frac: must be in [0, 1), got {self.eval_frac}")
+        fractions(w, self, ("eval_frac",))
         layer_list(w, self, "aux_layers")
         absolute(self, "store", "data", "vocab_map", "eval_store")
 
@@ -220,9 +219,7 @@ class StreamParams:
     def __post_init__(self):
         w = "train"
         at_least(w, self, ("keep_shards",))
-        for name in ("replay_fraction", "holdout_frac", "anchor_fraction"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be in [0, 1), got {getattr(self, name)}")
+        fractions(w, self, ("replay_fraction", "holdout_frac", "anchor_fraction"))
         if bool(self.anchor_fraction) != bool(self.anchor_store):
             raise HstapError(f"{w}: --anchor-store and --anchor-fraction go together (the store each slot also draws "
                              f"from, and how much of it: > 0)")
