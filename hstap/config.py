@@ -1,4 +1,5 @@
-"""What every stage config shares: the checks of its count-like and layer-list fields, and its settling at parse time.
+"""What every stage config shares: the checks of its count-like, number, fraction and layer-list fields, and its
+settling at parse time.
 
 A stage config is a frozen `@dataclass` (`hstap.cli` builds it from flags or a `--config` file; a caller in Python
 builds it directly): it is what the user asked, as parsed, and nothing changes it afterwards. Its `__post_init__` may

@@ -120,7 +120,7 @@ def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_ll
     """The writer hands the store views of pinned buffers and takes them back after the shard commit: a buffer
     reused too early would corrupt committed samples. Compare bitwise with the copying path; count pinned buffers."""
     from hstap.batching import pack_by_tokens
-    from hstap.capture import hf
+    from hstap.capture.hf import runner as hf
     from hstap.artifacts.model_dir import load_target
     from hstap.store.reader import open_store
     from hstap.store.writer import StoreWriter

