@@ -100,10 +100,10 @@ def _train(store: Path, target: Path, out: Path, a) -> dict:
     from hstap.train.stage import train
 
     t0 = time.perf_counter()
-    r = _quiet(train, from_flags(TrainConfig, store=str(store), target=str(target), out=str(out), steps=a.steps, lr=a.lr,
-                                  warmup_ratio=0.0, min_lr_ratio=1.0, batch_tokens=a.batch_tokens, ttt=a.k,
-                                  eval_frac=0.0, save_every=a.steps, device="cpu", dtype="fp32", compile=False,
-                                  tensorboard=False, skip_verify=True, seed=0))
+    r = _quiet(train, from_flags(TrainConfig, store=str(store), target=str(target), out=str(out), steps=a.steps,
+                                 lr=a.lr, warmup_ratio=0.0, min_lr_ratio=1.0, batch_tokens=a.batch_tokens, ttt=a.k,
+                                 eval_frac=0.0, save_every=a.steps, device="cpu", dtype="fp32", compile=False,
+                                 tensorboard=False, skip_verify=True, seed=0))
     return {"seconds": round(time.perf_counter() - t0, 1), "loss": (r or {}).get("loss")}
 
 
@@ -206,7 +206,8 @@ def engine(a, work: Path) -> dict:
     """The part that runs vLLM (under the engine lock): capture (a), drafter (a), the parity tables, every drafter
     served on the INT4 target."""
     from hstap.artifacts.model_dir import load_target
-    from hstap.speculative.evaluate import eos_ids, load_prompts
+    from hstap.data.prompts import load_prompts
+    from hstap.speculative.evaluate import eos_ids
 
     t0 = time.perf_counter()
     pre = json.loads((work / "prep.json").read_text())

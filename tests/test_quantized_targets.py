@@ -209,12 +209,12 @@ def staged(quantized, tmp_path_factory) -> dict[str, dict]:
                                   device="cpu", batch_tokens=2048))
             r["verify"] = recompute(str(r["store"]), t, samples=3, device="cpu", compute_dtype="fp32")
             torch.manual_seed(0)
-            r["train"] = train(from_flags(TrainConfig, store=str(r["store"]), target=t, out=str(d / "run"), steps=4, lr=3e-3,
-                                           batch_tokens=600, ttt=2, eval_frac=0.0, save_every=4, device="cpu",
-                                           compile=False, tensorboard=False))
+            r["train"] = train(from_flags(TrainConfig, store=str(r["store"]), target=t, out=str(d / "run"), steps=4,
+                                          lr=3e-3, batch_tokens=600, ttt=2, eval_frac=0.0, save_every=4, device="cpu",
+                                          compile=False, tensorboard=False))
             r["vllm"] = d / "vllm"
             export(ExportConfig(run=str(d / "run"), to="vllm", out=str(r["vllm"]), dtype="fp32", target=t))
-            r["eval"] = evaluate(EvalConfig(target=t, drafter=str(d / "run"), data=str(d / "prepared"),
+            r["eval"] = evaluate(from_flags(EvalConfig, target=t, drafter=str(d / "run"), data=str(d / "prepared"),
                                             out=str(d / "eval"), k=2, max_new_tokens=8, num_prompts=2, device="cpu",
                                             dtype="fp32"))
         out[kind] = r
