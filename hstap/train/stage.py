@@ -88,6 +88,7 @@ from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.data import Feed, TrainData
 from hstap.train.follow import FollowBatches
+from hstap.train.side import SideCollate
 from hstap.train.inputs import resolve
 from hstap.train.plan import TrainPlan
 from hstap.train.log import CURVES, MetricsLog, Throughput, draw_curves, print_summary, train_line
@@ -229,7 +230,8 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
             outline += f", {cfg.anchor_fraction} of each slot from {cfg.anchor_store}"
     else:
         batches = TrainBatches(data.train_rows, data.train_lengths, cfg.batch_tokens, cfg.seed, rank, world,
-                               state.get("epoch", 0), state.get("batches_done", 0), cuda, workers)
+                               state.get("epoch", 0), state.get("batches_done", 0), cuda, workers,
+                               SideCollate(cfg.side_branches, cfg.side_context))
         per_epoch = math.ceil(len(batches.sampler) / cfg.grad_accum)
         total = cfg.steps or (cfg.epochs or 1) * per_epoch
         outline = (f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} steps/epoch, "
