@@ -63,7 +63,7 @@ class ServeLoopConfig:
     """Store dtype of the tapped states."""
     side_rows: str = field(default="none", metadata={"choices": ["none", "first", "all"]})
     """Rows of rejected drafts the tap keeps per verify step, as side branches of each stored request (a store of
-    format version 2; --train.side-weight trains on them): none, the first rejected draft, or all past the accepted
+    format version 2; --train.side-branches trains on them): none, the first rejected draft, or all past the accepted
     prefix."""
     side_max_accepted: int = -1
     """With --side-rows: keep only the verify steps that accepted at most this many drafts (the worst steps); -1:
