@@ -63,7 +63,7 @@ from hstap.capture.hf import run_capture  # noqa: E402
 from hstap.capture.profile import CaptureProfile, spread  # noqa: E402
 from hstap.capture.staging import PinnedPool, staging_layout, to_store_dtype  # noqa: E402
 from hstap.layers import default_aux_layers  # noqa: E402
-from hstap.artifacts.model_dir import auto_device  # noqa: E402
+from hstap.device import auto_device  # noqa: E402
 from hstap.models.target import Target  # noqa: E402
 from hstap.store.format import store_bytes_per_token  # noqa: E402
 from hstap.store.reader import open_store  # noqa: E402

@@ -198,7 +198,7 @@ def main() -> None:
         _check(p, work / f"eval-{name}.log")
     timings["eval_s"] = round(time.monotonic() - t, 1)
 
-    from hstap.store.format import load_manifest, load_parts, union_entries
+    from hstap.store.manifest import load_manifest, load_parts, union_entries
     sf = work / "store-follow"
     entries, _, _ = union_entries(load_manifest(sf), load_parts(sf))
     biggest = max(int(e["bytes"]) for e in entries)

@@ -460,7 +460,7 @@ def run_config(name: str, overrides: dict, a, ctx: dict) -> dict:
 def context(a) -> dict:
     """What every configuration shares: the store, its split, vocab map and aux layers, the target's head, the
     device."""
-    from hstap.data.vocab import load_store_vocab_map
+    from hstap.artifacts.vocab_map import load_store_vocab_map
     from hstap.layers import to_vllm
     from hstap.artifacts.model_dir import target_head
     from hstap.train.data import is_eval

@@ -31,7 +31,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from hstap.common import HstapError, user_message
+from hstap.common import HstapError, one_line, user_message
 
 # subcommand -> (module of its config, config class, entry function, one-line help). Only stages that work are listed.
 # An entry "module:function" lives in another module than its config: a config whose fields more than its entry module
@@ -90,6 +90,34 @@ def check_input_paths(stage: str, cfg: Any) -> None:
         for p in v if isinstance(v, list) else [v]:
             if p and not os.path.exists(p):
                 raise HstapError(f"{p}: --{name.replace('_', '-')}: does not exist")
+
+
+# Fields that name outputs, and what is written there: checked before the stage's module loads, so that an output
+# that cannot be written (under a file, in a read-only directory, a FIFO) is one line before any work
+# (`hstap.artifacts.outputs.check_writable`), not a traceback after minutes of it. The stages decide what they replace.
+OUTPUT_PATHS: dict[str, tuple[tuple[str, str], ...]] = {
+    "data": (("out", "file"),),
+    "convert": (("out", "dir"),),
+    "prepare": (("out", "dir"),),
+    "generate": (("out", "file"), ("capture", "dir")),
+    "capture": (("out", "dir"),),
+    "train": (("out", "dir"),),
+    "export": (("out", "dir"),),
+    "eval": (("out", "dir"),),
+    "serve-loop": (("out", "dir"),),
+    "verify": (("report", "file"),),
+    "demo": (("out", "dir"),),
+}
+
+
+def check_output_paths(stage: str, cfg: Any) -> None:
+    """HstapError naming the first output path of `cfg` (OUTPUT_PATHS) that cannot be written."""
+    from hstap.artifacts.outputs import check_writable
+
+    for name, kind in OUTPUT_PATHS.get(stage, ()):
+        v = getattr(cfg, name, None)
+        if v:
+            check_writable(v, "--" + name.replace("_", "-"), kind)
 
 
 def stage_entry(stage: str):
@@ -406,9 +434,16 @@ def main(argv: list[str] | None = None) -> int:
         mod = importlib.import_module(mod_name)
         cfg = make_config(stage, getattr(mod, cls_name), argv[1:], helptext)
         check_input_paths(stage, cfg)
+        check_output_paths(stage, cfg)
         stage_entry(stage)(cfg)
     except HstapError as e:
         print(f"hstap: error: {user_message(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.filename is None:  # not about a path: a bug or the system's, with its traceback
+            raise
+        # a path the checks could not foresee (a disk that filled, a directory removed under the run): one line
+        print(f"hstap: error: {e.filename}: {e.strerror or one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hstap: interrupted", file=sys.stderr)

@@ -243,6 +243,8 @@ def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
 
     _, probed, root, _ = loop
     assert None not in probed["stored"], probed["stored"]  # every probe answer is a store sample
+    hello = json.loads(next((root / "w" / "store" / "vllm-events").glob("server-*.json")).read_text())
+    assert hello["model_runner"] == "v1"  # the tap reads V1's runner; serve-loop's own server pins it
     rep = recompute(str(root / "w" / "store"), str(vllm_llama), samples=100, device="cpu", compute_dtype="fp32")
     assert rep["ok"], rep["problems"]  # decode-step states (rejected drafts overwritten) == a prefill, fp32
 

@@ -9,7 +9,7 @@ from helpers.train import build_assets, states_store
 
 def test_held_back_keeps_the_newest_held_back_samples_and_survives_consumed_shards(tiny_tokenizer, tmp_path):
     from hstap.serve_loop.gate import HeldBack
-    from hstap.store.format import load_manifest
+    from hstap.store.manifest import load_manifest
     from hstap.train.data import is_eval
 
     assets = build_assets(tmp_path / "a", tiny_tokenizer[0], n=4, with_store=False)

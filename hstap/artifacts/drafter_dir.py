@@ -31,20 +31,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hstap.common import HstapError, atomic_write_json, fsync_dir
-from hstap.data.vocab import check_vocab_map
+from hstap.artifacts.vocab_map import check_vocab_map, vocab_map_sha256
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 
 DRAFTER_FORMAT = "hstap-drafter"
 DRAFTER_VERSION = 1
-
-
-def vocab_map_sha256(d2t: torch.Tensor, t2d: torch.Tensor) -> str:
-    """Identity of a draft vocabulary map: sha256 over d2t as little-endian int64 and t2d as uint8 bytes."""
-    h = hashlib.sha256()
-    h.update(d2t.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8").tobytes())
-    h.update(b"|")
-    h.update(t2d.detach().to("cpu", torch.bool).contiguous().numpy().astype("u1").tobytes())
-    return h.hexdigest()
 
 
 EMBEDDING = "embed_tokens.weight"

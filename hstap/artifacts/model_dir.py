@@ -1,5 +1,6 @@
-"""Everything about reading a local HF model directory: device and dtype, config, tokenizer and chat template (and
-their hashes), the target model, its embedding and lm_head, and the fingerprint a store header records.
+"""Everything about reading a local HF model directory: config, tokenizer and chat template (and their hashes), the
+target model (on the device and dtype `hstap.device` resolves), its embedding and lm_head, and the fingerprint a store
+header records.
 
 Every stage that touches a target goes through here (capture, train, verify, eval, generate, the engines), so "which
 model is this" is decided in one place. No model hub: paths are local directories only.
@@ -18,60 +19,21 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from hstap.common import HstapError, one_line, sha256_bytes
+from hstap.device import resolve_device, resolve_dtype
 from hstap.models.target import Target
+from hstap.artifacts.quantization import LOADING_ATTRIBUTES_WARNING, load_kwargs, quantization_of
 from hstap.artifacts.tiktoken_dir import TIKTOKEN_FILE, is_tiktoken_dir, load_tiktoken_dir
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", TIKTOKEN_FILE)
 FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a weight file
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Device and dtype
-
-
-def auto_device(device: str | torch.device) -> str:
-    """The device a --device value names: "auto" -> "cuda" where torch sees a GPU, else "cpu"; any other as given."""
-    if str(device) != "auto":
-        return str(device)
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def auto_dtype(dtype: str, device: str | torch.device) -> str:
-    """The compute dtype a --dtype value names on `device` (a --device value): "auto" -> "bf16" on CUDA (what serving
-    engines run), "fp32" on the CPU (exact, tests); any other as given."""
-    if dtype != "auto":
-        return dtype
-    return "bf16" if torch.device(auto_device(device)).type == "cuda" else "fp32"
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """`auto_device(device)` as a torch.device; "cuda" without an index -> the current CUDA device."""
-    device = auto_device(device)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise HstapError(f"--device: {device} requested but CUDA is not available (torch {torch.__version__})")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise HstapError(f"--device: expected cpu, cuda or auto, got {device!r}")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto_dtype(dtype, device)` as a torch.dtype."""
-    dtype = auto_dtype(dtype, device)
-    if dtype not in COMPUTE_DTYPES:
-        raise HstapError(f"--compute-dtype: expected auto, fp32 or bf16, got {dtype!r}")
-    return COMPUTE_DTYPES[dtype]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -222,7 +184,9 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
 
     A multimodal wrapper (Kimi-K2.5's `KimiK25ForConditionalGeneration`, ...) loads as its language model alone, a
     causal LM of its `text_config`, from the tensors `text_weights` finds (no vision tower). A tensor of the model
-    missing from the checkpoint is an error, never a random initialisation.
+    missing from the checkpoint is an error, never a random initialisation. A quantized checkpoint (INT4 W4A16
+    compressed-tensors, DeepSeek-V3's block FP8: hstap.artifacts.quantization) loads as the quantized model, its
+    weights unpacked to the values they stand for; another quantization is one error line.
 
     dtype: "fp32" | "bf16" | "auto" (fp32 on CPU, bf16 on CUDA). Attention is SDPA, or eager for architectures without
     it."""
@@ -238,7 +202,7 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
-    kw: dict = {"dtype": dt}
+    kw: dict = {"dtype": dt, **load_kwargs(quantization_of(p))}
     wrapper = text_config(cfg) is not cfg
     if wrapper:
         kw.update(text_model_kwargs(p, cfg))
@@ -249,8 +213,11 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
     # DeepSeek MTP layer) are left out on purpose
     hf_logging.set_verbosity_error()
     try:
-        model, info = _from_pretrained(p, kw)
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a damaged or incomplete directory
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=f".*{LOADING_ATTRIBUTES_WARNING}", category=UserWarning)
+            model, info = _from_pretrained(p, kw)
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError, SafetensorError) as e:  # a damaged or incomplete
+        # directory, or a quantized one without its package (compressed-tensors)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise HstapError(f"{p}: cannot load the target model: {type(e).__name__}: {first}") from None
     finally:

@@ -52,9 +52,10 @@ from hstap.capture.staging import (PinnedPool, staging_layout, staging_nbytes, s
                                    to_store_dtype)
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
-from hstap.artifacts.model_dir import load_target, resolve_dtype
+from hstap.artifacts.model_dir import load_target
+from hstap.device import resolve_dtype
 from hstap.models.target import Target
-from hstap.store.format import committed_ids_of
+from hstap.store.manifest import committed_ids_of
 from hstap.store.writer import StoreWriter
 
 ZERO_COPY_MAX_SHARD = 4 << 30  # larger shards: copy batches out of pinned memory rather than pin a whole shard

@@ -1,7 +1,7 @@
 """Data: the conversations a drafter learns from, and the target's own answers to them.
 
 `hstap prepare` (`prepare.py`, its config in `prepare_config.py`) renders conversations with the chat template into
-input_ids + assistant-only loss_mask and picks the draft vocabulary (`vocab.py`); `chat.py` is the rendering itself
+input_ids + assistant-only loss_mask and picks the draft vocabulary (`hstap.artifacts.vocab_map`); `chat.py` is the rendering itself
 (text, ids, the loss-mask rule) that prepare, generate and eval share, and `reasoning.py` what reasoning models add (an
 answer's thinking, the chat-template kwargs that switch it). `conversations.py` reads the input formats with file:line
 errors; `hstap data` (`sources.py`) writes the field's datasets from their pip packages (ShareGPT salvaged, MT-bench

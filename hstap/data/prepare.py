@@ -37,7 +37,7 @@ rendered text (SpecForge: one registry entry per model family) and `{% generatio
 Output directory PREPARED (built in a hidden temp sibling, fsynced, renamed at the end; an existing one is refused):
   Arrow dataset (`datasets.save_to_disk`; `load_prepared`): id (str), input_ids (list[int32]), loss_mask (list[int8])
   token_freq.safetensors  token_freq int64 [V]: counts of loss-masked tokens (V = len(tokenizer))
-  vocab_map.safetensors   d2t int64 [N] (hot id - draft index), t2d bool [V] (the draft vocabulary map: hstap/data/vocab.py)
+  vocab_map.safetensors   d2t int64 [N] (hot id - draft index), t2d bool [V] (the draft vocabulary map: hstap/artifacts/vocab_map.py)
   meta.json               tokenizer/chat-template sha256, chat_template_kwargs, vocab_size, max_len, counts, draft
                           vocab size and coverage
   config.json             the resolved PrepareConfig (replay: `hstap prepare --config PREPARED/config.json --out NEW`)
@@ -66,7 +66,7 @@ from hstap.data.chat import assistant_spans, tokenize_conversation
 from hstap.data.conversations import BadRecord, count_skip, expand_paths, iter_records
 from hstap.data.prepare_config import PrepareConfig
 from hstap.data.reasoning import template_kwargs
-from hstap.data.vocab import build_vocab_map, check_vocab_map
+from hstap.artifacts.vocab_map import build_vocab_map, check_vocab_map
 from hstap.artifacts.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
 
 CHUNK = 64  # records per worker task: large enough to amortise IPC, small enough to keep workers busy

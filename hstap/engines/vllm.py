@@ -5,7 +5,9 @@ a `vllm serve` process (`vllm_server`: the tests and benchmarks that talk to a r
 What they share: hstap's dtype names, eager mode on the CPU backend (no graphs to capture there), an explicit KV cache
 on the CPU backend (`cpu_kv_cache_bytes`), prefix caching off unless asked (a capture needs every prompt token's
 states computed, and the eval runs compare rounds with hstap's decoder), and the shutdown of the engine core process
-(vLLM spawns it; without a shutdown it outlives the call). vLLM is imported only when an engine starts.
+(vLLM spawns it; without a shutdown it outlives the call), and V1's model runner unless the environment names one
+(`hstap.engines.vllm_runner`: what hstap reads inside vLLM under each runner). vLLM is imported only when an engine
+starts.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from hstap.common import HstapError, one_line
+from hstap.engines.vllm_runner import pin_v1
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 """hstap's compute-dtype names -> vLLM's `dtype`."""
@@ -81,6 +84,7 @@ def start_llm(target: str, dtype: str, device: str, max_model_len: int, **kw):
     """`vllm.LLM` on `target` in hstap's compute dtype ('fp32' | 'bf16'); device 'cpu' runs eager with an explicit KV
     cache (module docstring), and an fp32 MLA target with vLLM's reference MLA backend (`cpu_mla_backend`). `kw` goes
     to vLLM as is (speculative_config, kv_transfer_config, seed, ...); prefix caching is off unless `kw` turns it on."""
+    pin_v1()  # before vLLM reads its environment; the engine core process inherits it
     from vllm import LLM
 
     cpu = device == "cpu"
@@ -104,10 +108,12 @@ def vllm_server(model: str | os.PathLike, port: int, log: str | os.PathLike, *ar
     """`python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT ARGS` (this Python's vLLM) as a process
     group of its own, its output in `log`; yields its base URL once /v1/models answers; stopped with its children on
     exit (SIGTERM, then SIGKILL after 60 s). A server that exits or does not answer within `timeout` raises
-    RuntimeError with the end of its log. `cpus`: run it on these CPUs only (a taskset list; "": all)."""
+    RuntimeError with the end of its log. `cpus`: run it on these CPUs only (a taskset list; "": all). `env` (default:
+    this process's environment) gets V1's model runner unless it names one (`hstap.engines.vllm_runner.pin_v1`)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), *args]
     cmd = ["taskset", "-c", cpus, *cmd] if cpus else cmd
+    env = pin_v1(dict(os.environ if env is None else env))
     log = Path(log)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)

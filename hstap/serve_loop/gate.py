@@ -39,7 +39,7 @@ class HeldBack:
 
     def refresh(self) -> None:
         """Copy the held-back samples of shards committed since the last call."""
-        from hstap.store.format import load_manifest, load_parts, union_entries
+        from hstap.store.manifest import load_manifest, load_parts, union_entries
         from hstap.store.reader import Store
         from hstap.train.data import is_eval
 

@@ -78,7 +78,8 @@ def _lossless(records: list[dict], ref: dict | None) -> dict | None:
 
 
 def _store_block(cfg: ServeLoopConfig, out: Path, up: Updater) -> dict:
-    from hstap.store.format import committed_ids_of, load_manifest, store_bytes_per_token
+    from hstap.store.format import store_bytes_per_token
+    from hstap.store.manifest import committed_ids_of, load_manifest
 
     store = out / "store"
     if not (store / "manifest.json").is_file():

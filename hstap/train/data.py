@@ -19,7 +19,7 @@ from hstap.batching import Rows, eval_batches
 from hstap.common import HstapError, sha256_bytes
 from hstap.models.target import Target
 from hstap.train.config import TrainConfig
-from hstap.train.plan import VocabMap
+from hstap.artifacts.vocab_map import VocabMap
 from hstap.train.ttt import plan_rows, target_distribution
 
 

@@ -73,8 +73,9 @@ import torch
 from hstap import dist as D
 from hstap.train.side import SideCollate
 from hstap.common import HstapError
-from hstap.store.consumer import delete_consumed, is_consumed, own_shard_files, read_consumer, write_consumer
-from hstap.store.format import load_manifest, load_parts, union_entries, writing_state
+from hstap.store.consumer import (claim_store, delete_consumed, is_consumed, own_shard_files, read_consumer,
+                                  write_consumer)
+from hstap.store.manifest import load_manifest, load_parts, union_entries, writing_state
 from hstap.store.reader import Store, check_shard, open_store
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
@@ -106,36 +107,42 @@ def wait_for_store(path: Path) -> dict:
     return load_manifest(path)
 
 
-def claim_store(store: str, keep_shards: int, run: Path, resuming: bool) -> None:
-    """Rank 0 of a consuming run, before anything else: write STORE/consumer.json (active, the window), creating STORE
-    if no writer has yet, so that writers keep to the window from their first shard. Refuses a store another run
-    consumes, or a consumed store this run did not consume before (a resume must be of the run that consumed it)."""
-    path = Path(store)
-    path.mkdir(parents=True, exist_ok=True)
-    m = load_manifest(path) if (path / "manifest.json").is_file() else None
-    rec = read_consumer(path, m)
-    if rec is not None and rec["run"] != str(run):
-        raise HstapError(f"{path / 'consumer.json'}:1: run: the store is consumed by {rec['run']}; one consuming "
-                         f"trainer per store (resume that run)")
-    if rec is not None and any(rec["consumed"].values()) and not resuming:
-        raise HstapError(f"{path / 'consumer.json'}:1: consumed: {run} consumed shards of this store already: pass "
-                         f"--resume")
-    write_consumer(path, {"run": str(run), "store_created_unix": m.get("created_unix") if m else None, "active": True,
-                          "keep_shards": keep_shards, "consumed": rec["consumed"] if rec else {}})
-
-
-def open_followed_store(cfg: TrainConfig, run: Path, rank: int) -> None:
+def open_followed_store(cfg: TrainConfig, run: Path, rank: int) -> Callable[[], None]:
     """With --consume, rank 0 claims the store (`claim_store`) first; then every rank waits until a writer created
-    it."""
-    err = None
+    it. Returns the claim's undo (a no-op where there is none), which this call runs itself when the wait is cut."""
+    err, undo = None, (lambda: None)
     if rank == 0 and cfg.consume:
         try:
-            claim_store(cfg.store, cfg.keep_shards, run, resuming=bool(cfg.resume and checkpoint.complete(run)))
+            undo = claim_store(cfg.store, cfg.keep_shards, run, resuming=bool(cfg.resume and checkpoint.complete(run)))
         except HstapError as e:
             err = e
     if not D.agree(err is None):
         raise err or HstapError(f"{cfg.store}: rank 0 could not claim the store (see its output)")
-    wait_for_store(Path(cfg.store))
+    try:
+        wait_for_store(Path(cfg.store))
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+def stream_settings(cfg: TrainConfig) -> dict:
+    """The SETTINGS of a follow run's config, as its checkpoints record them."""
+    return {k: getattr(cfg, k) for k in SETTINGS} | {"epochs": cfg.epochs or 1}
+
+
+def check_resume(run: Path, state: dict, cfg: TrainConfig) -> dict:
+    """A --resume of a follow run against its checkpoint's trainer_state.json `state`, before anything is written:
+    the checkpoint is of a follow run, and it was trained with this run's SETTINGS. Returns its stream position."""
+    st = state.get("follow")
+    if st is None:
+        raise HstapError(f"{run}: the checkpoint is of a run without --follow; resume it without --follow")
+    now = stream_settings(cfg)
+    for k in SETTINGS:
+        was = st["settings"].get(k, BEFORE.get(k))
+        if was != now[k]:
+            raise HstapError(f"{run}: --{k.replace('_', '-')} was {was}; resume with the same value")
+    return st
 
 
 def check_store_target(store: str, target: str) -> None:
@@ -187,9 +194,10 @@ def open_anchor(anchor: str, store: str, header: dict) -> Store:
 class FollowBatches:
     """This rank's micro-batches of the follow stream, slot after slot (see the module docstring).
 
-    The loop calls `wait(save)` before each optimizer step (True: the step's micro-batches are planned; False: the
-    stream ended), takes grad_accum micro-batches with `next()`, calls `step_done(step)` after the step and
-    `committed(step)` after each checkpoint; `state()` goes into trainer_state.json; `finish()` at a normal end."""
+    `start()` once RUN is written; the loop calls `wait(save)` before each optimizer step (True: the step's
+    micro-batches are planned; False: the stream ended), takes grad_accum micro-batches with `next()`, calls
+    `step_done(step)` after the step and `committed(step)` after each checkpoint; `state()` goes into
+    trainer_state.json; `finish()` at a normal end."""
 
     def __init__(self, cfg: TrainConfig, run: Path, rank: int, world: int, dev: torch.device, state: dict | None,
                  pin: bool, workers: int):
@@ -199,7 +207,7 @@ class FollowBatches:
         self.manifest = load_manifest(self.path)
         self.header = {k: v for k, v in self.manifest.items() if k != "shards"}
         self.ranks = writing_state(self.manifest, load_parts(self.path))[0]
-        self.settings = {k: getattr(cfg, k) for k in SETTINGS} | {"epochs": cfg.epochs or 1}
+        self.settings = stream_settings(cfg)
         self.spec = StreamSpec(self.settings["epochs"], self._retain(cfg), cfg.replay_fraction, cfg.seed,
                                cfg.batch_tokens, world * cfg.grad_accum, cfg.holdout_frac, cfg.anchor_fraction)
         self.anchor = open_anchor(cfg.anchor_store, cfg.store, self.header) if cfg.anchor_store else None
@@ -218,9 +226,13 @@ class FollowBatches:
             raise HstapError(f"{self.path / 'consumer.json'}:1: consumed: {rec['run']} consumed shards of this store "
                              f"already; a follower needs every shard from the first")
         if state is not None:
-            self._restore(state)
-        if rank == 0 and self.consume:
-            self._consume()  # binds the record to this store; a resume redoes what a kill interrupted (idempotent)
+            self._restore(state, cfg)
+
+    def start(self) -> None:
+        """Once RUN is written (the stream is checked and planned, nothing written, until here): rank 0 binds the
+        consumer record to this store; a resume redoes what a kill interrupted (idempotent)."""
+        if self.rank == 0 and self.consume:
+            self._consume()
         D.barrier()
 
     def _retain(self, cfg: TrainConfig) -> int:
@@ -236,14 +248,8 @@ class FollowBatches:
                              f"{cfg.keep_shards} // {W} = {quota} shards and needs >= {need}")
         return R
 
-    def _restore(self, state: dict) -> None:
-        st = state.get("follow")
-        if st is None:
-            raise HstapError(f"{self.run}: the checkpoint is of a run without --follow; resume it without --follow")
-        for k in SETTINGS:
-            was = st["settings"].get(k, BEFORE.get(k))
-            if was != self.settings[k]:
-                raise HstapError(f"{self.run}: --{k.replace('_', '-')} was {was}; resume with the same value")
+    def _restore(self, state: dict, cfg: TrainConfig) -> None:
+        st = check_resume(self.run, state, cfg)
         if st["store_created_unix"] != self.manifest.get("created_unix") or st["ranks"] != self.ranks:
             raise HstapError(f"{self.path}: not the store this run followed (re-created, or its writer ranks changed "
                              f"from {st['ranks']} to {self.ranks})")

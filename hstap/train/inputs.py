@@ -20,6 +20,7 @@ The config is never changed: what `resolve` decides (ce chunk, draft vocabulary 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,8 @@ from hstap.artifacts.model_dir import load_config, target_head
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.data import TrainData, auto_ce_chunk, build_data, source_layers
-from hstap.train.plan import TrainPlan, VocabMap
+from hstap.artifacts.vocab_map import VocabMap
+from hstap.train.plan import TrainPlan
 
 
 @dataclass
@@ -52,6 +54,9 @@ class RunInputs:
     """That checkpoint's trainer_state.json ({} for a fresh run)."""
     run_config: dict
     """trainer_state.json's "config" of this run: {"world_size": world, **the TrainConfig fields}."""
+    release: Callable[[], None]
+    """Undoes --consume's claim of the followed store (`hstap.store.consumer.claim_store`; a no-op without one): for a
+    run refused before RUN is written, which leaves the store as it found it."""
 
 
 def resolve(cfg: TrainConfig, rank: int, world: int, dev: torch.device, bf16: bool) -> RunInputs:
@@ -61,6 +66,14 @@ def resolve(cfg: TrainConfig, rank: int, world: int, dev: torch.device, bf16: bo
     if done and not cfg.resume:  # no silent overwrite of a trained run
         raise HstapError(f"{run}: has checkpoints already; pass --resume to continue or choose another --out")
     ckpt = done[-1] if cfg.resume and done else None
+    run_config = {"world_size": world, **vars(cfg)}
+    # a resume against its checkpoint first, before anything (of RUN, of the followed store) is written
+    state = checkpoint.read_state(ckpt, run_config) if ckpt else {}
+    if ckpt and cfg.follow:
+        from hstap.train.follow import check_resume
+        check_resume(run, state, cfg)
+    elif ckpt and "follow" in state:
+        raise HstapError(f"{ckpt}/trainer_state.json: a --follow run; resume it with --follow")
     hf_cfg = load_config(cfg.target)
     if cfg.data:  # --online's samples, or the vocab map's source: tokenized as the target tokenizes
         from hstap.data.fits import check_tokenizer
@@ -68,12 +81,23 @@ def resolve(cfg: TrainConfig, rank: int, world: int, dev: torch.device, bf16: bo
         from hstap.artifacts.model_dir import target_fingerprint
         check_tokenizer(cfg.data, read_meta(cfg.data), target_fingerprint(cfg.target))
     V = int(hf_cfg.vocab_size)
-    ce_chunk = cfg.ce_chunk or auto_ce_chunk(V)
-    vocab = None
+    vocab, release = None, (lambda: None)
     if cfg.follow:  # the vocabulary is fixed before the store is claimed and waited for: it is not complete yet
         vocab = resolve_vocab(cfg, None, V)
         from hstap.train.follow import open_followed_store
-        open_followed_store(cfg, run, rank)
+        release = open_followed_store(cfg, run, rank)
+    try:
+        plan, data, embed, head = _sources(cfg, rank, world, dev, bf16, hf_cfg, vocab, ckpt, state)
+    except BaseException:
+        release()  # a refused run leaves no active claim on the store
+        raise
+    return RunInputs(plan, hf_cfg, embed, head, data, state, run_config, release)
+
+
+def _sources(cfg: TrainConfig, rank: int, world: int, dev: torch.device, bf16: bool, hf_cfg, vocab, ckpt, state):
+    """`resolve`'s checks of the store (opened once), the layers, the vocabulary and the samples: (plan, data, embed,
+    head)."""
+    V = int(hf_cfg.vocab_size)
     store = None
     if not cfg.online:
         from hstap.store.reader import open_store
@@ -97,11 +121,10 @@ def resolve(cfg: TrainConfig, rank: int, world: int, dev: torch.device, bf16: bo
     if store is not None and not cfg.follow:
         check_checksums(cfg, [store] + ([data.eval_rows.src] if cfg.eval_store else []), rank, world)
     embed, head = target_head(cfg.target)
-    run_config = {"world_size": world, **vars(cfg)}
-    state = checkpoint.read_state(ckpt, run_config) if ckpt else {}
-    plan = TrainPlan(world=world, device=dev.type, bf16=bf16, ce_chunk=ce_chunk, vocab=vocab, layers=tuple(layers),
-                     store_indices=None if sel is None else tuple(sel), resume=ckpt, resume_step=state.get("step", 0))
-    return RunInputs(plan, hf_cfg, embed, head, data, state, run_config)
+    plan = TrainPlan(world=world, device=dev.type, bf16=bf16, ce_chunk=cfg.ce_chunk or auto_ce_chunk(V), vocab=vocab,
+                     layers=tuple(layers), store_indices=None if sel is None else tuple(sel), resume=ckpt,
+                     resume_step=state.get("step", 0))
+    return plan, data, embed, head
 
 
 def _size_conflict(cfg: TrainConfig, n: int, V: int, src) -> str | None:
@@ -120,7 +143,7 @@ def resolve_vocab(cfg: TrainConfig, store, V: int) -> VocabMap:
     prepared or stored map builds the top N from the store's counts instead (one printed line; never ignored); one that
     differs from an explicit --vocab-map's, or with no complete store to count (`store` None: --online, --follow), is an
     error."""
-    from hstap.data.vocab import build_vocab_map, load_store_vocab_map, load_vocab_map
+    from hstap.artifacts.vocab_map import build_vocab_map, load_store_vocab_map, load_vocab_map
     src = cfg.vocab_map or cfg.data
     stored = load_store_vocab_map(store.path, store.header) if not src and store is not None else None
     if src:

@@ -83,7 +83,7 @@ import torch
 from hstap import dist as D
 from hstap.batching import TrainBatches
 from hstap.common import HstapError, atomic_write_json, write_run_config
-from hstap.artifacts.model_dir import auto_dtype
+from hstap.device import auto_dtype
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.data import Feed, TrainData
@@ -190,52 +190,40 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     if bf16 and not cuda:
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
     inp = resolve(cfg, rank, world, dev, bf16)
-    plan, data, state, run_config = inp.plan, inp.data, inp.state, inp.run_config
-    ckpt = plan.resume
-    drafter = init_drafter(inp.hf_cfg, plan.vocab, list(plan.layers), inp.embed, inp.head, seed=cfg.seed,
-                           draft_layers=cfg.draft_layers, init_lm_head=cfg.init_lm_head)
-    attn, why = ttt_attention(cfg.attn, dev.type, drafter.config.head_dim)
-    feed = Feed(data, inp.head, dev, torch.bfloat16 if bf16 else torch.float32, plan.ce_chunk, cfg.ttt,
-                pad_to=16 if cuda else 1)  # CUDA: T in steps of 16 bounds the TTT masks and compiled shapes
-    del inp  # the target's embedding and head: the drafter and the feed hold what they need
-    if ckpt and "follow" in state and not cfg.follow:
-        raise HstapError(f"{ckpt}/trainer_state.json: a --follow run; resume it with --follow")
-
-    # A resume loads the weights before wrapping and the optimizer and RNG after; both before RUN is written, so a
-    # checkpoint that does not fit leaves the run as it was.
-    if ckpt:
-        checkpoint.load_weights(ckpt, drafter)
-    elif cfg.init_from:
-        checkpoint.load_init(Path(cfg.init_from), drafter)
-    drafter.to(dev)
-    trainer = Trainer(cfg, drafter, world, dev, attn, bf16, plan.ce_chunk)
-    # best_sim_tau of a run saved before tau included the bonus token (no "tau_definition") is not comparable
-    best = state.get("best_sim_tau", -1.0) if state.get("tau_definition") == TAU_DEFINITION else -1.0
-    st = TrainState(step=state.get("step", 0), best=best, tokens_seen=state.get("tokens_seen", 0))
-    if ckpt:
-        trainer.load_rest(ckpt, state, rank)
-    _open_run(cfg, plan, run, rank)
+    release = inp.release  # the store's claim undone if the run is refused before RUN is written
+    try:
+        plan, data, state, run_config = inp.plan, inp.data, inp.state, inp.run_config
+        ckpt = plan.resume
+        drafter = init_drafter(inp.hf_cfg, plan.vocab, list(plan.layers), inp.embed, inp.head, seed=cfg.seed,
+                               draft_layers=cfg.draft_layers, init_lm_head=cfg.init_lm_head)
+        attn, why = ttt_attention(cfg.attn, dev.type, drafter.config.head_dim)
+        feed = Feed(data, inp.head, dev, torch.bfloat16 if bf16 else torch.float32, plan.ce_chunk, cfg.ttt,
+                    pad_to=16 if cuda else 1)  # CUDA: T in steps of 16 bounds the TTT masks and compiled shapes
+        del inp  # the target's embedding and head: the drafter and the feed hold what they need
+        # A resume loads the weights before wrapping and the optimizer and RNG after, and the batch stream checks
+        # its position; all before RUN is written: a checkpoint that does not fit leaves the run and store as they were.
+        if ckpt:
+            checkpoint.load_weights(ckpt, drafter)
+        elif cfg.init_from:
+            checkpoint.load_init(Path(cfg.init_from), drafter)
+        drafter.to(dev)
+        trainer = Trainer(cfg, drafter, world, dev, attn, bf16, plan.ce_chunk)
+        # best_sim_tau of a run saved before tau included the bonus token (no "tau_definition") is not comparable
+        best = state.get("best_sim_tau", -1.0) if state.get("tau_definition") == TAU_DEFINITION else -1.0
+        st = TrainState(step=state.get("step", 0), best=best, tokens_seen=state.get("tokens_seen", 0))
+        if ckpt:
+            trainer.load_rest(ckpt, state, rank)
+        batches, total, outline = _batches(cfg, data, run, rank, world, dev, state if ckpt else None)
+        _open_run(cfg, plan, run, rank)
+    except BaseException:
+        release()
+        raise
     if rank == 0 and (ckpt or cfg.follow):  # follow: also a restart before the first checkpoint starts clean
         checkpoint.truncate_metrics(run / "metrics.jsonl", st.step)
         if cfg.follow:
             checkpoint.truncate_metrics(run / "follow.jsonl", st.step)
-    workers = cfg.workers if cfg.workers >= 0 else (4 if cuda else 0)
     if cfg.follow:
-        batches = FollowBatches(cfg, run, rank, world, dev, state if ckpt else None, cuda, workers)
-        total, outline = cfg.steps, (f"following {cfg.store} ({batches.ranks} writer rank(s)), {cfg.epochs or 1} "
-                                     f"epoch(s), {f'{cfg.steps} steps' if cfg.steps else 'until writing ends'}")
-        if cfg.holdout_frac:
-            outline += f", {cfg.holdout_frac} of the ids held back"
-        if cfg.anchor_store:
-            outline += f", {cfg.anchor_fraction} of each slot from {cfg.anchor_store}"
-    else:
-        batches = TrainBatches(data.train_rows, data.train_lengths, cfg.batch_tokens, cfg.seed, rank, world,
-                               state.get("epoch", 0), state.get("batches_done", 0), cuda, workers,
-                               SideCollate(cfg.side_branches, cfg.side_context))
-        per_epoch = math.ceil(len(batches.sampler) / cfg.grad_accum)
-        total = cfg.steps or (cfg.epochs or 1) * per_epoch
-        outline = (f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} steps/epoch, "
-                   f"{total} steps")
+        batches.start()
     D.print0(f"hstap train: {outline}, world {world}{' fsdp' if trainer.fsdp else ''}, "
              f"{dev.type} {'bf16' if bf16 else 'fp32'}{' compiled' if cfg.compile and cuda else ''}, attn {attn}, "
              f"ttt {cfg.ttt}, draft vocab {plan.vocab.size}, ce chunk {plan.ce_chunk}, "
@@ -244,6 +232,31 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     D.print0(f"hstap train: TTT attention {attn}: {why}")
     schedule = Schedule(cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio, total)
     return _Run(cfg, run, rank, world, dev, data, feed, trainer, batches, schedule, run_config, plan), st
+
+
+def _batches(cfg: TrainConfig, data, run: Path, rank: int, world: int, dev: torch.device, state: dict | None):
+    """(this rank's batch stream, its total steps, the outline line's figures): the follow stream of --follow (its
+    position restored from `state`, a resume's, and checked), else the store's shuffled epochs."""
+    cuda = dev.type == "cuda"
+    workers = cfg.workers if cfg.workers >= 0 else (4 if cuda else 0)
+    state = state or None
+    if cfg.follow:
+        batches = FollowBatches(cfg, run, rank, world, dev, state, cuda, workers)
+        outline = (f"following {cfg.store} ({batches.ranks} writer rank(s)), {cfg.epochs or 1} epoch(s), "
+                   f"{f'{cfg.steps} steps' if cfg.steps else 'until writing ends'}")
+        if cfg.holdout_frac:
+            outline += f", {cfg.holdout_frac} of the ids held back"
+        if cfg.anchor_store:
+            outline += f", {cfg.anchor_fraction} of each slot from {cfg.anchor_store}"
+        return batches, cfg.steps, outline
+    state = state or {}
+    batches = TrainBatches(data.train_rows, data.train_lengths, cfg.batch_tokens, cfg.seed, rank, world,
+                           state.get("epoch", 0), state.get("batches_done", 0), cuda, workers,
+                           SideCollate(cfg.side_branches, cfg.side_context))
+    per_epoch = math.ceil(len(batches.sampler) / cfg.grad_accum)
+    total = cfg.steps or (cfg.epochs or 1) * per_epoch
+    return batches, total, (f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} "
+                            f"steps/epoch, {total} steps")
 
 
 def _loop(r: _Run, st: TrainState) -> None:

@@ -21,7 +21,7 @@ from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.data import Feed, TrainData
-from hstap.train.plan import VocabMap
+from hstap.artifacts.vocab_map import VocabMap
 from hstap.train.ttt import TTTModel, replay_chain
 
 

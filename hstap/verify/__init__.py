@@ -3,5 +3,6 @@
 `stage.py` is `hstap verify` (store integrity, recompute against the target, layer-offset detection, store against
 store) and the quick check train runs before its first step, `config.py` its config (read and checked before torch
 loads); `parity.py` the per-layer error metrics of two captures of the same states and the dtype-aware tolerances they
-are held to.
+are held to; `routing.py` which tokens of a MoE target a bf16 computation may route to other experts (routing flips,
+counted rather than failed).
 """

@@ -29,10 +29,10 @@ class VerifyConfig:
     max_tokens: int = 1024
     """Recompute mode: compare the first max_tokens tokens of each sample (all layer outputs are held in memory)."""
     report: str | None = None
-    """Also write the full report (per-layer metrics, problems) as JSON to this path (an existing file only when it is
-    an earlier verify report, or with --overwrite)."""
+    """Also write the full report (per-layer metrics, problems) as JSON to this path: a new file, or an earlier verify
+    report with --overwrite (any other file is never replaced)."""
     overwrite: bool = False
-    """Replace a --report file that is not an earlier verify report."""
+    """Replace an earlier verify report at --report (a file verify did not write is never replaced)."""
 
     def __post_init__(self):
         if (self.a is None) != (self.b is None):

@@ -101,6 +101,14 @@ def finish_stats(acc: dict) -> dict:
     return out
 
 
+def row_breaks(x: torch.Tensor, r: torch.Tensor, tol: dict) -> torch.Tensor:
+    """(T,) bool: the rows of stored (T, H) `x` that alone break `tol`'s cosine or max-relative-error limit against the
+    reference (T, H) `r` (what a routing flip does to a row: `hstap.verify.routing`)."""
+    x, r = x.float(), r.float()
+    rel = (x - r).abs().amax(-1) / r.abs().amax(-1).clamp_min(1e-30)  # (T,)
+    return (_cos(x, r) < tol["cos_min"]) | (rel > tol["rel_max"])
+
+
 def violations(m: dict, tol: dict) -> list[str]:
     bad = []
     if not m["cos_min"] >= tol["cos_min"]:

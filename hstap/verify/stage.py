@@ -14,20 +14,27 @@ with the smallest relative L2 error (scale-sensitive, so a missing final norm is
 is all ones); a layer that fails its tolerance is reported as e.g. "stored layer 2 matches output of layer 3 (off by
 +1)", and a bad final as "final matches pre-norm output of the last layer: missing final norm". `quick_check` (called by
 train before training unless --skip-verify) raises with that message, so a mismatched store never trains silently.
+
+MoE targets (DeepSeek-V3 / Kimi-K2 routers) with a bf16 computation involved: each compared sample also runs in the
+other precision, and a row that breaks the tolerance at a token near a routing tie is counted as a routing flip instead
+of failing (`hstap.verify.routing` has the rule); each slot's report row carries `routing` (tokens near a tie, flips,
+their share), and more than `routing.MAX_FLIP_SHARE` flips fail.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 import hstap
 from hstap.common import HstapError, atomic_write_json
-from hstap.artifacts.outputs import check_out_file
+from hstap.artifacts.outputs import check_not_input, check_out_file
 from hstap.layers import EMBEDDINGS, last_layer, reference_ids, reference_index
 from hstap.verify.config import VerifyConfig
-from hstap.verify.parity import compute_class, finish_stats, layer_stats, merge_stats, tolerance, violations
+from hstap.verify.parity import compute_class, finish_stats, layer_stats, merge_stats, row_breaks, tolerance, violations
+from hstap.verify.routing import MAX_FLIP_SHARE, RoutingCheck, recorded, routers
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -115,14 +122,24 @@ class _Sums:
     """Per compared sample: best reference index of each stored slot."""
     tokens: int = 0
     """Tokens compared."""
+    flips: list[int] | None = None
+    """MoE targets with a bf16 computation involved: per stored slot, rows excused as routing flips (near a routing
+    tie and breaking the tolerance: `hstap.verify.routing`); None when routing is not checked."""
+    near: list[int] | None = None
+    """Per stored slot: tokens near a routing tie at some MoE layer up to the slot's."""
 
 
-def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: int, problems: list[str]) -> _Sums:
-    """One forward per picked sample keeping every reference state; each stored slot compared with all of them."""
+def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: int, problems: list[str], tol: dict,
+                routing=None) -> _Sums:
+    """One forward per picked sample keeping every reference state; each stored slot compared with all of them.
+    `routing` (a `hstap.verify.routing.RoutingCheck`): rows near a routing tie that break `tol` are left out of the
+    slot's metrics and counted instead."""
     N, C = target.num_layers, len(reference_ids(target.num_layers))
     slots = len(claimed)
     sums = _Sums(acc=[None] * slots, err=torch.zeros(slots, C, dtype=torch.float64),
                  ref2=torch.zeros(slots, C, dtype=torch.float64), cosmin=torch.ones(slots, C, dtype=torch.float64))
+    if routing is not None:
+        sums.flips, sums.near = [0] * slots, [0] * slots
     for i in picked:
         smp = s[i]
         T = min(int(smp["input_ids"].shape[0]), max_tokens)
@@ -131,7 +148,8 @@ def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: in
         if not _finite(stored):
             problems.append(f"sample {smp['id']!r}: stored hidden states hold NaN/Inf")
             continue
-        aux_all, final, _ = target.capture(ids, list(range(N)))  # (1, T, N, H), (1, T, H)
+        with recorded(routing.gates if routing is not None else {}) as got:
+            aux_all, final, _ = target.capture(ids, list(range(N)))  # (1, T, N, H), (1, T, H)
         emb = target.embed_tokens(ids)  # (1, T, H)
         # (T, C, H) in reference_ids order: embeddings, every layer's output, the final-norm output
         refs = torch.cat([emb[0, :, None], aux_all[0], final[0, :, None]], dim=1).float()
@@ -151,9 +169,16 @@ def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: in
         sums.votes.append(rel.argmin(1).tolist())  # this sample's best
         cos = dots / (xx.sqrt()[:, :, None] * rr.sqrt()[:, None]).clamp_min(1e-30)  # (T, K+1, C)
         sums.cosmin = torch.minimum(sums.cosmin, cos.amin(0).double().cpu())
+        near = routing.near_tie(ids, got, claimed)[0].to(stored.device) if routing is not None else None  # (T, K+1)
         for k in range(slots):
-            sums.acc[k] = merge_stats(sums.acc[k], layer_stats(stored[:, k], refs[:, reference_index(claimed[k])],
-                                                          ulps=s.dtype != "fp8"))
+            x, r = stored[:, k], refs[:, reference_index(claimed[k])]  # (T, H), (T, H)
+            if near is not None:
+                excused = near[:, k] & row_breaks(x, r, tol)  # (T,)
+                sums.near[k] += int(near[:, k].sum())
+                sums.flips[k] += int(excused.sum())
+                x, r = x[~excused], r[~excused]
+            if x.shape[0]:
+                sums.acc[k] = merge_stats(sums.acc[k], layer_stats(x, r, ulps=s.dtype != "fp8"))
     return sums
 
 
@@ -164,6 +189,9 @@ def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list
     rel_l2 = (sums.err / sums.ref2.clamp_min(1e-300)).sqrt()  # (K+1, C)
     layers = []
     for k in range(K + 1):
+        if sums.acc[k] is None:  # every row excused: no metric left, only the flip count below
+            sums.acc[k] = {"cos_min": float("nan"), "cos_sum": 0.0, "tokens": 0, "rel_max": float("inf"),
+                           "l2_err": float("inf"), "l2_ref": 1.0}
         m = finish_stats(sums.acc[k])
         name = "final" if k == K else f"layer {claimed[k]}"
         best = int(rel_l2[k].argmin())
@@ -172,6 +200,12 @@ def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list
                "best_rel_l2": float(rel_l2[k, best]), "best_cos_min": float(sums.cosmin[k, best]),
                "best_per_sample": [_label(cand[v[k]], N) for v in sums.votes]}
         bad = violations(m, tol)
+        if sums.flips is not None:
+            row["routing"] = {"tokens_near_tie": sums.near[k], "flips": sums.flips[k],
+                              "flip_share": sums.flips[k] / max(sums.tokens, 1)}
+            if sums.flips[k] > MAX_FLIP_SHARE * sums.tokens:
+                bad.append(f"{sums.flips[k]} of {sums.tokens} rows differ at a routing tie "
+                           f"({sums.flips[k] / sums.tokens:.1%} > {MAX_FLIP_SHARE:.0%}: more than routing flips)")
         if bj != claimed[k] and float(rel_l2[k, best]) < 0.5 * m["rel_l2"]:
             bad.append(f"{_label(bj, N)} matches better (relative L2 error {float(rel_l2[k, best]):.3g} "
                        f"vs {m['rel_l2']:.3g})")
@@ -212,7 +246,8 @@ def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = 
     claimed = list(s.layers) + [N]  # stored aux slots, then `final` (the final-norm output, id N in reference_ids)
     problems: list[str] = []
     picked = _pick(len(s), samples)
-    sums = _accumulate(s, target, picked, claimed, max_tokens, problems)
+    routing = RoutingCheck(target) if compute == "bf16" and routers(target) else None
+    sums = _accumulate(s, target, picked, claimed, max_tokens, problems, tol, routing)
     base = {"mode": "recompute", "store": str(store_path), "target": str(target_dir), "dtype": s.dtype,
             "layers_claimed": s.layers, "samples": [s.ids[i] for i in picked], "tokens": sums.tokens,
             "compute": {"store": engine.get("compute_dtype"), "recompute": str(target.dtype).replace("torch.", ""),
@@ -325,7 +360,9 @@ def _fail(rep: dict, what: str) -> None:
 
 def verify(cfg: VerifyConfig) -> dict:
     """Run the chosen check, print the report, write it as JSON with --report; HstapError on failure."""
-    if cfg.report:  # before any work: a file of the user's is replaced only when asked
+    if cfg.report:  # before any work: only an earlier report of verify is replaced, and only when asked
+        check_not_input(cfg.report, [("--store", cfg.store), ("--target", cfg.target), ("--a", cfg.a), ("--b", cfg.b)],
+                        "--report")
         check_out_file(cfg.report, "verify", cfg.overwrite, "--report")
     if cfg.a is not None:
         rep = compare_stores(cfg.a, cfg.b, cfg.samples)
@@ -338,6 +375,7 @@ def verify(cfg: VerifyConfig) -> dict:
         what = str(cfg.store)
     _print(rep)
     if cfg.report:
+        Path(cfg.report).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(cfg.report, {"stage": "verify", "hstap_version": hstap.__version__, **rep})
     if not rep["ok"]:
         _fail(rep, what)

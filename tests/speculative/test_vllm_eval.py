@@ -69,7 +69,7 @@ def test_the_sglang_export_gives_vllm_the_same_taps(vllm_llama, drafted, report)
     with contextlib.redirect_stdout(io.StringIO()):
         export(ExportConfig(run=str(run), to="sglang", out=str(d), dtype="fp32", overwrite=True))
     prompts = [p["prompt_ids"] for p in rep["prompts"]]
-    outs, _, c = _run(str(vllm_llama), "fp32", prompts, N_NEW, 0.0, rep["eos_ids"], 0,
+    outs, _, c, _ = _run(str(vllm_llama), "fp32", prompts, N_NEW, 0.0, rep["eos_ids"], 0,
                       {"method": "eagle3", "model": str(d), "num_speculative_tokens": K}, "cpu")
     assert c[COUNTERS[0]] == rep["vllm"]["drafts"] and c[PER_POS] == rep["vllm"]["accepted_per_pos"]
     assert outs == [p["output_ids"] for p in rep["prompts"]]

@@ -13,7 +13,7 @@ from helpers.store import header, sample, sid, write
 
 from hstap.common import HstapError
 from hstap.store.consumer import read_consumer, wait_for_room, write_consumer
-from hstap.store.format import committed_ids_of, load_manifest, load_parts, merge_manifest, writing_state
+from hstap.store.manifest import committed_ids_of, load_manifest, load_parts, merge_manifest, writing_state
 from hstap.store.reader import open_store
 from hstap.store.writer import StoreWriter
 from hstap.train.follow_plan import END, TAKE, WAIT, StreamSpec, next_unit, plan_slot, slot_units
@@ -169,7 +169,7 @@ def test_follow_config_errors_are_one_line_each(tmp_path):
 
 
 def test_too_small_a_window_and_a_store_consumed_by_another_run(tmp_path):
-    from hstap.train.follow import claim_store
+    from hstap.store.consumer import claim_store
 
     p = tmp_path / "s"
     write(p, 6, shard_tokens=50)

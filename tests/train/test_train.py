@@ -79,7 +79,7 @@ def test_offline_training_learns_and_checkpoints(assets, tmp_path, capsys):
     assert "ce chunk 16384" in printed
 
     # The checkpoint is an hstap drafter; the vocab map derived from the store's counts is the prepared set's.
-    from hstap.data.vocab import load_vocab_map
+    from hstap.artifacts.vocab_map import load_vocab_map
     from hstap.artifacts.drafter_dir import load_drafter
     best, meta = load_drafter(run)
     assert meta["store"]["layers"] == [1, 3, 4] and best.config.aux_layers == [1, 3, 4]
@@ -281,7 +281,7 @@ def test_the_prepared_draft_vocab_carries_through_capture_to_train(assets, tmp_p
     import shutil
 
     from hstap.common import sha256_bytes
-    from hstap.data.vocab import build_vocab_map
+    from hstap.artifacts.vocab_map import build_vocab_map
     from hstap.artifacts.drafter_dir import load_drafter
     from hstap.store.reader import open_store
 
@@ -319,7 +319,7 @@ def test_the_prepared_draft_vocab_carries_through_capture_to_train(assets, tmp_p
 def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
     """--draft-vocab N unlike the store's (prepared) map of 96: the top N of the store's counts, recorded in
     plan.json; unlike an explicit --vocab-map: one error, before the run exists; unset: the map's own size."""
-    from hstap.data.vocab import build_vocab_map, load_vocab_map
+    from hstap.artifacts.vocab_map import build_vocab_map, load_vocab_map
     from hstap.artifacts.drafter_dir import load_drafter
     from hstap.store.reader import open_store
 
@@ -379,7 +379,7 @@ def _other_vocab_store(assets, dst):
     from safetensors.numpy import save_file
 
     from hstap.common import sha256_bytes
-    from hstap.data.vocab import build_vocab_map
+    from hstap.artifacts.vocab_map import build_vocab_map
 
     shutil.copytree(assets["store"], dst)
     d2t, t2d = build_vocab_map(np.arange(400)[::-1].astype(np.int64), 96)
@@ -420,7 +420,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, assets, tmp_path, capsy
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             train(_cfg(assets, run, steps=1, eval_frac=0.0, tensorboard=False))
         _other_vocab_store(assets, store)
-        opts = {"resume": True, "steps": 2}
+        opts = {"resume": True, "steps": 2, "eval_frac": 0.0}
         expect = ["step_00000001/drafter.safetensors: d2t/t2d: the run was trained on a draft vocabulary map of 96 ids",
                   f"from {assets['store']}", "this resume resolves another one of 96 ids", f"from {store}"]
     elif case == "empty training split":

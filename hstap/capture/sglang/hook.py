@@ -372,7 +372,7 @@ class CaptureHook:
             a = rows(aux).reshape(R, self.K, H)  # (R, K*H) -> (R, K, H)
         t = {"input_ids": rows(input_ids).to(torch.int32), "aux": a, "final": rows(hidden)}  # (R,), (R,K,H), (R,H)
         if self.store_dtype == "fp8":  # quantize where the data is: halves the D2H bytes
-            from hstap.store.format import quantize_fp8
+            from hstap.store.fp8 import quantize_fp8
 
             t["aux"], t["aux_scale"] = quantize_fp8(t["aux"])  # (R, K, H) fp8, (R, K)
             t["final"], t["final_scale"] = quantize_fp8(t["final"])  # (R, H) fp8, (R,)

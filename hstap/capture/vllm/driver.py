@@ -35,8 +35,9 @@ from hstap.capture.vllm.protocol import (EVENTS_DIR, HELLO_PREFIX, PARAMS_KEY, k
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
 from hstap.layers import to_vllm
-from hstap.artifacts.model_dir import auto_device, auto_dtype, load_config
-from hstap.store.format import committed_ids_of, merge_manifest
+from hstap.artifacts.model_dir import load_config
+from hstap.device import auto_device, auto_dtype
+from hstap.store.manifest import committed_ids_of, merge_manifest
 from hstap.store.writer import StoreWriter
 from hstap.engines.vllm import start_llm, stop_llm
 

@@ -35,7 +35,8 @@ What is stored equals the connector's tap mode sample for sample (sample id, inp
 `engine.device` says "server (tap beside EAGLE-3)"); only the capture layers differ: they are the drafter's own
 (vLLM's `eagle_aux_hidden_state_layer_ids` of the served drafter, canonical ids in the store), so a drafter trained
 on the store has the served drafter's shape. Settings refused at start-up: another speculative method than eagle3,
-prefix caching (a cached prefix is never computed), pipeline or data parallelism; `"tap": true` is required.
+prefix caching (a cached prefix is never computed), pipeline or data parallelism, Model Runner V2 (the tap reads V1's
+runner: `V1_READS`; `hstap.engines.vllm_runner`); `"tap": true` is required.
 Launch: hstap.serve_loop.stage.server_args (docs/engines.md).
 """
 
@@ -51,6 +52,9 @@ from hstap.capture.vllm.writer import VllmWriter
 from hstap.common import HstapError
 
 log = logging.getLogger("hstap.vllm")
+
+V1_READS = "model_runner._model_forward, input_batch, query_start_loc"
+"""What of vLLM's V1 model runner the tap reads (Model Runner V2 has none of them: docs/engines.md)."""
 
 CONNECTOR = "HstapEagleTapConnector"
 CONNECTOR_MODULE = "hstap.capture.vllm.eagle_tap"
@@ -168,6 +172,9 @@ def install(model_runner) -> dict:
     Idempotent. Refuses a runner whose target does not return EAGLE-3's aux states."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+    from hstap.engines.vllm_runner import require_v1, runner_of
+
+    require_v1(runner_of(model_runner), "hstap tap beside EAGLE-3", V1_READS)  # before anything is wrapped
     if BOOK.installed:
         return {"installed": True, "already": True}
     if get_tensor_model_parallel_rank() != 0:
@@ -260,6 +267,7 @@ class HstapEagleTapConnector(HstapConnector):
     """See the module docstring: the connector's tap rules and writer, the states from `BOOK`."""
 
     layers_of = staticmethod(eagle_layers)
+    V1_READS = V1_READS
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
