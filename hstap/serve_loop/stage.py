@@ -178,7 +178,9 @@ def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path
              "--per-request-spec-decode-metrics", "summary"]
     if cfg.mode == "loop":
         extra = {"store": str(store), "tap": True, "tap_dtype": cfg.tap_dtype, "shard_tokens": cfg.shard_tokens,
-                 "flush_s": cfg.flush_s, **({"max_store_gb": cfg.max_store_gb} if cfg.max_store_gb else {})}
+                 "flush_s": cfg.flush_s, **({"max_store_gb": cfg.max_store_gb} if cfg.max_store_gb else {}),
+                 **({"side_rows": cfg.side_rows, "side_max_accepted": cfg.side_max_accepted}
+                    if cfg.side_rows != "none" else {})}
         args += ["--kv-transfer-config", json.dumps({"kv_connector": CONNECTOR, "kv_connector_module_path":
                                                      CONNECTOR_MODULE, "kv_role": "kv_producer",
                                                      "kv_connector_extra_config": extra}),
