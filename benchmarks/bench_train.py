@@ -8,7 +8,7 @@
 One step is exactly `hstap train`'s: `hstap.train.data.Feed` (batch to the device, the target distribution in chunks
 under no_grad, every TTT step's counted rows) and `hstap.train.trainer.Trainer.step` (forward of the unrolled TTT steps under
 bf16 autocast with fp32 master weights, the fused chunked lm_head + objective, backward, clipping, fused AdamW), with a
-TrainConfig of train's defaults; the step's figures are read (a host sync) once per 10 steps, as --log-every 10 does.
+HyperParams of train's defaults; the step's figures are read (a host sync) once per 10 steps, as --log-every 10 does.
 
 Shapes.
 - 8b: hidden 4096, 32/8 heads of 128, intermediate 14336, target vocab 128256, draft vocab 32000, 3 aux layers,
@@ -74,11 +74,11 @@ import torch
 from hstap import dist as D
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 from hstap.train.data import Feed
-from hstap.train.config import TrainConfig
+from hstap.train.config import Devices, HyperParams
 from hstap.train.trainer import Trainer
 from hstap.train.ttt import ttt_flops
 
-TRAIN_DEFAULTS = TrainConfig(out="/nonexistent", target="/nonexistent", store="/nonexistent")  # train's defaults
+TRAIN_DEFAULTS = HyperParams()  # train's defaults
 
 REF_CONFIGS = {"eager": (False, 4096), "eager-chunk16k": (False, 16384), "compiled": (True, 4096),
                "compiled-chunk16k": (True, 16384)}
@@ -149,10 +149,10 @@ def batches_ref(a, cfg, dev, cd, n: int = 8) -> list[dict]:
 
 def make_trainer(drafter, dev, attn: str, compile_: bool, ce_chunk: int, ttt: int, fsdp: bool,
                  loss: str = TRAIN_DEFAULTS.loss) -> Trainer:
-    """train's Trainer, with a TrainConfig of train's defaults, over a drafter already on dev."""
-    tc = TrainConfig(out="/nonexistent", target="/nonexistent", store="/nonexistent", ttt=ttt, ce_chunk=ce_chunk,
-                     compile=compile_ and dev.type == "cuda", fsdp=fsdp, loss=loss)
-    return Trainer(tc, drafter, D.get_world(), dev, attn, dev.type == "cuda", ce_chunk)
+    """train's Trainer, with train's default hyper-parameters but for ttt and loss, over a drafter already on dev."""
+    hyper = HyperParams(ttt=ttt, loss=loss)
+    devices = Devices(ce_chunk=ce_chunk, compile=compile_ and dev.type == "cuda", fsdp=fsdp)
+    return Trainer(hyper, devices, drafter, D.get_world(), dev, attn, dev.type == "cuda", ce_chunk)
 
 
 def _syncs(run, cuda: bool) -> tuple[object, int | None]:
