@@ -3,8 +3,8 @@
 over target-only decoding on the fast engine, next to the latency models' predictions, for several chain lengths and
 tree shapes, and for several engine variants side by side.
 
-    python benchmarks/bench_decode.py --target .carry/reference/target-tiny --drafter RUN \
-        --data .carry/reference/corpus/eval.jsonl.gz --budget-s 225                                 # H200
+    python benchmarks/bench_decode.py --target ../shared/reference/target-tiny --drafter RUN \
+        --data ../shared/reference/corpus/eval.jsonl.gz --budget-s 225                                 # H200
     python benchmarks/bench_decode.py --tiny                                                          # CPU, a minute
 
 Targets: --target (a model directory, e.g. the reference target) and, unless --no-big, a Llama-3.1-8B-shaped target

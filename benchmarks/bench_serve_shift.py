@@ -38,8 +38,8 @@ Figures: vLLM's acceptance (its per-request counters) per --window answers acros
 runs; after the shift, over the last --tail answers: each loop run against the fixed drafter (the goal: >= 1.25x
 within 1,000 requests after the shift); forgetting: acceptance on the held-back first-domain prompts, each loop run's
 final drafter against the fixed one (the goal: within 5%); the gate's decisions (loaded, refused, rolled back); the
-time from an answer to a served drafter that learned from it; generated tokens/s per run. Writes OUT (--work)/
-bench_serve_shift.json and shift.png, prints a table and ONE JSON line.
+time from an answer to a served drafter that learned from it; generated tokens/s per run. Writes bench_serve_shift.json
+and shift.png into the work dir (and --out-dir, if given), prints a table and ONE JSON line.
 """
 
 from __future__ import annotations
@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--target", default=str(HERE.parent.parent / "shared" / "reference" / "target-tiny"))
     ap.add_argument("--corpus", default=str(HERE.parent.parent / "shared" / "reference" / "corpus"))
     ap.add_argument("--work", default=None, help="work dir (default: a temp dir, removed unless --keep)")
+    ap.add_argument("--out-dir", default=None, help="also copy the result JSON and the figure here")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--offline-samples", type=int, default=400)
     ap.add_argument("--offline-steps", type=int, default=300)
@@ -342,8 +343,8 @@ def report(a, work: Path, n: int, shift: int, summaries: dict, forgetting: dict,
                                                   "lossless", "counters_agree", "store", "wall_s")}
                        for k, v in summaries.items()}}
     (work / "bench_serve_shift.json").write_text(json.dumps(result, indent=1))
-    if os.environ.get("OUT"):
-        dst = Path(os.environ["OUT"])
+    if a.out_dir:
+        dst = Path(a.out_dir)
         dst.mkdir(parents=True, exist_ok=True)
         for f in ("bench_serve_shift.json", "shift.png"):
             shutil.copy(work / f, dst / f)

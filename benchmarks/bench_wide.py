@@ -2,8 +2,8 @@
 with tied or untied embeddings) and its drafter widened, function-preserving, to the Llama-3.1-8B shape
 (hstap.models.widen), against the plain target, in one run (H200).
 
-    python benchmarks/bench_wide.py --target .carry/reference/target-tiny --drafter RUN \
-        --data .carry/reference/corpus/eval.jsonl.gz --prompts 48 --new-tokens 128
+    python benchmarks/bench_wide.py --target ../shared/reference/target-tiny --drafter RUN \
+        --data ../shared/reference/corpus/eval.jsonl.gz --prompts 48 --new-tokens 128
     python benchmarks/bench_wide.py --target SMOLLM2_DIR --drafter RUN --data mtbench.jsonl --prompts 80 \
         --new-tokens 128
     python benchmarks/bench_wide.py --tiny   # CPU smoke run: a random SmolLM2-like target widened (numbers mean nothing)

@@ -2,12 +2,14 @@
 
 Every field of a stage config becomes a flag, spelled `--max-len`, `--max_len` or `--prepare.max_len` (the dotted form
 is the one `--config` files and `config.json` use). The field's docstring is its help text, so each default and each
-explanation exists in exactly one place. A field that is a section of another stage's config (the serve loop's and
-the demo's `train: HyperParams`) gives one flag per field of the section: `--train.lr` (or `--train-lr`), its default
-the section's. `--config run.yaml` loads values (YAML or JSON: a flat mapping, a mapping under the stage name, or an
-artifact's `config.json`; a section as a mapping or as dotted keys), each checked against its field's type as strictly
-as a flag (`check_value`: one error line naming the file and the field), and flags given on the command line override
-them, so `hstap train --config RUN/config.json` replays a run.
+explanation exists in exactly one place. A section field (`hstap.config`: the serve loop's and the demo's
+`train: HyperParams`) gives one flag per field of the section: `--train.lr` (or `--train-lr`), its default the
+section's; a `FLAT` section's fields keep their own names (train's `--lr`, `--store`; also `--hyper.lr`).
+`--config run.yaml` loads values (YAML or JSON: a flat mapping, a mapping under the stage name, or an artifact's
+`config.json`; a section as a mapping or as dotted keys, a `FLAT` section's fields also at the top level, as an
+earlier flat config.json holds them), each checked against its field's type as strictly as a flag (`check_value`: one
+error line naming the file and the field), and flags given on the command line override them, so
+`hstap train --config RUN/config.json` replays a run.
 
     hstap prepare --tokenizer DIR --data corpus.jsonl --out PREPARED
     hstap train --config RUN/config.json --train.steps 2000
@@ -83,10 +85,12 @@ INPUT_PATHS: dict[str, tuple[str, ...]] = {
 
 def check_input_paths(stage: str, cfg: Any) -> None:
     """HstapError naming the first input path of `cfg` (INPUT_PATHS) that does not exist."""
+    from hstap.config import lookup
+
     for name in INPUT_PATHS.get(stage, ()):
         if stage == "train" and name == "store" and getattr(cfg, "follow", False):
             continue  # --follow: the store may be created by a capture that starts later
-        v = getattr(cfg, name, None)
+        v = lookup(cfg, name)
         for p in v if isinstance(v, list) else [v]:
             if p and not os.path.exists(p):
                 raise HstapError(f"{p}: --{name.replace('_', '-')}: does not exist")
@@ -188,12 +192,10 @@ def _parse_bool(s: str) -> bool:
 
 def options(cls: type) -> list[tuple[tuple[str, ...], dataclasses.Field, Any, str, Any]]:
     """(path, field, annotation, docstring, default) of every option of a config: each field, and each field of a
-    nested section (path ("train", "lr"), its default that of the section's default). A class's own fields come
-    before those it inherits (TrainConfig's before its HyperParams')."""
-    own = set(vars(cls).get("__annotations__", {}))
+    nested section (path ("train", "lr"), its default that of the section's default), in the fields' order."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     out = []
-    for f in sorted((f for f in dataclasses.fields(cls) if f.init), key=lambda f: f.name not in own):
+    for f in (f for f in dataclasses.fields(cls) if f.init):
         sec = _section(hints[f.name])
         if sec is None:
             out.append(((f.name,), f, hints[f.name], docs.get(f.name, ""), _default(f)))
@@ -213,8 +215,13 @@ def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParse
     for path, f, hint, doc, default in options(cls):
         tp, is_list = _base_type(hint)
         dotted, dashed = ".".join(path), "-".join(path).replace("_", "-")
+        flat = len(path) > 1 and cls.__dataclass_fields__[path[0]].metadata.get("flat")
         if len(path) == 1:  # --max-len --max_len --prepare.max_len
             names = [f"--{dashed}", f"--{dotted}", f"--{stage}.{dotted}"]
+        elif flat:  # a FLAT section's: --batch-tokens --batch_tokens --train.batch_tokens --hyper.batch-tokens
+            own = path[1].replace("_", "-")
+            names = [f"--{own}", f"--{path[1]}", f"--{stage}.{path[1]}", f"--{path[0]}.{own}", f"--{dotted}"]
+            dashed = own
         else:  # a section's: --train.batch-tokens --train.batch_tokens --train-batch-tokens --demo.train.batch_tokens
             names = [f"--{path[0]}.{path[1].replace('_', '-')}", f"--{dotted}", f"--{dashed}", f"--{stage}.{dotted}"]
         names = list(dict.fromkeys(names))
@@ -319,15 +326,23 @@ def check_value(where: str, hint: Any, meta: Any, v: Any) -> Any:
 
 def file_values(path: str, stage: str, cls: type) -> dict:
     """The values of a `--config` file for `cls`, each checked against its field (`check_value`): {field: value}, a
-    section's as {section: {field: value}} (a nested mapping or dotted keys, `train.lr`). Keys may carry the stage
-    (`prepare.max_len`) and use dashes."""
+    section's as {section: {field: value}} (a nested mapping or dotted keys, `train.lr`; a `FLAT` section's fields
+    also by their own names, `lr`). Keys may carry the stage (`prepare.max_len`) and use dashes."""
+    from hstap.config import flat_names
+
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    hints = typing.get_type_hints(cls)
+    hints, flat = typing.get_type_hints(cls), flat_names(cls)
     out: dict[str, Any] = {}
     for key, v in load_config_file(path, stage).items():
         parts = str(key).replace("-", "_").split(".")
         if len(parts) > 1 and parts[0] == stage.replace("-", "_"):
             parts = parts[1:]
+        if len(parts) == 1 and parts[0] not in fields and parts[0] in flat:  # `lr`: the field of a FLAT section
+            sec = flat[parts[0]]
+            g = {g.name: g for g in dataclasses.fields(hints[sec])}[parts[0]]
+            out.setdefault(sec, {})[g.name] = check_value(f"{path}: {g.name}", typing.get_type_hints(hints[sec])[
+                g.name], g.metadata, v)
+            continue
         f = fields.get(parts[0])
         sec = _section(hints[f.name]) if f is not None else None
         if f is None or (sec is None and len(parts) > 1):

@@ -237,6 +237,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def require_module(module: str, what: str, dist: str | None = None) -> None:
+    """HstapError `{what}: needs the {dist} package ...` with its install line when `module` cannot be imported here:
+    an optional dependency a stage needs, asked for before its work starts (not an ImportError traceback in it)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise HstapError(f"{what}: needs the {dist or module!r} package, which cannot be imported here ({one_line(e)}; "
+                         f"pip install {dist or module})") from None
+
+
 def package_files(dist: str, suffix: str = "") -> list[Path]:
     """Files of an installed Python distribution (`pip install NAME`) whose path ends with `suffix`, as installed
     (importlib.metadata's record). Raises a one-line HstapError when the distribution is not installed."""
@@ -244,7 +256,7 @@ def package_files(dist: str, suffix: str = "") -> list[Path]:
 
     try:
         files = md.distribution(dist).files or []
-    except md.PackageNotFoundError:
+    except (md.PackageNotFoundError, ValueError):  # ValueError: no name at all ("")
         raise HstapError(f"package {dist!r} is not installed (pip install {dist})") from None
     return [Path(f.locate()) for f in files if str(f).endswith(suffix) and "__pycache__" not in str(f)]
 

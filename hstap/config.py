@@ -16,6 +16,13 @@ run's ce chunk, its draft vocabulary) belongs to that stage's plan, never to its
             at_least("x", self, ("batch_tokens",))
             layer_list("x", self, "layers")
             absolute(self, "out")
+
+A config may hold sections: fields whose type is itself such a dataclass (train's `hyper: HyperParams`), each checking
+its own fields, handed whole to the builder that reads them (torchtitan's `job_config.optimizer` to the optimizer
+builder). A section marked `FLAT` keeps its fields' own flag names (`--lr`, not `--hyper.lr`; a `--config` file may
+give them at the top level, as a flat config.json of an earlier version does); another is spelled through its field's
+name (the serve loop's `--train.lr`). `from_flags` builds a config from its flags' names, `flag_values` reads it back
+so; config.json holds the config as parsed, each section nested under its name.
 """
 
 from __future__ import annotations
@@ -29,6 +36,11 @@ from hstap.common import HstapError
 LAYERS = {"layers": True}
 """Field metadata of a layer-list field: a comma string of layer ids on the command line; in a `--config` file a
 string or a list of ints (`layer_list` settles it as the string)."""
+
+FLAT = {"flat": True}
+"""Field metadata of a section whose fields keep their own flag names (`--lr`, `--keep-shards`) in the stage that holds
+it: a stage's own sections (train's), or a section another stage embeds under flags it had before (the serve loop's
+follow stream)."""
 
 LAYER_WORDS = ("default", "final")
 """Words a layer-list field may hold instead of ids (each field's docstring says which of them it takes)."""
@@ -88,3 +100,67 @@ def layer_list(where: str, cfg: Any, name: str) -> None:
                          f"got {v!r}")
     if v.strip() and v.strip() not in LAYER_WORDS:
         parse_ids(v, f"{where}: {flag(name)}")
+
+
+def sections(cls: type) -> dict[str, type]:
+    """{field: section class} of a config class's section fields (a field whose type is a dataclass)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+            if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name])}
+
+
+def flat_names(cls: type) -> dict[str, str]:
+    """{field name: its section} of every field of a `FLAT` section of `cls` (names spelled as the stage's own)."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    return {g.name: name for name, sec in sections(cls).items() if fields[name].metadata.get("flat")
+            for g in dataclasses.fields(sec) if g.init}
+
+
+def from_flags(cls: type, **values: Any) -> Any:
+    """`cls` from its flags' names: a `FLAT` section's fields by their own names (`lr=3e-3` into `hyper`), each
+    section over its field's default; a section may also be given whole (`hyper=HyperParams(...)`). TypeError naming
+    an unknown name, as a dataclass's constructor does."""
+    import dataclasses
+
+    flat, secs = flat_names(cls), sections(cls)
+    top: dict[str, Any] = {}
+    sub: dict[str, dict[str, Any]] = {}
+    for k, v in values.items():
+        if k in flat:
+            sub.setdefault(flat[k], {})[k] = v
+        else:
+            top[k] = v
+    for name, kw in sub.items():
+        base = top.get(name)
+        if base is None:
+            f = cls.__dataclass_fields__[name]
+            base = f.default_factory() if f.default_factory is not dataclasses.MISSING else secs[name]()
+        top[name] = dataclasses.replace(base, **kw)
+    return cls(**top)
+
+
+def flag_values(cfg: Any) -> dict[str, Any]:
+    """{flag name: value} of a config: a `FLAT` section's fields by their own names, another section as a dict (what
+    a flat record, e.g. trainer_state.json's "config", holds)."""
+    import dataclasses
+
+    out: dict[str, Any] = {}
+    secs = sections(type(cfg))
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.name in secs and f.metadata.get("flat"):
+            out.update(flag_values(v))
+        else:
+            out[f.name] = dataclasses.asdict(v) if f.name in secs else v
+    return out
+
+
+def lookup(cfg: Any, name: str) -> Any:
+    """The value of field `name` of a config or of one of its `FLAT` sections (None when neither has it)."""
+    sec = flat_names(type(cfg)).get(name)
+    return getattr(getattr(cfg, sec), name) if sec else getattr(cfg, name, None)

@@ -166,3 +166,78 @@ def test_another_quantization_is_one_error_line(quantized, tmp_path):
     with pytest.raises(HstapError, match="already quantized"):
         from hstap.demo.quantize import quantize_int4
         quantize_int4(quantized["int4"], tmp_path / "again")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# every stage on each quantized target, with the embedded engine
+
+STAGED = ("int4", "fp8", "kimi-int4")
+
+
+@pytest.fixture(scope="module")
+def staged(quantized, tmp_path_factory) -> dict[str, dict]:
+    """prepare -> capture (hf, fp32, layers 0,1,2 of 4) -> verify -> train (4 steps) -> export (vLLM) -> eval, for each
+    of STAGED: {kind: {"store", "verify", "train", "vllm", "eval"}}."""
+    import contextlib
+    import io
+
+    from helpers.capture import corpus
+
+    from hstap.capture.config import CaptureConfig
+    from hstap.capture.stage import capture
+    from hstap.data.prepare import prepare
+    from hstap.data.prepare_config import PrepareConfig
+    from hstap.export.config import ExportConfig
+    from hstap.export.stage import export
+    from hstap.speculative.config import EvalConfig
+    from hstap.speculative.evaluate import evaluate
+    from hstap.train.config import TrainConfig
+    from hstap.train.stage import train
+    from hstap.verify.stage import recompute
+
+    root = tmp_path_factory.mktemp("quantized-stages")
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in corpus(10, seed=4, max_chars=120)))
+    out = {}
+    for kind in STAGED:
+        t, d, r = str(quantized[kind]), root / kind, {}
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            prepare(PrepareConfig(tokenizer=t, data=[str(chats)], out=str(d / "prepared"), draft_vocab=64))
+            r["store"] = d / "store"
+            capture(CaptureConfig(target=t, data=str(d / "prepared"), out=str(r["store"]), layers="0,1,2", dtype="fp32",
+                                  device="cpu", batch_tokens=2048))
+            r["verify"] = recompute(str(r["store"]), t, samples=3, device="cpu", compute_dtype="fp32")
+            torch.manual_seed(0)
+            r["train"] = train(TrainConfig(store=str(r["store"]), target=t, out=str(d / "run"), steps=4, lr=3e-3,
+                                           batch_tokens=600, ttt=2, eval_frac=0.0, save_every=4, device="cpu",
+                                           compile=False, tensorboard=False))
+            r["vllm"] = d / "vllm"
+            export(ExportConfig(run=str(d / "run"), to="vllm", out=str(r["vllm"]), dtype="fp32", target=t))
+            r["eval"] = evaluate(EvalConfig(target=t, drafter=str(d / "run"), data=str(d / "prepared"),
+                                            out=str(d / "eval"), k=2, max_new_tokens=8, num_prompts=2, device="cpu",
+                                            dtype="fp32"))
+        out[kind] = r
+    return out
+
+
+@pytest.mark.parametrize("kind", STAGED)
+def test_every_stage_runs_on_the_quantized_target(staged, quantized, kind):
+    from helpers.capture import store_samples
+
+    from hstap.artifacts.model_dir import target_fingerprint
+    from hstap.store.reader import open_store
+
+    r = staged[kind]
+    s = open_store(r["store"])
+    assert s.header["target"]["weights_fingerprint"] == target_fingerprint(quantized[kind])["weights_fingerprint"]
+    assert r["verify"]["ok"], r["verify"]  # the stored states are the quantized model's, recomputed
+    # ... and not the original's: the same prompts through the full-precision model give other states
+    original = load_target(quantized[{"kimi-int4": "kimi"}.get(kind, "fp")])[0]
+    sid, x = next(iter(store_samples(r["store"]).items()))
+    with torch.no_grad():
+        hs = original.model(x["input_ids"][None].long(), output_hidden_states=True).hidden_states
+    assert not torch.allclose(hs[2][0], x["aux"][:, 1].float(), rtol=1e-3, atol=1e-4), sid  # layer 1's output
+    assert r["train"]["steps"] == 4 and r["train"]["loss"] > 0
+    conf = json.loads((r["vllm"] / "config.json").read_text())
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert r["eval"]["lossless"] is True and r["eval"]["tau"] >= 1.0

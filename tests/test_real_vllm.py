@@ -77,11 +77,12 @@ def report(env, vllm_store, smollm2, smollm2_prepared, smollm2_store, tmp_path_f
     time."""
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
+    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
     from hstap.train.stage import train
 
     root = tmp_path_factory.mktemp("real-vllm-eval")
-    quiet(train, TrainConfig(out=str(root / "run"), target=str(smollm2), store=str(smollm2_store),
+    quiet(train, from_flags(TrainConfig, out=str(root / "run"), target=str(smollm2), store=str(smollm2_store),
                              eval_store=str(smollm2_store), ttt=K, steps=STEPS, lr=5e-3, warmup_ratio=0.0,
                              batch_tokens=4096, save_every=STEPS, device="cpu", tensorboard=False))
     quiet(evaluate, EvalConfig(target=str(smollm2), drafter=str(root / "run"), data=str(smollm2_prepared[0]),

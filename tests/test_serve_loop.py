@@ -36,6 +36,7 @@ def loop(vllm_llama, tmp_path_factory):
     from hstap.export.stage import export
     from hstap.serve_loop.requests import Client, post
     from hstap.serve_loop.config import TRAIN
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.serve_loop.stage import serve_loop, stop_ids
     from hstap.train.config import HyperParams
@@ -80,12 +81,12 @@ def loop(vllm_llama, tmp_path_factory):
         probed["rollback"] = _bad_load_rolled_back(url, root, run_b, cfg, prompts, c)
 
 
-    cfg = ServeLoopConfig(target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
-                          requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
-                          keep_shards=4, shard_tokens=512, tap_dtype="fp32", side_rows="all", flush_s=0.5,
-                          max_model_len=512,
-                          device="cpu", holdout_frac=0.3, gate_min_samples=4,
-                          train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2, lr=5e-3))))
+    cfg = from_flags(ServeLoopConfig, target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
+                     requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
+                     keep_shards=4, shard_tokens=512, tap_dtype="fp32", side_rows="all", flush_s=0.5, max_model_len=512,
+                     device="cpu",
+                     holdout_frac=0.3, gate_min_samples=4,
+                     train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2, lr=5e-3))))
     summary = serve_loop(cfg, probe=probe)
     return summary, probed, root, run_b
 
@@ -251,6 +252,7 @@ def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
 
 def test_bad_settings_are_one_error_each(tmp_path):
     from hstap.common import HstapError
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.train.config import HyperParams
 
@@ -264,11 +266,12 @@ def test_bad_settings_are_one_error_each(tmp_path):
                     ({"gate_min_samples": 80}, "--gate-min-samples 80 > --gate-samples 64"),
                     ({"server_cpus": "0;1"}, "--server-cpus: expected a CPU list")):
         with pytest.raises(HstapError, match=msg):
-            ServeLoopConfig(**base, **kw)
+            from_flags(ServeLoopConfig, **base, **kw)
 
 
 def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_written(small_run, tmp_path):
     from hstap.common import HstapError
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.serve_loop.stage import serve_loop
 
@@ -276,12 +279,13 @@ def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_wr
                 anchor_fraction=0.3, device="cpu")
     out = tmp_path / "w"
     with pytest.raises(HstapError, match=r"manifest.json:1: dtype: the anchor store has 'fp32'.* has 'bf16'"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"])))  # the tap writes bf16
+        # the tap writes bf16
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(small_run["store"])))
     with pytest.raises(HstapError, match="--anchor-store: not an hstap store"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(tmp_path)))
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(tmp_path)))
     with pytest.raises(HstapError, match=r"--trainer-cpus 0,4096: CPU\(s\) \[4096\] not on this machine"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"]),
-                                   trainer_cpus="0,4096"))
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(small_run["store"]),
+                              trainer_cpus="0,4096"))
     assert not out.exists()
 
 
@@ -303,18 +307,36 @@ def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
         check_same_drafter(tmp_path / "a", tmp_path / "c")
 
 
-def test_a_bad_reference_is_one_error_naming_the_line(tmp_path):
+def test_a_bad_reference_is_one_error_naming_the_line(small_run, tmp_path, capsys):
+    """--reference is a --mode target run's served.jsonl of these prompts: a broken line, a binary file, a JSONL of
+    something else (its comparison would be on 0/0 and pass), one of fewer prompts, or a --mode loop run's are one
+    line naming the file, before anything is written or started."""
+    from helpers.refusals import refused
+
     from hstap.common import HstapError
     from hstap.serve_loop.stage import read_reference
 
     p = tmp_path / "served.jsonl"
     p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n{"i": 2, "tokens": [3\n')
-    with pytest.raises(HstapError, match=r"served.jsonl:3: --reference: not a served.jsonl record"):
-        read_reference(str(p))
+    with pytest.raises(HstapError, match=r"served.jsonl:3: --reference: not a served.jsonl of hstap serve-loop"):
+        read_reference(str(p), 3)
     p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n')
-    assert read_reference(str(p)) == {0: [1, 2]}  # a lost request has no reference
+    assert read_reference(str(p), 2) == {0: [1, 2]}  # a lost request has no reference
+    with pytest.raises(HstapError, match="--reference: holds no answer to prompt 2 "):
+        read_reference(str(p), 3)
     with pytest.raises(HstapError, match="--reference: not a file"):
-        read_reference(str(tmp_path / "none.jsonl"))
+        read_reference(str(tmp_path / "none.jsonl"), 1)
+    (tmp_path / "config.json").write_text(json.dumps({"stage": "serve-loop", "hstap_version": "0", "config":
+                                                      {"mode": "loop"}}))
+    with pytest.raises(HstapError, match="--reference: served by a --mode loop run"):
+        read_reference(str(p), 2)
+    out, binary = tmp_path / "loop", tmp_path / "ref.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    base = ["serve-loop", "--target", small_run["target"], "--prompts", small_run["chats"], "--out", out]
+    refused([*base, "--reference", binary], capsys, f"{binary}: --reference: not a served.jsonl of hstap serve-loop",
+            untouched=[out])
+    refused([*base, "--reference", small_run["chats"]], capsys,
+            f"{small_run['chats']}:1: --reference: not a served.jsonl of hstap serve-loop", untouched=[out])
 
 
 @pytest.mark.vllm

@@ -51,14 +51,62 @@ def check_model_dir(path: str | os.PathLike) -> Path:
 
 def read_config(path: str | os.PathLike):
     """The HF config of the model class config.json names: for a multimodal wrapper (Kimi-K2.5's
-    `KimiK25ForConditionalGeneration`, Llava, ...) the wrapper's, whose `text_config` is the language model hstap runs."""
+    `KimiK25ForConditionalGeneration`, Llava, ...) the wrapper's, whose `text_config` is the language model hstap runs
+    (`check_text_config`)."""
     from transformers import AutoConfig
 
     p = check_model_dir(path)  # a missing directory: our line, not the hub's "Repo id must be in the form ..."
     try:
-        return AutoConfig.from_pretrained(str(p))
-    except (OSError, ValueError, KeyError) as e:
-        raise HstapError(f"{p / 'config.json'}: cannot read the model config: {type(e).__name__}: {e}") from None
+        raw = json.loads((p / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise HstapError(f"{p / 'config.json'}: cannot read the model config: {one_line(e)}") from None
+    if not isinstance(raw, dict):
+        raise HstapError(f"{p / 'config.json'}: cannot read the model config: not a JSON object")
+    if "text_config" in raw:
+        check_text_config(p, raw, "a wrapper")
+    try:
+        cfg = AutoConfig.from_pretrained(str(p))
+    except Exception as e:  # noqa: BLE001 - the user's file: whatever transformers' field checks raise, one line
+        raise HstapError(f"{p / 'config.json'}: cannot read the model config: {type(e).__name__}: {one_line(e)}") \
+            from None
+    if "text_config" in (getattr(type(cfg), "sub_configs", None) or {}):
+        check_text_config(p, raw, f"a {type(cfg).__name__}")
+    return cfg
+
+
+def check_text_config(p: Path, raw: dict, what: str) -> None:
+    """A wrapper's config.json (`raw`) states its language model as a mapping under `text_config`: where it is
+    missing, null or empty, transformers builds its class's default in its place (Kimi-K2.5's: the full 61-layer
+    Kimi-K2), another model than the checkpoint's. One line naming the field."""
+    tc = raw.get("text_config", "missing")
+    if not isinstance(tc, dict) or not tc:
+        got = "it is missing" if tc == "missing" else f"got {json.dumps(tc)[:60]}"
+        raise HstapError(f"{p / 'config.json'}: text_config: {what} states its language model's config there (a "
+                         f"mapping: model_type, hidden_size, num_hidden_layers, ...); {got}")
+
+
+def check_text_shape(p: Path, cfg, w: TextWeights) -> None:
+    """The language model's config against its checkpoint before a model is built from it: the embedding is
+    (vocab_size, hidden_size) and every decoder layer the config counts is there (a DeepSeek MTP layer may follow).
+    A config of another size (a `text_config` of another model) is one line naming the field, not transformers'
+    size-mismatch report."""
+    from safetensors import safe_open
+
+    text = text_config(cfg)
+    where = f"{p / 'config.json'}: {'text_config.' if text is not cfg else ''}"
+    with safe_open(str(w.files[w.embed]), framework="pt") as h:
+        shape = tuple(h.get_slice(w.embed).get_shape())
+    want = (int(text.vocab_size), int(text.hidden_size))
+    for i, name in enumerate(("vocab_size", "hidden_size")):
+        if len(shape) != 2 or shape[i] != want[i]:
+            raise HstapError(f"{where}{name}: {want[i]}, but the checkpoint's {w.embed} is "
+                             f"{' x '.join(map(str, shape))} (vocab_size x hidden_size): the config of another model")
+    layer = re.compile(re.escape(w.base) + r"layers\.(\d+)\.")
+    have = {int(m.group(1)) for k in w.files if (m := layer.match(k))}
+    n, extra = int(text.num_hidden_layers), int(getattr(text, "num_nextn_predict_layers", 0) or 0)
+    if have and not n <= len(have) <= n + extra:
+        raise HstapError(f"{where}num_hidden_layers: {n}, but the checkpoint holds {len(have)} decoder layers: the "
+                         f"config of another model")
 
 
 def text_config(cfg):
@@ -203,9 +251,10 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
     kw: dict = {"dtype": dt, **load_kwargs(quantization_of(p))}
-    wrapper = text_config(cfg) is not cfg
-    if wrapper:
-        kw.update(text_model_kwargs(p, cfg))
+    weights = text_weights(p, cfg)
+    check_text_shape(p, cfg, weights)
+    if text_config(cfg) is not cfg:
+        kw.update(text_model_kwargs(p, cfg, weights))
     if dev.type == "cuda" and is_accelerate_available():  # transformers needs accelerate for device_map
         kw["device_map"] = {"": dev.index}  # load straight into GPU memory, not through a full CPU copy
     verbosity = hf_logging.get_verbosity()
@@ -245,12 +294,12 @@ def _from_pretrained(p: Path, kw: dict):
         return AutoModelForCausalLM.from_pretrained(str(p), attn_implementation="eager", output_loading_info=True, **kw)
 
 
-def text_model_kwargs(path: str | os.PathLike, cfg) -> dict:
+def text_model_kwargs(path: str | os.PathLike, cfg, weights: TextWeights | None = None) -> dict:
     """from_pretrained arguments that load a wrapper's language model as a causal LM of its own: its text config (the
     wrapper's tie flag, its quantization when only the wrapper states one) and the renames of `text_weights`."""
     import copy
 
-    weights = text_weights(path, cfg)
+    weights = weights or text_weights(path, cfg)
     text = copy.deepcopy(text_config(cfg))
     # Kimi-K2.5's text_config says model_type "kimi_k2"; transformers builds a DeepseekV3Config from it but keeps the
     # name, and picks a model's weight conversions (per-expert tensors -> fused experts) by model_type: the class's own.
@@ -264,7 +313,9 @@ def text_model_kwargs(path: str | os.PathLike, cfg) -> dict:
 def target_head(target_dir: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding (V, H), lm_head (V, H)) of the target's language model, read from its safetensors (`text_weights`);
     the lm_head is the embedding only where the config ties them and the checkpoint stores no head."""
-    w = text_weights(target_dir)
+    cfg = read_config(target_dir)
+    w = text_weights(target_dir, cfg)
+    check_text_shape(Path(target_dir), cfg, w)
     e = w.tensor(w.embed)
     return e, (e if w.head is None else w.tensor(w.head))
 

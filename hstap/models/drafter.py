@@ -306,7 +306,7 @@ run did not. TTT queries are whole sequences, not decoding steps: the main kerne
 
 FLEX_DYNAMIC = None
 """torch.compile's `dynamic` for the flex region: None (dynamo's default: the first shape static, recompiled with dynamic
-shapes once another comes); benchmarks/repro_flex.py tries True too."""
+shapes once another comes); benchmarks/research/repro_flex.py tries True too."""
 
 
 _FLEX: dict = {}

@@ -1,7 +1,10 @@
 """`hstap serve-loop`'s config (`ServeLoopConfig`), below the modules that read it (`hstap.serve_loop.stage`, what runs:
-its module docstring; `hstap.serve_loop.updates`). It composes `hstap train`'s hyper-parameters (`HyperParams`) as its
-`train` section instead of copying them: `TRAIN` states, in one place, where the loop's trainer departs from train's
-defaults; the trainer starts from a `TrainConfig` made of that section and what the loop fixes (`trainer_config`).
+its module docstring; `hstap.serve_loop.updates`). It composes two of `hstap train`'s sections instead of copying
+their fields: the hyper-parameters (`HyperParams`) as its `train` section (`--train.lr`), and the follow stream's
+(`StreamParams`: the window, the held-back fraction, replay, the anchor store) as its `stream` section, `FLAT`
+(`--keep-shards`, `--holdout-frac`, as train spells them). `TRAIN` and `STREAM` state, in one place, where the loop
+departs from train's defaults; the trainer starts from a `TrainConfig` of those sections and what the loop fixes
+(`hstap.serve_loop.stage.trainer_config`).
 """
 
 from __future__ import annotations
@@ -9,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hstap.common import HstapError
-from hstap.config import LAYERS, at_least, layer_list
-from hstap.train.config import HyperParams
+from hstap.config import FLAT, LAYERS, at_least, layer_list
+from hstap.train.config import HyperParams, StreamParams
 
 TRAIN = {
     "ttt": 3,  # training-time-test steps: match --k (deeper draft positions are what TTT trains)
@@ -19,6 +22,12 @@ TRAIN = {
     "log_every": 1,  # a metrics line every step: the progress line reads the trainer's step from them
 }
 """The loop's trainer's hyper-parameters where they are not `hstap train`'s defaults (the `train` section's default)."""
+
+STREAM = {
+    "keep_shards": 4,  # the window: shard files the store holds at most (train --keep-shards)
+    "holdout_frac": 0.15,  # the tapped requests the gate scores on, never trained on
+}
+"""The loop's follow stream where it is not `hstap train`'s defaults (the `stream` section's default)."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +60,6 @@ class ServeLoopConfig:
     whole target vocabulary. A --drafter brings its own."""
     layers: str = field(default="", metadata=LAYERS)
     """Canonical aux layers of the drafter started from nothing (default: [1, N//2-1, N-4])."""
-    keep_shards: int = 4
-    """Shard files the store holds at most (train --keep-shards): the window."""
     shard_tokens: int = 8192
     """Tokens per store shard: the unit the trainer takes and consumes."""
     max_store_gb: float | None = None
@@ -74,10 +81,6 @@ class ServeLoopConfig:
     step). Without --train.steps a follow run has no horizon: its learning rate is constant (--train.lr)."""
     trainer_threads: int = 1
     """Torch threads of the trainer process (CPU: the rest is the server's)."""
-    holdout_frac: float = 0.15
-    """Fraction of the tapped requests the trainer never trains on (a hash of the sample id: train --holdout-frac);
-    the gate scores each candidate drafter against the served one on the newest of them. 0: no gate, every newer
-    checkpoint is loaded."""
     gate_samples: int = 64
     """Held-back samples the gate keeps and scores on (the newest; copied into memory as shards are committed)."""
     gate_min_samples: int = 8
@@ -86,13 +89,11 @@ class ServeLoopConfig:
     """Answers that started after a load before its reload check (vLLM's acceptance after it against before it)."""
     rollback_ratio: float = 0.5
     """A load whose acceptance after it falls below this fraction of the acceptance before it is rolled back."""
-    replay_fraction: float = 0.0
-    """Fraction of each training slot drawn again from the older shards the window keeps (train --replay-fraction)."""
-    anchor_store: str | None = None
-    """A fixed store the trainer also draws from (train --anchor-store): the start drafter's own training store
-    keeps it from forgetting the traffic it was trained on."""
-    anchor_fraction: float = 0.0
-    """Fraction of each training slot drawn from --anchor-store (train --anchor-fraction)."""
+    stream: StreamParams = field(default_factory=lambda: StreamParams(**STREAM), metadata=FLAT)
+    """The trainer's follow stream, `hstap train`'s, under train's flags (--keep-shards: the window, default 4;
+    --holdout-frac: the tapped requests the gate scores each candidate drafter on against the served one, never trained
+    on, default 0.15, 0: no gate; --replay-fraction; --anchor-store with --anchor-fraction: the start drafter's own
+    training store keeps it from forgetting the traffic it was trained on)."""
     server_cpus: str = ""
     """CPUs the server runs on (taskset list, e.g. "0"; its OpenMP threads bound to them on the CPU backend);
     "": unpinned."""
@@ -122,15 +123,14 @@ class ServeLoopConfig:
             raise HstapError(f"{w}: --mode: expected loop, fixed or target, got {self.mode!r}")
         if self.mode == "fixed" and not self.drafter:
             raise HstapError(f"{w}: --mode fixed serves a given drafter: pass --drafter")
-        at_least(w, self, ("concurrency", "max_tokens", "k", "update_every", "keep_shards", "shard_tokens",
-                           "trainer_threads", "max_model_len", "kv_cache_gib"))
+        at_least(w, self, ("concurrency", "max_tokens", "k", "update_every", "shard_tokens", "trainer_threads",
+                           "max_model_len", "kv_cache_gib"))
         at_least(w, self, ("requests", "port"), lo=0)  # 0: all prompts; a free port
         at_least(w, self, ("gate_samples", "gate_min_samples", "check_answers"))
-        for name in ("holdout_frac", "rollback_ratio", "replay_fraction", "anchor_fraction"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be in [0, 1), got {getattr(self, name)}")
-        if bool(self.anchor_store) != (self.anchor_fraction > 0):
-            raise HstapError(f"{w}: --anchor-store and --anchor-fraction go together")
+        if not 0.0 <= self.rollback_ratio < 1.0:
+            raise HstapError(f"{w}: --rollback-ratio: must be in [0, 1), got {self.rollback_ratio}")
+        if self.stream.keep_shards is None:
+            raise HstapError(f"{w}: --keep-shards: the loop's store keeps a window of shards: an integer >= 1")
         if self.gate_min_samples > self.gate_samples:
             raise HstapError(f"{w}: --gate-min-samples {self.gate_min_samples} > --gate-samples {self.gate_samples}")
         for name in ("server_cpus", "trainer_cpus"):
@@ -139,7 +139,7 @@ class ServeLoopConfig:
                              for p in v.split(",")):
                 raise HstapError(f"{w}: --{name.replace('_', '-')}: expected a CPU list like 0 or 0-1,3, got {v!r}")
         epochs = self.train.epochs or 1
-        if self.keep_shards < epochs:
-            raise HstapError(f"{w}: --keep-shards {self.keep_shards} < --train.epochs {epochs}: a shard must stay on "
+        if self.stream.keep_shards < epochs:
+            raise HstapError(f"{w}: --keep-shards {self.stream.keep_shards} < --train.epochs {epochs}: a shard must stay on "
                              "disk for all its passes")
         layer_list(w, self, "layers")

@@ -53,12 +53,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-from hstap.common import HstapError, atomic_write_json, free_port, run_meta, write_run_config
+from hstap.common import HstapError, atomic_write_json, free_port, one_line, run_meta, write_run_config
 from hstap.serve_loop.config import ServeLoopConfig
-from hstap.train.config import TrainConfig
+from hstap.train.config import DrafterInit, Devices, TrainConfig, TrainInputs
 
 
 def stop_ids(target: str) -> list[int]:
@@ -161,7 +160,7 @@ def check_anchor(cfg: ServeLoopConfig, out: Path) -> None:
         layers = parse_layers(cfg.layers, N) if cfg.layers else default_aux_layers(N)
     header = {"layers": layers, "hidden_size": int(hf.hidden_size), "dtype": cfg.tap_dtype,
               "target": target_fingerprint(cfg.target)}
-    open_anchor(cfg.anchor_store, str(out / "store"), header)
+    open_anchor(cfg.stream.anchor_store, str(out / "store"), header)
 
 
 def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path | None, store: Path) -> list[str]:
@@ -194,12 +193,11 @@ def trainer_config(cfg: ServeLoopConfig, out: Path, drafter0: Path, device: str)
     no eval split, the loop's seed and device, no TensorBoard; the loop's hold-out (the gate's samples), window replay
     and anchor store."""
     dl = json.loads((drafter0 / "drafter.json").read_text())["config"].get("num_layers", 1)
-    return TrainConfig(**asdict(cfg.train), out=str(out / "run"), target=cfg.target, store=str(out / "store"),
-                       follow=True, consume=True, keep_shards=cfg.keep_shards,
-                       vocab_map=str(out / "vocab_map.safetensors"), eval_frac=0.0, init_from=str(drafter0),
-                       draft_layers=dl, seed=cfg.seed, device=device, tensorboard=False,
-                       holdout_frac=cfg.holdout_frac, replay_fraction=cfg.replay_fraction,
-                       anchor_store=cfg.anchor_store, anchor_fraction=cfg.anchor_fraction)
+    return TrainConfig(out=str(out / "run"), target=cfg.target, seed=cfg.seed, tensorboard=False, follow=True,
+                       consume=True, hyper=cfg.train, stream=cfg.stream,
+                       inputs=TrainInputs(store=str(out / "store"), vocab_map=str(out / "vocab_map.safetensors"),
+                                          eval_frac=0.0),
+                       drafter=DrafterInit(init_from=str(drafter0), draft_layers=dl), devices=Devices(device=device))
 
 
 def pinned(cmd: list[str], cpus: str) -> list[str]:
@@ -217,19 +215,44 @@ def start_trainer(cfg: ServeLoopConfig, out: Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def read_reference(path: str) -> dict[int, list[int]]:
-    """{prompt index: output tokens} of a --mode target run's served.jsonl (--reference)."""
+def read_reference(path: str, n: int) -> dict[int, list[int]]:
+    """{prompt index: output tokens} of a --mode target run's served.jsonl (--reference), checked to be one: every line
+    a record of a served request ("i", and its "tokens" or its "error"), every one of the `n` prompts served here
+    recorded there (else the comparison would be of nothing), and, where its run record lies beside it, of a --mode
+    target run. One line naming the file (and line) otherwise."""
+    from hstap.common import read_record
+
     p = Path(path)
     if not p.is_file():
         raise HstapError(f"{p}: --reference: not a file (the served.jsonl of a --mode target run)")
-    out = {}
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    what = "--reference: not a served.jsonl of hstap serve-loop"
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise HstapError(f"{p}: {what} (not UTF-8 text)") from None
+    out: dict[int, list[int]] = {}
+    seen: set[int] = set()
+    for k, line in enumerate(lines, 1):
         try:
             r = json.loads(line)
+            i = r["i"]
+            if not isinstance(i, int) or isinstance(i, bool) or not ("tokens" in r or "error" in r):
+                raise ValueError("a record has an integer \"i\" and its \"tokens\" or its \"error\"")
             if "tokens" in r:
-                out[int(r["i"])] = [int(t) for t in r["tokens"]]
+                if not isinstance(r["tokens"], list) or not all(isinstance(t, int) for t in r["tokens"]):
+                    raise ValueError("\"tokens\" is a list of token ids")
+                out[i] = r["tokens"]
+            seen.add(i)
         except (ValueError, KeyError, TypeError) as e:
-            raise HstapError(f"{p}:{n}: --reference: not a served.jsonl record ({e})") from None
+            raise HstapError(f"{p}:{k}: {what} ({one_line(e)})") from None
+    missing = [i for i in range(n) if i not in seen]
+    if missing:
+        raise HstapError(f"{p}: --reference: holds no answer to prompt {missing[0]} ({len(missing)} of the {n} served "
+                         f"here are not in it): the reference of other prompts, or of fewer")
+    rec = read_record(p.parent / "config.json")
+    if rec is not None and rec["stage"] == "serve-loop" and (rec.get("config") or {}).get("mode") != "target":
+        raise HstapError(f"{p}: --reference: served by a --mode {rec['config'].get('mode')} run "
+                         f"({p.parent / 'config.json'}); the reference is a --mode target run's")
     return out
 
 
@@ -280,9 +303,9 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     device = auto_device(cfg.device)
     dtype = auto_dtype(cfg.dtype, device)
     prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
-    ref = read_reference(cfg.reference) if cfg.reference else None
+    ref = read_reference(cfg.reference, len(prompts)) if cfg.reference else None
     check_cpus(cfg)
-    if cfg.anchor_store and cfg.mode == "loop":
+    if cfg.stream.anchor_store and cfg.mode == "loop":
         check_anchor(cfg, out)
     require_vllm("serve-loop")  # last of the checks (its import takes seconds), before anything is written
     if replace:  # an earlier serve-loop's directory (its run record says so)

@@ -92,7 +92,7 @@ class Updater:
         self.answers: list[dict] = []
         self.updates: list[dict] = []
         self.peak_bytes, self.peak_shards = 0, 0
-        self.held = HeldBack(out / "store", cfg.holdout_frac, cfg.gate_samples)
+        self.held = HeldBack(out / "store", cfg.stream.holdout_frac, cfg.gate_samples)
         self._head = None
         (out / "updates.jsonl").write_text("")
 
@@ -141,7 +141,7 @@ class Updater:
         """The gate's scores of `cand` and the served drafter on the same held-back samples, and its decision."""
         from hstap.serve_loop.gate import score_drafter
 
-        if self.cfg.holdout_frac <= 0:
+        if self.cfg.stream.holdout_frac <= 0:
             return {"decision": "load", "why": "no gate (--holdout-frac 0)"}
         samples = list(self.held.samples)
         if len(samples) < self.cfg.gate_min_samples:

@@ -36,6 +36,7 @@ def _opts(a, store, out, **kw) -> dict:
 
 def _train(a, store, out, **kw) -> None:
     from hstap.cli import make_config
+    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
     from hstap.train.stage import train
 
@@ -151,6 +152,7 @@ def test_a_killed_and_resumed_run_with_holdout_anchor_and_replay_equals_an_unint
 
 
 def test_bad_anchors_and_a_resume_with_another_holdout_are_refused_in_one_line(assets, tmp_path):
+    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
 
     base = {"store": str(tmp_path / "s"), "target": str(tmp_path), "out": str(tmp_path / "r"), "follow": True,
@@ -162,7 +164,7 @@ def test_bad_anchors_and_a_resume_with_another_holdout_are_refused_in_one_line(a
                       ({"holdout_frac": -0.1}, "--holdout-frac: must be in"),
                       ({"follow": False, "holdout_frac": 0.1}, "need --follow")]:
         with pytest.raises(HstapError, match=msg):
-            TrainConfig(**(base | over))
+            from_flags(TrainConfig, **(base | over))
 
     store = tmp_path / "store"
     states_store(store, assets["target"], FOLLOWED, seed=0, shard_tokens=150)
