@@ -104,6 +104,7 @@ def test_train_on_a_store_with_side_branches(small_run, tmp_path):
     import json
     import shutil
 
+    from hstap.config import from_flags
     from hstap.store.reader import open_store
     from hstap.store.writer import StoreWriter
     from hstap.train.config import TrainConfig
@@ -128,9 +129,9 @@ def test_train_on_a_store_with_side_branches(small_run, tmp_path):
     for name, store, n in (("plain", small_run["store"], 0), ("side0", tmp_path / "side", 0),
                            ("side", tmp_path / "side", 4)):
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            train(TrainConfig(out=str(tmp_path / name), target=str(small_run["target"]), store=str(store), steps=1,
-                              batch_tokens=2048, save_every=1, device="cpu", compile=False, tensorboard=False,
-                              eval_store=str(store), side_branches=n, side_context=16))
+            train(from_flags(TrainConfig, out=str(tmp_path / name), target=str(small_run["target"]),
+                             store=str(store), steps=1, batch_tokens=2048, save_every=1, device="cpu", compile=False,
+                             tensorboard=False, eval_store=str(store), side_branches=n, side_context=16))
         logs[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     step = {k: next(r for r in v if "tokens" in r) for k, v in logs.items()}
     assert step["side0"]["loss"] == step["plain"]["loss"] and step["side0"]["tokens"] == step["plain"]["tokens"]
