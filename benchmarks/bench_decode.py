@@ -123,7 +123,7 @@ def random_drafter(target, seed: int = 0):
 
 def prompts_for(target, tok, data: str | None, n: int) -> list[list[int]]:
     if data:
-        from hstap.speculative.evaluate import load_prompts
+        from hstap.data.prompts import load_prompts
 
         return [p for _, p in load_prompts(data, tok, n)]
     if tok is not None and getattr(tok, "chat_template", None):

@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -34,12 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from hstap.common import HstapError, one_line, user_message
+from hstap.config import FieldError
+from hstap.stage_paths import check_input_paths, check_output_paths
 
 # subcommand -> (module of its config, config class, entry function, one-line help). Only stages that work are listed.
 # An entry "module:function" lives in another module than its config: a config whose fields more than its entry module
 # reads has a module of its own below them all (`train`: hstap/train/config.py); `generate` is the capture stage's
 # composition (--capture). A config module loads no torch, numpy nor transformers: `hstap STAGE --help`, a bad value
-# and a missing input path (INPUT_PATHS) are answered before the stage's own module loads them.
+# and a missing input path (`hstap.stage_paths`) are answered before the stage's own module loads them.
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": ("hstap.demo.config", "DemoConfig", "hstap.demo.stage:demo",
              "the whole pipeline end to end, offline, on a toy target (or yours)"),
@@ -66,62 +69,6 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "verify": ("hstap.verify.config", "VerifyConfig", "hstap.verify.stage:verify",
                "store integrity, recompute vs the target, layer-offset detection, compare two stores"),
 }
-
-
-# Fields that name inputs which must exist before the stage starts: checked here, before the stage's module (torch,
-# transformers: seconds) is imported, so that a mistyped path is one line at once. The stages check them again.
-INPUT_PATHS: dict[str, tuple[str, ...]] = {
-    "prepare": ("tokenizer", "data", "chat_template"),
-    "generate": ("target", "data"),
-    "capture": ("target", "data", "src"),
-    "train": ("target", "store", "data", "vocab_map", "eval_store", "init_from"),
-    "export": ("run", "store", "target"),
-    "eval": ("target", "data", "drafter"),
-    "serve-loop": ("target", "prompts", "drafter", "reference", "vocab_map"),
-    "verify": ("store", "target", "a", "b"),
-    "demo": ("target", "data"),
-}
-
-
-def check_input_paths(stage: str, cfg: Any) -> None:
-    """HstapError naming the first input path of `cfg` (INPUT_PATHS) that does not exist."""
-    from hstap.config import lookup
-
-    for name in INPUT_PATHS.get(stage, ()):
-        if stage == "train" and name == "store" and getattr(cfg, "follow", False):
-            continue  # --follow: the store may be created by a capture that starts later
-        v = lookup(cfg, name)
-        for p in v if isinstance(v, list) else [v]:
-            if p and not os.path.exists(p):
-                raise HstapError(f"{p}: --{name.replace('_', '-')}: does not exist")
-
-
-# Fields that name outputs, and what is written there: checked before the stage's module loads, so that an output
-# that cannot be written (under a file, in a read-only directory, a FIFO) is one line before any work
-# (`hstap.artifacts.outputs.check_writable`), not a traceback after minutes of it. The stages decide what they replace.
-OUTPUT_PATHS: dict[str, tuple[tuple[str, str], ...]] = {
-    "data": (("out", "file"),),
-    "convert": (("out", "dir"),),
-    "prepare": (("out", "dir"),),
-    "generate": (("out", "file"), ("capture", "dir")),
-    "capture": (("out", "dir"),),
-    "train": (("out", "dir"),),
-    "export": (("out", "dir"),),
-    "eval": (("out", "dir"),),
-    "serve-loop": (("out", "dir"),),
-    "verify": (("report", "file"),),
-    "demo": (("out", "dir"),),
-}
-
-
-def check_output_paths(stage: str, cfg: Any) -> None:
-    """HstapError naming the first output path of `cfg` (OUTPUT_PATHS) that cannot be written."""
-    from hstap.artifacts.outputs import check_writable
-
-    for name, kind in OUTPUT_PATHS.get(stage, ()):
-        v = getattr(cfg, name, None)
-        if v:
-            check_writable(v, "--" + name.replace("_", "-"), kind)
 
 
 def stage_entry(stage: str):
@@ -179,6 +126,17 @@ def _required(f: dataclasses.Field) -> bool:
 def _section(tp: Any) -> type | None:
     """The dataclass of a nested section field (`train: HyperParams`), else None."""
     return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _parse_float(s: str) -> float:
+    """A float flag's value: a finite number (nan and inf are no setting: `hstap.config.positive`)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    return v
 
 
 def _parse_bool(s: str) -> bool:
@@ -239,7 +197,7 @@ def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParse
             p.add_argument(f"--no-{dashed}", dest=dotted, action="store_false", default=argparse.SUPPRESS,
                            help=argparse.SUPPRESS)
             continue
-        kw["type"] = tp
+        kw["type"] = _parse_float if tp is float else tp
         kw["metavar"] = tp.__name__.upper() if tp in (int, float) else "STR"
         if is_list:
             kw["nargs"] = "+"
@@ -317,8 +275,8 @@ def check_value(where: str, hint: Any, meta: Any, v: Any) -> Any:
     ok = {bool: lambda x: isinstance(x, bool), int: lambda x: isinstance(x, int) and not isinstance(x, bool),
           float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
           str: lambda x: isinstance(x, str)}.get(tp, lambda x: True)
-    if not ok(v):
-        raise HstapError(f"{where}: expected {_KINDS[tp]}, got {v!r}")
+    if not ok(v) or (tp is float and not math.isfinite(v)):
+        raise HstapError(f"{where}: expected {'a finite number' if ok(v) else _KINDS[tp]}, got {v!r}")
     if "choices" in meta and v not in meta["choices"]:
         raise HstapError(f"{where}: expected one of {', '.join(map(str, meta['choices']))}, got {v!r}")
     return float(v) if tp is float else v
@@ -384,11 +342,17 @@ def join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[s
 
 def make_config(stage: str, cls: type, argv: list[str], helptext: str = "") -> Any:
     """The stage's config from its command line: a `--config` file's values (`file_values`), then the flags over them
-    (a section's field by field over the section's default)."""
+    (a section's field by field over the section's default). A field's value refused by its config (`FieldError`) is
+    named as the user gave it: the flag as typed, or the `--config` file and the field's key."""
     parser = build_parser(stage, cls, helptext)
-    ns = vars(parser.parse_args(join_dash_values(parser, argv)))
+    args = join_dash_values(parser, argv)
+    ns = vars(parser.parse_args(args))
     cfg_file = ns.pop("config", None)
     values = file_values(cfg_file, stage, cls) if cfg_file else {}
+    in_file = {f"{k}.{g}" if isinstance(v, dict) else k for k, v in values.items() for g in (v if isinstance(v, dict)
+                                                                                           else [None])}
+    typed = {parser._option_string_actions[a.split("=", 1)[0]].dest: a.split("=", 1)[0] for a in args
+             if a.split("=", 1)[0] in parser._option_string_actions}
     for dest, v in ns.items():
         sec, _, name = dest.rpartition(".")
         (values.setdefault(sec, {}) if sec else values)[name] = v
@@ -397,11 +361,22 @@ def make_config(stage: str, cls: type, argv: list[str], helptext: str = "") -> A
     if missing:
         parser.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
     hints = typing.get_type_hints(cls)
+    sec = ""
     try:
         for f in fields:
             if _section(hints[f.name]) is not None and f.name in values:
+                sec = f.name
                 values[f.name] = dataclasses.replace(_default(f), **values[f.name])
+        sec = ""
         return cls(**values)
+    except FieldError as e:
+        dest = f"{sec}.{e.name}" if sec else e.name
+        if dest in typed:
+            raise HstapError(f"{stage}: {typed[dest]}: {e.reason}") from None
+        if dest in in_file:  # the key as the file may hold it: a FLAT section's field by its own name
+            key = e.name if sec and cls.__dataclass_fields__[sec].metadata.get("flat") else dest
+            raise HstapError(f"{cfg_file}: {key}: {e.reason}") from None
+        raise HstapError(f"{stage}: --{dest.replace('_', '-')}: {e.reason}") from None
     except (TypeError, ValueError) as e:
         raise HstapError(str(e)) from None
 

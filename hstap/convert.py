@@ -43,6 +43,7 @@ from pathlib import Path
 from hstap.common import (
     HstapError, atomic_write_json, file_mode, one_line, package_files, package_version, publishing_dir, require_module,
     run_meta)
+from hstap.artifacts.outputs import check_new_out
 from hstap.config import absolute
 
 RECORD = "hstap_convert.json"
@@ -197,9 +198,7 @@ def check_prompt(tok) -> list[int]:
 def convert(cfg: ConvertConfig) -> dict:
     """Convert cfg's GGUF into cfg.out (module docstring); prints and returns what it did."""
     t0 = time.perf_counter()
-    out = Path(cfg.out)
-    if out.exists():
-        raise HstapError(f"{out}: already exists (convert never overwrites; remove it or choose another --out)")
+    out = check_new_out(cfg.out, "convert")
     src = source_file(cfg)  # both checked before torch and transformers load (20 s on a busy 2-core machine)
     require_module("gguf", "convert", "gguf")  # transformers reads a GGUF with it
     import torch

@@ -2,7 +2,7 @@
 wrapping.
 
 The one place that reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK: `torchrun_env`) and picks a process's
-device (`local_device`). Training joins an NCCL (CUDA) or gloo (CPU) group with `init_dist`; capture (capture/hf.py)
+device (`local_device`). Training joins an NCCL (CUDA) or gloo (CPU) group with `init_dist`; capture (capture/hf/driver.py)
 joins a gloo group used only for barriers and the final counts with `init_barrier`.
 
 Model code (`models/drafter.py`) never sees ranks; `train/stage.py` calls these from outside, torchtitan-style. Everything degrades

@@ -34,7 +34,8 @@ BELOW: dict[str, tuple[str, ...]] = {
     "serve_loop": ("capture", "train", "speculative"),
     "convert": ("artifacts",),
     "demo": ("capture", "train", "speculative"),
-    "cli": ("demo", "serve_loop", "convert"),
+    "stage_paths": ("artifacts",),  # the outputs' writability check
+    "cli": ("demo", "serve_loop", "convert", "stage_paths"),
 }
 """Each package's floors directly below it (besides the ground); what it may import is their transitive closure."""
 ENGINE_MODULES = ("hstap.capture.hf", "hstap.capture.sglang", "hstap.capture.vllm")

@@ -42,6 +42,9 @@ def test_export_out_is_never_its_own_input(small_run, capsys):
     for out, what in ((run / "best", "is the input --run"), (run, "holds the input --run")):
         refused(["export", "--run", run, "--to", "sglang", "--out", out, "--overwrite"], capsys, f"{out}: --out: "
                 f"{what}", untouched=[run])
+    ckpt = next((run / "checkpoints").iterdir())  # another drafter of the run: train's, not "files hstap did not write"
+    refused(["export", "--run", run, "--to", "sglang", "--out", ckpt, "--overwrite"], capsys,
+            f"{ckpt}: --out: holds an output of hstap train", untouched=[run])
 
 
 def test_export_replaces_its_own_earlier_export_only_with_overwrite(small_run, tmp_path, capsys):

@@ -80,8 +80,8 @@ TRAIN_FLAGS = ("steps", "epochs", "ttt", "ttt_decay", "loss", "loss_mix", "lk_de
                "tensorboard", "follow", "consume", "keep_shards", "replay_fraction", "holdout_frac", "anchor_store",
                "anchor_fraction")
 """`hstap train`'s flags before its config had sections (one flat config of these fields)."""
-ADDED_FLAGS = ("side_branches", "side_context")
-"""`hstap train`'s flags added since (they have their section's spelling and their own name too)."""
+ADDED_FLAGS = ("allow_other_variant", "side_branches", "side_context")
+"""`hstap train`'s flags added since."""
 
 
 def test_train_sections_keep_every_flag_and_an_earlier_flat_config_json_replays(tmp_path):
@@ -212,12 +212,10 @@ def test_the_serve_loops_trainer_starts_from_a_train_config(tmp_path):
     from hstap.train.config import HyperParams, StreamParams, TrainConfig
 
     d0 = tmp_path / "drafter0"
-    d0.mkdir()
-    (d0 / "drafter.json").write_text(json.dumps({"config": {"num_layers": 2}}))
     cfg = ServeLoopConfig(target=str(tmp_path / "t"), prompts="p", out=str(tmp_path / "w"), seed=7,
                           stream=StreamParams(**(STREAM | {"keep_shards": 6})),
                           train=HyperParams(**(TRAIN | {"lr": 1e-3, "epochs": 2})))
-    t = trainer_config(cfg, tmp_path / "w", d0, "cpu")
+    t = trainer_config(cfg, tmp_path / "w", d0, 2, "cpu")  # a start drafter of 2 decoder layers
     assert (t.follow, t.consume, t.inputs.eval_frac, t.drafter.draft_layers, t.seed, t.tensorboard) == (
         True, True, 0.0, 2, 7, False)
     assert t.hyper is cfg.train and t.stream is cfg.stream  # the loop's sections, as they are
@@ -228,3 +226,18 @@ def test_the_serve_loops_trainer_starts_from_a_train_config(tmp_path):
     f = tmp_path / "run.config.json"
     f.write_text(json.dumps(run_meta("train", t)))
     assert make_config("train", TrainConfig, ["--config", str(f)]) == t
+
+
+@pytest.mark.parametrize("stage, flag", [("train", "--warmup-ratio"), ("train", "--eval-frac"),
+                                         ("train", "--replay-fraction"), ("train", "--holdout-frac"),
+                                         ("train", "--anchor-fraction"), ("serve-loop", "--rollback-ratio")])
+def test_every_fraction_is_in_zero_one(stage, flag, tmp_path, capsys):
+    """Each [0, 1) fraction refuses 1 (nothing would be left for the rest) and a negative value, one line naming it."""
+    base = {"train": ["--store", str(tmp_path / "s"), "--target", str(tmp_path / "t")],
+            "serve-loop": ["--target", str(tmp_path / "t"), "--prompts", str(tmp_path / "p")]}[stage]
+    for bad in ("1.0", "-0.1"):
+        assert main([stage, *base, "--out", str(tmp_path / "out"), flag, bad]) == 2
+        line = _error_line(capsys)
+        assert f"{flag}: must be in [0, 1), got {float(bad)}" in line, line
+    assert not (tmp_path / "out").exists()
+

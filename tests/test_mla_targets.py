@@ -209,9 +209,9 @@ def pipeline(targets, tmp_path_factory) -> dict[str, dict]:
     from hstap.data.prepare import prepare
     from hstap.export.config import ExportConfig
     from hstap.export.stage import export
+    from hstap.config import from_flags
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
-    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
     from hstap.train.stage import train
     from hstap.verify.stage import recompute
@@ -230,15 +230,15 @@ def pipeline(targets, tmp_path_factory) -> dict[str, dict]:
         r["verify"] = _quiet(recompute, str(r["store"]), str(target), samples=4, device="cpu", compute_dtype="fp32")
         r["run"] = d / "run"
         torch.manual_seed(0)
-        r["train"] = _quiet(train, from_flags(TrainConfig, store=str(r["store"]), target=str(target), out=str(r["run"]), steps=6,
-                                               lr=3e-3, batch_tokens=600, ttt=2, log_every=1, eval_frac=0.25,
-                                               save_every=6, device="cpu"))
+        r["train"] = _quiet(train, from_flags(TrainConfig, store=str(r["store"]), target=str(target), out=str(r["run"]),
+                                              steps=6, lr=3e-3, batch_tokens=600, ttt=2, log_every=1, eval_frac=0.25,
+                                              save_every=6, device="cpu"))
         for to in ("sglang", "vllm"):
             r[to] = d / to
             _quiet(export, ExportConfig(run=str(r["run"]), to=to, out=str(r[to]), dtype="fp32", target=str(target)))
-        r["eval"] = _quiet(evaluate, EvalConfig(target=str(target), drafter=str(r["vllm"]), data=str(r["prepared"]),
-                                                out=str(d / "eval"), k=2, max_new_tokens=10, num_prompts=3,
-                                                device="cpu", dtype="fp32"))
+        r["eval"] = _quiet(evaluate, from_flags(EvalConfig, target=str(target), drafter=str(r["vllm"]),
+                                                data=str(r["prepared"]), out=str(d / "eval"), k=2, max_new_tokens=10,
+                                                num_prompts=3, device="cpu", dtype="fp32"))
         out[kind] = r
     return out
 

@@ -185,6 +185,7 @@ def staged(quantized, tmp_path_factory) -> dict[str, dict]:
 
     from hstap.capture.config import CaptureConfig
     from hstap.capture.stage import capture
+    from hstap.config import from_flags
     from hstap.data.prepare import prepare
     from hstap.data.prepare_config import PrepareConfig
     from hstap.export.config import ExportConfig
@@ -208,12 +209,12 @@ def staged(quantized, tmp_path_factory) -> dict[str, dict]:
                                   device="cpu", batch_tokens=2048))
             r["verify"] = recompute(str(r["store"]), t, samples=3, device="cpu", compute_dtype="fp32")
             torch.manual_seed(0)
-            r["train"] = train(TrainConfig(store=str(r["store"]), target=t, out=str(d / "run"), steps=4, lr=3e-3,
-                                           batch_tokens=600, ttt=2, eval_frac=0.0, save_every=4, device="cpu",
-                                           compile=False, tensorboard=False))
+            r["train"] = train(from_flags(TrainConfig, store=str(r["store"]), target=t, out=str(d / "run"), steps=4,
+                                          lr=3e-3, batch_tokens=600, ttt=2, eval_frac=0.0, save_every=4, device="cpu",
+                                          compile=False, tensorboard=False))
             r["vllm"] = d / "vllm"
             export(ExportConfig(run=str(d / "run"), to="vllm", out=str(r["vllm"]), dtype="fp32", target=t))
-            r["eval"] = evaluate(EvalConfig(target=t, drafter=str(d / "run"), data=str(d / "prepared"),
+            r["eval"] = evaluate(from_flags(EvalConfig, target=t, drafter=str(d / "run"), data=str(d / "prepared"),
                                             out=str(d / "eval"), k=2, max_new_tokens=8, num_prompts=2, device="cpu",
                                             dtype="fp32"))
         out[kind] = r
@@ -241,3 +242,14 @@ def test_every_stage_runs_on_the_quantized_target(staged, quantized, kind):
     conf = json.loads((r["vllm"] / "config.json").read_text())
     assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert r["eval"]["lossless"] is True and r["eval"]["tau"] >= 1.0
+
+
+def test_vllm_on_the_cpu_runs_int4_in_bf16_only(quantized):
+    from hstap.engines.vllm import check_quantized_dtype
+
+    with pytest.raises(HstapError, match=r"INT4 W4A16 .*group 32.* bf16 only in vLLM on the CPU .*CPUWNA16") as e:
+        check_quantized_dtype(str(quantized["int4"]), "fp32", "cpu")
+    assert "\n" not in str(e.value)
+    for target, dtype, device in ((quantized["int4"], "bf16", "cpu"), (quantized["int4"], "fp32", "cuda"),
+                                  (quantized["fp8"], "fp32", "cpu"), (quantized["fp"], "fp32", "cpu")):
+        check_quantized_dtype(str(target), dtype, device)  # what vLLM runs

@@ -38,7 +38,7 @@ def loop(vllm_llama, tmp_path_factory):
     from hstap.serve_loop.config import TRAIN
     from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
-    from hstap.serve_loop.stage import serve_loop, stop_ids
+    from hstap.serve_loop.stage import serve_loop
     from hstap.train.config import HyperParams
     from hstap.store.consumer import read_consumer, write_consumer
     from hstap.demo.toy import stdlib_conversations
@@ -55,12 +55,12 @@ def loop(vllm_llama, tmp_path_factory):
         """After the stream (the trainer stopped): release the window it held, load drafter B while requests are in
         flight, serve the probe prompts one at a time, wait for the tap to commit them."""
         from hstap.artifacts.model_dir import load_tokenizer
-        from hstap.speculative.evaluate import load_prompts
+        from hstap.data.prompts import load_prompts
         from hstap.store.reader import open_store
 
         write_consumer(out / "store", {**read_consumer(out / "store"), "active": False})
         prompts = [p for _, p in load_prompts(str(root / "probe.jsonl"), load_tokenizer(str(vllm_llama)))]
-        c = Client(url, N_NEW, stop_ids(str(vllm_llama)), 0)
+        c = Client(url, N_NEW, json.loads((out / "plan.json").read_text())["stop_ids"], 0)  # the loop's own
         with ThreadPoolExecutor(4) as pool:  # 4 in flight while B is loaded
             busy = [pool.submit(c.complete, i, p) for i, p in enumerate(prompts * 2)]
             time.sleep(0.3)
@@ -146,7 +146,7 @@ def _hf(vllm_llama):
 def test_every_request_answered_once_and_lossless(loop, vllm_llama):
     from hstap.artifacts.model_dir import load_tokenizer
     from hstap.speculative.drivers import target_generate
-    from hstap.speculative.evaluate import load_prompts
+    from hstap.data.prompts import load_prompts
 
     s, _, root, _ = loop
     assert s["answered"] == REQUESTS and s["lost"] == 0 and s["duplicates"] == 0
@@ -264,7 +264,18 @@ def test_bad_settings_are_one_error_each(tmp_path):
                     ({"anchor_fraction": 0.2}, "--anchor-store and --anchor-fraction go together"),
                     ({"holdout_frac": 1.0}, r"--holdout-frac: must be in \[0, 1\)"),
                     ({"gate_min_samples": 80}, "--gate-min-samples 80 > --gate-samples 64"),
-                    ({"server_cpus": "0;1"}, "--server-cpus: expected a CPU list")):
+                    ({"server_cpus": "0;1"}, "--server-cpus: expected a CPU list"),
+                    ({"server_cpus": "1-0"}, r"--server-cpus: expected a CPU list like 0 or 0-1,3 \(ranges low-high\)"),
+                    ({"trainer_cpus": "3-"}, "--trainer-cpus: expected a CPU list"),
+                    ({"port": 70000}, "--port: must be a TCP port, 1-65535"),
+                    ({"flush_s": -1.0}, "--flush-s: must be a finite number > 0"),
+                    ({"flush_s": float("nan")}, "--flush-s: must be a finite number > 0"),
+                    ({"max_store_gb": -2.0}, "--max-store-gb: must be a finite number > 0"),
+                    ({"mode": "fixed", "drafter": "d", "anchor_store": "s", "anchor_fraction": 0.3},
+                     "--anchor-store: the trainer's and the tap's, which run only in --mode loop"),
+                    ({"mode": "target", "drafter": "d"}, "--drafter: --mode target serves no drafter"),
+                    ({"drafter": "d", "layers": "1,2,3"}, "--layers: shapes the drafter started from nothing"),
+                    ({"drafter": "d", "vocab_map": "v"}, "--vocab-map: shapes the drafter started from nothing")):
         with pytest.raises(HstapError, match=msg):
             from_flags(ServeLoopConfig, **base, **kw)
 
@@ -287,6 +298,76 @@ def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_wr
         serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(small_run["store"]),
                               trainer_cpus="0,4096"))
     assert not out.exists()
+
+
+def test_a_start_drafter_of_another_target_is_refused_before_anything_is_written(small_run, tmp_path):
+    """--drafter, --layers and --vocab-map are checked against the target before --out is written and vLLM starts."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hstap.common import HstapError
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.stage import serve_loop
+
+    out = tmp_path / "w"
+    base = dict(target=str(small_run["target"]), prompts=str(small_run["chats"]), out=str(out), device="cpu")
+    V = json.loads((small_run["target"] / "config.json").read_text())["vocab_size"]
+    vm = tmp_path / "vocab_map.safetensors"
+    save_file({"d2t": torch.zeros(8, dtype=torch.long), "t2d": torch.arange(V + 5) < 8}, str(vm))
+    wide = tmp_path / "wide"  # the target's files, a config of another hidden size
+    shutil.copytree(small_run["target"], wide)
+    conf = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**conf, "hidden_size": 2 * conf["hidden_size"]}))
+    for kw, msg in (({"vocab_map": str(vm)}, f"--vocab-map: covers {V + 5} token ids, the target"),
+                    ({"layers": "1,3,40"}, "serve-loop: --layers: layer id 40 is out of range"),
+                    ({"drafter": str(tmp_path)}, "no drafter found"),
+                    ({"drafter": str(small_run["run"]), "target": str(wide)}, "target_hidden_size: the drafter was "
+                                                                               "made for a target of")):
+        with pytest.raises(HstapError, match=msg):
+            serve_loop(ServeLoopConfig(**(base | kw)))
+        assert not out.exists()
+
+
+def test_a_tap_or_trainer_that_dies_fails_the_loop(tmp_path):
+    """The tap's writer thread leaves a "stopped" event as it dies (a negative --flush-s used to kill it silently: the
+    run reported "store peak 0.0 MB" and exit 0), and a trainer process can exit on an error: either fails the run in
+    one line naming its log."""
+    import queue
+    import shutil
+    import subprocess
+    import sys
+
+    from hstap.capture.served import ServedWriter, drain, stopped_writer
+    from hstap.capture.vllm.protocol import EVENTS_DIR, ConnectorConfig
+    from hstap.common import HstapError
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.updates import Updater
+
+    out = tmp_path / "w"
+    (out / "store").mkdir(parents=True)
+    cfg = ServeLoopConfig(target="t", prompts="p", out=str(out))
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        up = Updater(cfg, "http://127.0.0.1:1", out, "fp32", trainer, None)
+        up.check_running()  # all running
+        with pytest.raises(ValueError):  # the queue refuses a negative timeout: the thread ends
+            drain(queue.Queue(), -1.0, ServedWriter(str(out / "store"), [1, 2], EVENTS_DIR), lambda item: None)
+        assert "ValueError" in stopped_writer(out / "store", EVENTS_DIR)
+        with pytest.raises(HstapError, match=rf"^{out / 'server.log'}: the tap beside vLLM stopped writing the store"):
+            up.check_running()
+    finally:
+        trainer.kill()
+        trainer.wait()
+    shutil.rmtree(out / "store" / EVENTS_DIR)
+    (out / "train.log").write_text("hstap: error: something the trainer refused\n")
+    up.trainer = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(2)"])
+    up.trainer.wait()
+    with pytest.raises(HstapError, match=r"train.log: the trainer exited with status 2 after 0 answers: hstap: error"):
+        up.check_running()
+    with pytest.raises(HstapError, match="kv_connector_extra_config: --flush-s: must be a finite number > 0"):
+        ConnectorConfig.from_dict({"store": str(out / "store"), "tap": True, "flush_s": -1.0})
 
 
 def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
@@ -314,7 +395,7 @@ def test_a_bad_reference_is_one_error_naming_the_line(small_run, tmp_path, capsy
     from helpers.refusals import refused
 
     from hstap.common import HstapError
-    from hstap.serve_loop.stage import read_reference
+    from hstap.serve_loop.plan import read_reference
 
     p = tmp_path / "served.jsonl"
     p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n{"i": 2, "tokens": [3\n')
@@ -337,6 +418,68 @@ def test_a_bad_reference_is_one_error_naming_the_line(small_run, tmp_path, capsy
             untouched=[out])
     refused([*base, "--reference", small_run["chats"]], capsys,
             f"{small_run['chats']}:1: --reference: not a served.jsonl of hstap serve-loop", untouched=[out])
+
+
+def test_the_loop_resolves_its_inputs_once_into_a_plan_that_builds_the_run(small_run, tmp_path):
+    """hstap/serve_loop/plan.py: the start drafter's layers, depth and vocabulary read once (nothing written); what
+    the loop then writes and starts is built from the plan: OUT/vocab_map.safetensors, the trainer's config, the
+    server's two vLLM JSON arguments (hstap/engines/vllm.py's)."""
+    import torch
+
+    from hstap.artifacts.drafter_dir import load_drafter, resolve_drafter_dir
+    from hstap.artifacts.vocab_map import load_vocab_map
+    from hstap.capture.vllm.protocol import TAP_CONNECTOR, TAP_CONNECTOR_MODULE
+    from hstap.config import from_flags
+    from hstap.engines.vllm import eagle3_config
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.plan import WHOLE_VOCABULARY, resolve
+    from hstap.serve_loop.stage import server_args, start_drafter, trainer_config
+
+    base = dict(target=str(small_run["target"]), prompts=str(small_run["chats"]), device="cpu", requests=4)
+    out = tmp_path / "w"
+    cfg = from_flags(ServeLoopConfig, **base, out=str(out), drafter=str(small_run["run"]), holdout_frac=0.2)
+    plan = resolve(cfg, out)
+    d = resolve_drafter_dir(small_run["run"])
+    meta = json.loads((d / "drafter.json").read_text())
+    assert plan.drafter == d and list(plan.layers) == meta["config"]["aux_layers"] == [1, 3, 4]
+    assert plan.draft_layers == meta["config"].get("num_layers", 1) and plan.vocab.sha256() == meta["vocab_map_sha256"]
+    assert (len(plan.prompts), plan.device, plan.dtype) == (4, "cpu", "fp32") and plan.stop_ids
+    rec = json.loads(json.dumps(plan.record()))  # OUT/plan.json: the resolved facts, JSON as they are
+    assert rec["aux_layers"] == [1, 3, 4] and rec["vocab_map"]["sha256"] == meta["vocab_map_sha256"]
+    assert rec["requests"] == 4 and rec["target"]["path"] == str(small_run["target"].resolve())
+    assert not out.exists()  # resolving writes nothing
+
+    out.mkdir()
+    assert start_drafter(cfg, plan, out) == d
+    d2t, t2d = load_vocab_map(out / "vocab_map.safetensors")  # written atomically, the drafter's own map
+    assert torch.equal(d2t, plan.vocab.d2t) and torch.equal(t2d, plan.vocab.t2d)
+    t = trainer_config(cfg, out, d, plan.draft_layers, plan.device)
+    assert t.stream.holdout_frac == 0.2 and t.drafter.draft_layers == plan.draft_layers and t.drafter.init_from == str(d)
+    served = out / "exports" / "v0000"
+    args = server_args(cfg, plan.device, plan.dtype, served, out / "store")
+    assert json.loads(args[args.index("--speculative-config") + 1]) == eagle3_config(served, cfg.k) == {
+        "method": "eagle3", "model": str(served), "num_speculative_tokens": cfg.k}
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert (kv["kv_connector"], kv["kv_connector_module_path"], kv["kv_role"]) == (
+        TAP_CONNECTOR, TAP_CONNECTOR_MODULE, "kv_producer")
+    assert kv["kv_connector_extra_config"] == {"store": str(out / "store"), "tap": True, "tap_dtype": cfg.tap_dtype,
+                                               "shard_tokens": cfg.shard_tokens, "flush_s": cfg.flush_s}
+    fixed = server_args(from_flags(ServeLoopConfig, **base, out=str(out), mode="fixed", drafter=str(d)), "cpu",
+                        "fp32", served, out / "store")
+    assert "--speculative-config" in fixed and "--kv-transfer-config" not in fixed  # the loop off: no tap
+
+    # from nothing: --layers, the whole vocabulary, the trainer's initialisation written when the loop starts
+    out2 = tmp_path / "w2"
+    cfg2 = from_flags(ServeLoopConfig, **base, out=str(out2), layers="1,3,4")
+    plan2 = resolve(cfg2, out2)
+    V = json.loads((small_run["target"] / "config.json").read_text())["vocab_size"]
+    assert (plan2.drafter, plan2.layers, plan2.draft_layers) == (None, (1, 3, 4), 1)
+    assert (plan2.vocab.size, plan2.vocab.source) == (V, WHOLE_VOCABULARY)
+    out2.mkdir()
+    d0 = start_drafter(cfg2, plan2, out2)
+    drafter, _ = load_drafter(d0)
+    assert d0 == out2 / "drafter-init" and list(drafter.config.aux_layers) == [1, 3, 4]
+    assert load_vocab_map(out2 / "vocab_map.safetensors")[0].numel() == V
 
 
 @pytest.mark.vllm

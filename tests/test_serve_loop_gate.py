@@ -49,7 +49,8 @@ def test_the_gate_score_is_chain_decoding_on_the_targets_own_answers(vllm_llama,
     from hstap.artifacts.model_dir import load_target, target_head
     from hstap.serve_loop.gate import score_drafter
     from hstap.speculative.drivers import speculative_generate
-    from hstap.speculative.evaluate import eos_ids, load_any_drafter, prompt_from_mask
+    from hstap.data.prompts import prompt_from_mask
+    from hstap.speculative.evaluate import eos_ids, load_any_drafter
     from hstap.store.reader import open_store
 
     greedy, run, root = greedy_drafted

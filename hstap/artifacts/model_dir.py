@@ -251,8 +251,11 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
     kw: dict = {"dtype": dt, **load_kwargs(quantization_of(p))}
-    weights = text_weights(p, cfg)
-    check_text_shape(p, cfg, weights)
+    try:
+        weights = text_weights(p, cfg)
+        check_text_shape(p, cfg, weights)
+    except HstapError as e:
+        raise HstapError(f"{p}: cannot load the target model: {e}") from None
     if text_config(cfg) is not cfg:
         kw.update(text_model_kwargs(p, cfg, weights))
     if dev.type == "cuda" and is_accelerate_available():  # transformers needs accelerate for device_map
@@ -410,10 +413,15 @@ def tensor_files(path: Path) -> tuple[Path, dict]:
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise HstapError(f"{path}: no *.safetensors weights (hstap reads the target's embedding and lm_head from them)")
+    from safetensors import SafetensorError
+
     files = {}
     for f in shards:
-        with safe_open(str(f), framework="pt") as h:
-            files.update({k: f for k in h.keys()})
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                files.update({k: f for k in h.keys()})
+        except (SafetensorError, OSError) as e:
+            raise HstapError(f"{f}: cannot read its safetensors header: {one_line(e)}") from None
     return (shards[0] if len(shards) == 1 else path), files
 
 

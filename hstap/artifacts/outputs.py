@@ -9,7 +9,8 @@ config.json is the model's). A file output carries the same record beside or ins
 An existing output is replaced (`--overwrite`, or the demo's work directory) only when its record names the stage
 that would replace it: a directory or a file of the user's, or another stage's output, is refused by name, with or
 without --overwrite, and left as it was. An empty directory holds nothing to lose: it is used as it is. An output that
-is, or holds, one of the run's own inputs is refused too (the replacement would remove what it reads).
+is, or holds, one of the run's own inputs is refused too (the replacement would remove what it reads). The stages
+that write a new output only (data, prepare, convert) refuse any existing one (`check_new_out`).
 
 Where an output goes is checked before any work (`check_writable`, which the command line runs on every stage's output
 flags before the stage's module loads): an existing file output must be a regular file (a FIFO would block, a device
@@ -20,6 +21,7 @@ would swallow it), a directory output a directory, and the output, or the neares
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -33,12 +35,30 @@ RECORD_OF = {"export": "hstap_export.json", "convert": "hstap_convert.json"}
 
 
 def written_by(d: Path) -> str | None:
-    """The hstap stage whose run record the directory `d` holds; None: not an hstap output."""
+    """The hstap stage whose run record the directory `d` holds (a drafter directory, RUN/best or a checkpoint, is
+    train's: its drafter.json); None: not an hstap output."""
     for name in RECORDS:
         rec = read_record(d / name)
         if rec is not None:
             return rec["stage"]
+    if (d / "drafter.json").is_file():
+        from hstap.artifacts.drafter_dir import DRAFTER_FORMAT
+
+        try:
+            if json.loads((d / "drafter.json").read_text()).get("format") == DRAFTER_FORMAT:
+                return "train"
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            pass
     return None
+
+
+def check_new_out(out: str | os.PathLike, stage: str, flag: str = "--out") -> Path:
+    """Before any work of a stage that never replaces an output (data, prepare, convert): `out` as a Path, or
+    HstapError naming it and `flag` when anything is there."""
+    out = Path(out)
+    if out.exists():
+        raise HstapError(f"{out}: already exists ({stage} never overwrites; remove it or choose another {flag})")
+    return out
 
 
 def check_out_dir(out: str | os.PathLike, stage: str, overwrite: bool | None, flag: str = "--out") -> bool:

@@ -3,8 +3,9 @@ the rule that builds it, the check, the file (PREPARED/ and a store's copy), its
 training run resolved.
 
 `hstap prepare` picks the N = min(--draft-vocab, V) most frequent loss-masked tokens of the prepared set
-(`build_vocab_map`) and writes them to PREPARED/vocab_map.safetensors; training reads it back (`load_vocab_map`) and
-export checks the map a drafter carries (`check_vocab_map`). Two tensors, as EAGLE-3 drafters store them:
+(`build_vocab_map`) and writes them to PREPARED/vocab_map.safetensors (`write_vocab_map`, as the serve loop writes its
+trainer's map); training reads it back (`load_vocab_map`) and export checks the map a drafter carries
+(`check_vocab_map`). Two tensors, as EAGLE-3 drafters store them:
 
     d2t int64 [N]  draft index k -> target id k + d2t[k] (the hot ids, strictly increasing)
     t2d bool  [V]  target id -> whether it is a hot id
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hstap.common import HstapError, one_line, sha256_bytes
+from hstap.common import HstapError, atomic_write_bytes, one_line, sha256_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -98,6 +99,15 @@ def check_vocab_map(d2t, t2d, vocab_size: int) -> None:
         raise HstapError("vocab map: hot ids (arange + d2t) are not strictly increasing")
     if int(t.sum()) != len(hot) or not t[hot].all():
         raise HstapError("vocab map: t2d is not true exactly at the hot ids (arange + d2t)")
+
+
+def write_vocab_map(path: str | os.PathLike, d2t, t2d) -> None:
+    """The map (d2t [N] and t2d [V], numpy arrays or tensors) as the vocab_map.safetensors file `path`, written
+    atomically (temp file, fsync, rename): d2t int64, t2d bool."""
+    from safetensors.numpy import save
+
+    atomic_write_bytes(path, save({"d2t": np.ascontiguousarray(_numpy(d2t), dtype=np.int64),
+                                   "t2d": np.ascontiguousarray(_numpy(t2d), dtype=np.bool_)}))
 
 
 def load_vocab_map(path: str | os.PathLike):

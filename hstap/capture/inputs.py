@@ -1,7 +1,7 @@
 """What a capture run needs, resolved once (`resolve` -> `CapturePlan`), and the pieces every engine uses: the store to
 resume (`check_out`), the store header (`store_header`, also the servers' taps'), the prepared set's vocabulary map
 (`copy_vocab_map`), messages and summaries. It lives below the stage (`hstap.capture.stage`, which reaches the engines)
-and the engines (capture/hf.py, capture/sglang/driver.py, capture/vllm/driver.py, capture/vllm/importer.py), which
+and the engines (capture/hf/driver.py, capture/sglang/driver.py, capture/vllm/driver.py, capture/vllm/importer.py), which
 call it and never the stage.
 
 `resolve` reads the prepared set and the target once and refuses data made with another tokenizer or chat template

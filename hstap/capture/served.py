@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hstap.common import HstapError
+from hstap.common import HstapError, one_line
 from hstap.capture.session import END_PREFIX
 
 log = logging.getLogger("hstap.served")
@@ -184,10 +184,43 @@ class ServedWriter:
         return True
 
 
+STOPPED = "stopped"
+"""The kind of the error event a writer thread leaves as it ends on an error (`drain`): the tap writes no more."""
+
+
+def stopped_writer(store: str | os.PathLike, events_dir: str) -> str | None:
+    """The message of the first "stopped" event (`STOPPED`) among STORE/events_dir's event files: a writer thread that
+    ended on an error; None while every writer is running (or ended normally)."""
+    for f in sorted(Path(store, events_dir).glob("r*.jsonl")):
+        try:
+            lines = f.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                e = json.loads(line)
+            except ValueError:  # a line being appended
+                continue
+            if isinstance(e, dict) and e.get("event") == "error" and e.get("kind") == STOPPED:
+                return str(e.get("message"))
+    return None
+
+
 def drain(q: queue.Queue, flush_s: float, writer, handle) -> None:
     """An in-server writer thread's loop: `handle(item)` each queued item until None; when idle for `flush_s`, commit
     the open shard and look for the end of a session (`writer.flush()`, `writer.check_end()`). A failing item becomes
-    an error event for the driver (`writer.event`); serving goes on."""
+    an error event for the driver (`writer.event`); serving goes on. Whatever ends the loop otherwise (a writer that
+    stopped, a `flush_s` the queue refuses) is a "stopped" error event before it propagates: the thread is gone and
+    the tap writes nothing more, which the driver must report as a failure (`hstap serve-loop`: `tap_stopped`)."""
+    try:
+        _drain(q, flush_s, writer, handle)
+    except BaseException as e:
+        log.exception("hstap: the capture writer thread stopped")
+        writer.event({"event": "error", "kind": STOPPED, "message": f"{type(e).__name__}: {one_line(e)}"})
+        raise
+
+
+def _drain(q: queue.Queue, flush_s: float, writer, handle) -> None:
     while True:
         try:
             item = q.get(timeout=flush_s)

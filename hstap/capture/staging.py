@@ -1,4 +1,4 @@
-"""Staging captured hidden states for the device-to-host copy, shared by the embedded engine (capture/hf.py) and the
+"""Staging captured hidden states for the device-to-host copy, shared by the embedded engine (capture/hf/runner.py) and the
 SGLang hook (capture/sglang/hook.py).
 
 A batch's store tensors (aux, final and, for fp8, their scales) are converted to the store dtype where they are

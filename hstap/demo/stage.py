@@ -111,7 +111,7 @@ def stage_configs(cfg: DemoConfig, out: Path) -> dict:
     from hstap.capture.config import CaptureConfig
     from hstap.data.generate_config import GenerateConfig
     from hstap.data.prepare_config import PrepareConfig
-    from hstap.speculative.config import EvalConfig
+    from hstap.speculative.config import Decoding, EvalConfig
     from hstap.train.config import Devices, TrainConfig, TrainInputs
 
     target, device = cfg.target or str(out / "target"), cfg.device
@@ -129,7 +129,8 @@ def stage_configs(cfg: DemoConfig, out: Path) -> dict:
                              inputs=TrainInputs(store=str(out / "store")), devices=Devices(device=device),
                              seed=cfg.seed, tensorboard=False),
         "eval": EvalConfig(target=target, data=str(out / "eval.jsonl"), out=str(out / "eval"),
-                           drafter=str(out / "run"), mode="chain", k=cfg.k, max_new_tokens=cfg.max_new_tokens,
+                           drafter=str(out / "run"), decode=Decoding(mode="chain", k=cfg.k,
+                                                                     max_new_tokens=cfg.max_new_tokens),
                            num_prompts=cfg.eval_prompts, baseline="ngram", device=device, dtype="fp32"),
     }
 

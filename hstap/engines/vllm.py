@@ -8,6 +8,12 @@ states computed, and the eval runs compare rounds with hstap's decoder), and the
 (vLLM spawns it; without a shutdown it outlives the call), and V1's model runner unless the environment names one
 (`hstap.engines.vllm_runner`: what hstap reads inside vLLM under each runner). vLLM is imported only when an engine
 starts.
+
+The JSON configs hstap hands vLLM are built here, one function each, whether they go to an embedded `vllm.LLM` as
+keyword arguments or to `vllm serve` as flags (`serve_flags`): `eagle3_config` (`speculative_config` of an EAGLE-3
+drafter: `hstap eval --engine vllm`, the serve loop) and `kv_transfer_config` (one of hstap's KV connectors, which
+only produce: the capture connector and the tap beside EAGLE-3, whose names and extra settings hstap/capture/vllm
+gives).
 """
 
 from __future__ import annotations
@@ -61,6 +67,24 @@ def require_vllm(what: str) -> None:
     except Exception as e:  # noqa: BLE001 - not installed, or an install that fails to import: the same to the user
         raise HstapError(f"{what}: vLLM cannot be imported by this Python ({sys.executable}): {one_line(e)}; install "
                          f"it (README.md: requirements-vllm.txt on the CPU, vllm==0.32.0 on a GPU)") from None
+
+
+def eagle3_config(drafter_dir: str | os.PathLike, k: int) -> dict:
+    """vLLM's `speculative_config` for the EAGLE-3 drafter in `drafter_dir` (a vLLM export) drafting chains of k."""
+    return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k}
+
+
+def kv_transfer_config(connector: str, module_path: str, extra: dict) -> dict:
+    """vLLM's `kv_transfer_config` loading hstap's KV connector `connector` from `module_path`, as a producer (it reads
+    the states the engine computes, never feeds any back), with `extra` as its `kv_connector_extra_config`."""
+    return {"kv_connector": connector, "kv_connector_module_path": module_path, "kv_role": "kv_producer",
+            "kv_connector_extra_config": dict(extra)}
+
+
+def serve_flags(**configs: dict | None) -> list[str]:
+    """The `vllm serve` flags of configs an embedded `vllm.LLM` takes as keyword arguments: `speculative_config={...}`
+    -> `--speculative-config '{...}'` (a None config: no flag)."""
+    return [a for k, v in configs.items() if v is not None for a in ("--" + k.replace("_", "-"), json.dumps(v))]
 
 
 def uses_mla(target: str | os.PathLike) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hstap.common import HstapError
-from hstap.config import FLAT, LAYERS, at_least, layer_list
+from hstap.config import FLAT, LAYERS, at_least, fractions, layer_list, positive
 from hstap.train.config import HyperParams, StreamParams
 
 TRAIN = {
@@ -28,6 +28,21 @@ STREAM = {
     "holdout_frac": 0.15,  # the tapped requests the gate scores on, never trained on
 }
 """The loop's follow stream where it is not `hstap train`'s defaults (the `stream` section's default)."""
+
+
+def cpu_list(name: str, v: str) -> set[int]:
+    """The CPUs of a taskset list ("0", "0-1,3"; "": none) of the flag `--name`; one error line for any other syntax,
+    a reversed range among them (taskset would refuse it only once the server starts)."""
+    out: set[int] = set()
+    for part in filter(None, v.split(",")) if v else ():
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+            raise HstapError(f"serve-loop: --{name.replace('_', '-')}: expected a CPU list like 0 or 0-1,3 (ranges "
+                             f"low-high), got {v!r}")
+        out |= set(range(int(lo), int(hi or lo) + 1))
+    if v and not out:
+        raise HstapError(f"serve-loop: --{name.replace('_', '-')}: expected a CPU list like 0 or 0-1,3, got {v!r}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -112,7 +127,7 @@ class ServeLoopConfig:
     seed: int = 0
     """Seed of the drafter init, the trainer and vLLM."""
     port: int = 0
-    """Server port (0: a free one)."""
+    """Server port (1-65535; 0: a free one)."""
     overwrite: bool = False
     """Replace an earlier serve-loop's --out (a directory hstap serve-loop did not write is never replaced)."""
 
@@ -126,20 +141,37 @@ class ServeLoopConfig:
         at_least(w, self, ("concurrency", "max_tokens", "k", "update_every", "shard_tokens", "trainer_threads",
                            "max_model_len", "kv_cache_gib"))
         at_least(w, self, ("requests", "port"), lo=0)  # 0: all prompts; a free port
+        if self.port > 65535:
+            raise HstapError(f"{w}: --port: must be a TCP port, 1-65535 (0: a free one), got {self.port}")
+        positive(w, self, ("flush_s", "max_store_gb"))
         at_least(w, self, ("gate_samples", "gate_min_samples", "check_answers"))
-        if not 0.0 <= self.rollback_ratio < 1.0:
-            raise HstapError(f"{w}: --rollback-ratio: must be in [0, 1), got {self.rollback_ratio}")
+        fractions(w, self, ("rollback_ratio",))
         if self.stream.keep_shards is None:
             raise HstapError(f"{w}: --keep-shards: the loop's store keeps a window of shards: an integer >= 1")
         if self.gate_min_samples > self.gate_samples:
             raise HstapError(f"{w}: --gate-min-samples {self.gate_min_samples} > --gate-samples {self.gate_samples}")
         for name in ("server_cpus", "trainer_cpus"):
-            v = getattr(self, name)
-            if v and not all(p.isdigit() or (p.count("-") == 1 and p.replace("-", "").isdigit())
-                             for p in v.split(",")):
-                raise HstapError(f"{w}: --{name.replace('_', '-')}: expected a CPU list like 0 or 0-1,3, got {v!r}")
+            cpu_list(name, getattr(self, name))
+        self._check_mode()
         epochs = self.train.epochs or 1
         if self.stream.keep_shards < epochs:
-            raise HstapError(f"{w}: --keep-shards {self.stream.keep_shards} < --train.epochs {epochs}: a shard must stay on "
-                             "disk for all its passes")
+            raise HstapError(f"{w}: --keep-shards {self.stream.keep_shards} < --train.epochs {epochs}: a shard must stay "
+                             "on disk for all its passes")
         layer_list(w, self, "layers")
+
+    def _check_mode(self) -> None:
+        """Options that mean something only in some modes are refused in the others, not ignored."""
+        w = "serve-loop"
+        if self.mode != "loop":
+            for name, v in (("anchor_store", self.stream.anchor_store), ("max_store_gb", self.max_store_gb)):
+                if v is not None:
+                    raise HstapError(f"{w}: --{name.replace('_', '-')}: the trainer's and the tap's, which run only "
+                                     f"in --mode loop (this is --mode {self.mode})")
+        if self.mode == "target" and self.drafter:
+            raise HstapError(f"{w}: --drafter: --mode target serves no drafter (target-only outputs); leave it out, "
+                             f"or --mode fixed / loop")
+        if self.drafter:
+            for name in ("layers", "vocab_map"):
+                if getattr(self, name):
+                    raise HstapError(f"{w}: --{name.replace('_', '-')}: shapes the drafter started from nothing; "
+                                     f"--drafter {self.drafter} brings its own")

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hstap.common import HstapError
-from hstap.config import FLAT, LAYERS, absolute, at_least, layer_list
+from hstap.config import FLAT, LAYERS, FieldError, absolute, at_least, fractions, layer_list, positive
 
 LOSS_TERMS = ("ce", "tv", "rkl", "hard", "topk")
 """Terms of `--loss`; "a+b" mixes two of them, "lk" is the adaptive ce/tv hybrid (`hstap.train.ttt.loss_core`)."""
@@ -102,17 +102,17 @@ class HyperParams:
         at_least(w, self, ("eval_every",), lo=0)  # 0: at every checkpoint
         at_least(w, self, ("side_branches",), lo=0)
         if self.side_context < self.ttt + 1:
-            raise HstapError(f"{w}: --side-context must be >= --ttt + 1 = {self.ttt + 1} (got {self.side_context})")
-        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise HstapError(f"{w}: --warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1]")
-        if self.lr <= 0 or self.grad_clip < 0:
-            raise HstapError(f"{w}: --lr must be > 0 and --grad-clip >= 0")
+            raise FieldError(w, "side_context", f"must be >= --ttt + 1 = {self.ttt + 1}, got {self.side_context}")
+        fractions(w, self, ("warmup_ratio",))
+        for name in ("min_lr_ratio", "loss_mix"):  # 1.0: a flat schedule; the second term alone
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise FieldError(w, name, f"must be in [0, 1], got {getattr(self, name)}")
+        positive(w, self, ("lr",))
+        positive(w, self, ("ttt_decay", "grad_clip", "lk_decay", "weight_decay"), zero=True)
         try:
             loss_terms(self.loss)
         except ValueError as e:
-            raise HstapError(f"{w}: --{e}") from None
-        if not 0.0 <= self.loss_mix <= 1.0 or self.lk_decay < 0:
-            raise HstapError(f"{w}: --loss-mix must be in [0, 1] and --lk-decay >= 0")
+            raise FieldError(w, "loss", str(e).removeprefix("loss: ")) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +142,11 @@ class TrainInputs:
     """Fraction of samples held out for evaluation, chosen by a hash of the sample id (0 = no eval split)."""
     skip_verify: bool = False
     """Skip the pre-flight check that the store matches the target (hstap.verify.stage.quick_check)."""
+    allow_other_variant: bool = False
+    """Train on a store whose header's target fingerprint (config.json's sha256, the weight files' fingerprint) is
+    not --target's: a store captured from another variant of the model, e.g. its full-precision original when --target
+    is the INT4 or FP8 checkpoint that serves. Refused by default; the recomputation of the pre-flight check still has
+    to pass."""
 
     def __post_init__(self):
         w = "train"
@@ -150,8 +155,7 @@ class TrainInputs:
         if self.online and self.eval_store:
             raise HstapError(f"{w}: --eval-store: offline only (online mode evaluates on an --eval-frac split)")
         at_least(w, self, ("draft_vocab",), lo=0)  # 0: the map's
-        if not 0.0 <= self.eval_frac < 1.0:
-            raise HstapError(f"{w}: --eval-frac: must be in [0, 1), got {self.eval_frac}")
+        fractions(w, self, ("eval_frac",))
         layer_list(w, self, "aux_layers")
         absolute(self, "store", "data", "vocab_map", "eval_store")
 
@@ -226,9 +230,7 @@ class StreamParams:
     def __post_init__(self):
         w = "train"
         at_least(w, self, ("keep_shards",))
-        for name in ("replay_fraction", "holdout_frac", "anchor_fraction"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise HstapError(f"{w}: --{name.replace('_', '-')}: must be in [0, 1), got {getattr(self, name)}")
+        fractions(w, self, ("replay_fraction", "holdout_frac", "anchor_fraction"))
         if bool(self.anchor_fraction) != bool(self.anchor_store):
             raise HstapError(f"{w}: --anchor-store and --anchor-fraction go together (the store each slot also draws "
                              f"from, and how much of it: > 0)")
@@ -238,7 +240,7 @@ class StreamParams:
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """`hstap train`: the run (its directory, target, seed and modes) and its sections (module docstring), each `FLAT`:
-    `--lr`, `--store`, `--device`, `--keep-shards` as before sections."""
+    their fields keep their own flag names (`--lr`, `--store`, `--device`, `--keep-shards`)."""
 
     out: str
     """Run directory (config.json, plan.json, metrics.jsonl, checkpoints/, best/)."""

@@ -148,16 +148,20 @@ def check_resume(run: Path, state: dict, settings: dict) -> dict:
     return st
 
 
-def check_store_target(store: str, target: str) -> None:
-    """The follow pre-flight (the store may have no sample yet to recompute): its header's target config and weights
-    fingerprints must be the target's."""
+def check_store_target(store: str, target: str, require: bool = False) -> None:
+    """The store was captured from `target` itself: its header's target config and weights fingerprints are the
+    target's (train's pre-flight; --follow's whole check, `require`d there: its store may have no sample yet to
+    recompute). Elsewhere a header without them (an imported store) is not refused here: the recomputation judges its
+    states."""
     from hstap.artifacts.model_dir import target_fingerprint
 
     have, want = load_manifest(Path(store)).get("target") or {}, target_fingerprint(target)
-    for k in ("config_sha256", "weights_fingerprint"):
-        if have.get(k) != want[k]:
-            raise HstapError(f"{store}/manifest.json:1: target.{k}: the store was captured from another target than "
-                             f"{target} (--skip-verify to train anyway)")
+    differ = [k for k in ("config_sha256", "weights_fingerprint") if (have.get(k) or require) and have.get(k) != want[k]]
+    if differ:
+        raise HstapError(f"{store}/manifest.json:1: target.{differ[0]}: the store was captured from another model or "
+                         f"another variant of it than {target} (a full-precision original, another quantization, "
+                         "re-saved weights): --allow-other-variant to train on it anyway, --skip-verify to skip the "
+                         "check")
 
 
 def open_anchor(anchor: str, store: str, header: dict) -> Store:

@@ -173,17 +173,20 @@ def resolve_vocab(inputs: TrainInputs, store, V: int) -> VocabMap:
 
 
 def preflight(inputs: TrainInputs, target: str, follow: bool, store, rank: int, dev: torch.device) -> None:
-    """The store matches the target, on rank 0 (`hstap.verify.stage.quick_check` recomputes two samples of the opened store;
-    --follow, whose store may hold no sample yet: its header's target fingerprints); a failure stops every rank."""
+    """The store matches the target, on rank 0: its header's target fingerprints are the target's (unless
+    --allow-other-variant), then `hstap.verify.stage.quick_check` recomputes two samples of the opened store (--follow,
+    whose store may hold no sample yet: the fingerprints alone); a failure stops every rank."""
     err = None
     if rank == 0 and not inputs.skip_verify:
         from hstap.train.follow import check_store_target
         from hstap.verify.stage import quick_check
         try:
-            if follow:
-                check_store_target(inputs.store, target)
-            else:
-                quick_check(inputs.store, target, samples=2, device=dev.type, store=store)
+            if not inputs.allow_other_variant:
+                check_store_target(inputs.store, target, require=follow)
+            if not follow:
+                rep = quick_check(inputs.store, target, samples=2, device=dev.type, store=store)
+                if rep["loaded"]["skipped"]:  # a target too large to load whole: say what was not checked
+                    D.print0(f"hstap train: pre-flight check: {next(n for n in rep['notes'] if 'loaded' in n)}")
         except HstapError as e:
             err = e
         if dev.type == "cuda":

@@ -8,8 +8,8 @@ output of the layer changes by a whole expert's contribution, and so do its stat
 DeepSeek-V3 targets 0.5-2.5% of tokens, each far outside any rounding tolerance, while every other row stays within
 it. Such a row is the served model's own state (a bf16 engine routes that way), not a wrong one.
 
-The rule (`RoutingCheck`): verify's recomputation runs the target twice on each compared sample, in its compute
-dtype and in the other precision (bf16 <-> fp32), recording every router's logits and chosen experts (forward hooks on
+The rule (`near_tie`): verify's recomputation runs the target twice on each compared sample, in its compute
+dtype and in the other precision (bf16 <-> fp32; `hstap.verify.twin`), recording every router's logits and chosen experts (forward hooks on
 the routers, `routers`). At each MoE layer l a token is *near a routing tie* when the two runs choose different expert
 sets, or when its top-k margin (k-th minus (k+1)-th selection score, `margins`) is below TIE_FACTOR x tau_l, where
 tau_l is the largest change of a margin between the two runs among the tokens routed alike up to l: the size of bf16's
@@ -23,7 +23,6 @@ model moves every row, near a tie or not: no flip allowance lets it pass.
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 
@@ -80,42 +79,27 @@ def margins(gate: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return (top[:, k - 1] - top[:, k]) if top.shape[1] > k else torch.full((T,), float("inf"))
 
 
-class RoutingCheck:
-    """The recomputation's routing in both precisions (module docstring). Holds a copy of the target's model in the
-    other precision (bf16 for an fp32 recomputation, fp32 for a bf16 one)."""
-
-    def __init__(self, target):
-        from hstap.models.target import Target
-
-        other = torch.float32 if target.dtype != torch.float32 else torch.bfloat16
-        self.gates = routers(target)
-        self.other = Target(copy.deepcopy(target.model).to(other))
-        self.other_gates = routers(self.other)
-
-    @torch.no_grad()
-    def near_tie(self, ids: torch.Tensor, got: dict, layers: list[int]) -> tuple[torch.Tensor, dict]:
-        """((T, len(layers)) bool: token t near a routing tie at some MoE layer <= layers[j]; per-layer stats).
-        `got`: `recorded`'s dict of the recomputation's own forward on `ids` (1, T)."""
-        with recorded(self.other_gates) as lo:
-            self.other.base(input_ids=ids.to(self.other.device))
-        T = ids.shape[1]
-        near = torch.zeros(T, dtype=torch.bool)  # near a tie at some MoE layer so far
-        moved = torch.zeros(T, dtype=torch.bool)  # routed otherwise at some MoE layer so far
-        upto: dict[int, torch.Tensor] = {}
-        stats = {}
-        for i in sorted(self.gates):
-            (lh, eh), (ll, el) = got[i], lo[i]
-            differ = (eh.sort(-1)[0] != el.sort(-1)[0]).any(-1)  # (T,)
-            mh, ml = margins(self.gates[i], lh), margins(self.other_gates[i], ll)  # (T,), (T,)
-            alike = ~(moved | differ)
-            tau = float((mh - ml).abs()[alike].max()) if bool(alike.any()) else 0.0
-            near |= differ | (mh < TIE_FACTOR * tau)
-            moved |= differ
-            upto[i] = near.clone()
-            stats[i] = {"routed_otherwise": int(differ.sum()), "tau": tau}
-        out = torch.zeros(T, len(layers), dtype=torch.bool)
-        for j, L in enumerate(layers):
-            below = [i for i in upto if i <= L]
-            if below:
-                out[:, j] = upto[max(below)]
-        return out, stats
+@torch.no_grad()
+def near_tie(gates: dict, got: dict, twin_gates: dict, twin_got: dict, layers: list[int]) -> torch.Tensor:
+    """(T, len(layers)) bool: token t near a routing tie (module docstring) at some MoE layer <= layers[j]. `got` /
+    `twin_got`: `recorded`'s dicts of the recomputation's forward and of its twin's in the other precision (the same
+    tokens); `gates` / `twin_gates`: their routers (`routers`)."""
+    T = next(iter(got.values()))[0].shape[0]
+    near = torch.zeros(T, dtype=torch.bool)  # near a tie at some MoE layer so far
+    moved = torch.zeros(T, dtype=torch.bool)  # routed otherwise at some MoE layer so far
+    upto: dict[int, torch.Tensor] = {}
+    for i in sorted(gates):
+        (lh, eh), (ll, el) = got[i], twin_got[i]
+        differ = (eh.sort(-1)[0] != el.sort(-1)[0]).any(-1)  # (T,)
+        mh, ml = margins(gates[i], lh), margins(twin_gates[i], ll)  # (T,), (T,)
+        alike = ~(moved | differ)
+        tau = float((mh - ml).abs()[alike].max()) if bool(alike.any()) else 0.0  # bf16's effect on this layer's margins
+        near |= differ | (mh < TIE_FACTOR * tau)
+        moved |= differ
+        upto[i] = near.clone()
+    out = torch.zeros(T, len(layers), dtype=torch.bool)
+    for j, L in enumerate(layers):
+        below = [i for i in upto if i <= L]
+        if below:
+            out[:, j] = upto[max(below)]
+    return out

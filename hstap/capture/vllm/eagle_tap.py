@@ -56,9 +56,6 @@ log = logging.getLogger("hstap.vllm")
 V1_READS = "model_runner._model_forward, input_batch, query_start_loc"
 """What of vLLM's V1 model runner the tap reads (Model Runner V2 has none of them: docs/engines.md)."""
 
-CONNECTOR = "HstapEagleTapConnector"
-CONNECTOR_MODULE = "hstap.capture.vllm.eagle_tap"
-
 
 class _Rows:
     """One request's states by position: (capacity, L, H), the token fed at each position (-1: not computed), the
