@@ -184,7 +184,9 @@ def preflight(inputs: TrainInputs, target: str, follow: bool, store, rank: int, 
             if not inputs.allow_other_variant:
                 check_store_target(inputs.store, target, require=follow)
             if not follow:
-                quick_check(inputs.store, target, samples=2, device=dev.type, store=store)
+                rep = quick_check(inputs.store, target, samples=2, device=dev.type, store=store)
+                if rep["loaded"]["skipped"]:  # a target too large to load whole: say what was not checked
+                    D.print0(f"hstap train: pre-flight check: {next(n for n in rep['notes'] if 'loaded' in n)}")
         except HstapError as e:
             err = e
         if dev.type == "cuda":

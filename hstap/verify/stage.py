@@ -77,18 +77,21 @@ def _label(j: int, n: int) -> str:
     return f"output of layer {j}"
 
 
-def _open_checked(store_path: str, target_dir: str, device: str, compute_dtype: str, target, store=None) -> tuple:
-    """(store, target, the store's engine block, notes): the store opened and the target loaded unless given, and
-    checked to be the one the store can come from (hidden size, layer range); a differing or missing fingerprint is
-    only noted."""
-    from hstap.artifacts.model_dir import load_target, target_fingerprint
+def _open_checked(store_path: str, target_dir: str, device: str, compute_dtype: str, target, store=None,
+                  load_gb: float | None = None) -> tuple:
+    """(store, target, the store's engine block, notes, load plan or None): the store opened and the target loaded
+    unless given (whole, or the layers the check needs: `hstap.verify.partial`), and checked to be the one the store
+    can come from (hidden size, layer range); a differing or missing fingerprint is only noted."""
+    from hstap.artifacts.model_dir import load_config, target_fingerprint
     from hstap.store.reader import open_store
+    from hstap.verify.partial import load_for_check
 
     s = store if store is not None else open_store(store_path)
-    tok = None
+    tok = plan = None
     if target is None:
-        target, tok = load_target(target_dir, device=device, dtype=compute_dtype)
-    N, H = target.num_layers, target.hidden_size
+        target, tok, plan = load_for_check(target_dir, list(s.layers), device, compute_dtype,
+                                           (s.manifest.get("engine") or {}).get("compute_dtype"), load_gb)
+    N, H = (plan.total if plan is not None else target.num_layers), target.hidden_size
     where = str(store_path)
     if s.hidden_size != H:
         raise HstapError(f"{where}: hidden_size {s.hidden_size} != {H} of {target_dir}: the store was captured from "
@@ -105,7 +108,9 @@ def _open_checked(store_path: str, target_dir: str, device: str, compute_dtype: 
             notes.append(f"target fingerprint differs from the store's ({', '.join(differs)})")
     except HstapError as e:
         notes.append(f"no fingerprint: {e}")
-    return s, target, engine, notes
+    if plan is not None and not plan.whole:
+        notes.append(plan.note())
+    return s, target, engine, notes, plan
 
 
 @dataclass
@@ -136,10 +141,11 @@ class _Sums:
 
 
 def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: int, problems: list[str], tol: dict,
-                twin=None) -> _Sums:
+                twin=None, cols: list[int] | None = None) -> _Sums:
     """One forward per picked sample keeping every reference state; each stored slot compared with all of them.
     `twin` (a `hstap.verify.twin.Twin`): the noise floor is summed, and on a MoE target the rows near a routing tie that
-    break `tol` are left out of the slot's metrics and counted instead."""
+    break `tol` are left out of the slot's metrics and counted instead. `cols`: the stored aux columns compared, and
+    no final (a target loaded in part); None: every aux column and the final."""
     N, C = target.num_layers, len(reference_ids(target.num_layers))
     slots = len(claimed)
     sums = _Sums(acc=[None] * slots, err=torch.zeros(slots, C, dtype=torch.float64),
@@ -153,7 +159,8 @@ def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: in
         smp = s[i]
         T = min(int(smp["input_ids"].shape[0]), max_tokens)
         ids = smp["input_ids"][:T].to(target.device)[None]  # (1, T)
-        stored = torch.cat([smp["aux"][:T], smp["final"][:T, None]], dim=1).to(target.device).float()  # (T, K+1, H)
+        stored = (torch.cat([smp["aux"][:T], smp["final"][:T, None]], dim=1) if cols is None
+                  else smp["aux"][:T, cols]).to(target.device).float()  # (T, K+1, H), or (T, K', H) in part
         if not _finite(stored):
             problems.append(f"sample {smp['id']!r}: stored hidden states hold NaN/Inf")
             continue
@@ -201,13 +208,17 @@ def _accumulate(s, target, picked: list[int], claimed: list[int], max_tokens: in
     return sums
 
 
-def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list[str], dtype: str) -> list[dict]:
-    """Per stored slot: its metrics, the reference state it matches best, and what is wrong (appended to problems)."""
+def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list[str], dtype: str,
+              whole: bool = True) -> list[dict]:
+    """Per stored slot: its metrics, the reference state it matches best, and what is wrong (appended to problems).
+    `whole`: the target was loaded whole (else its last reference state is no final-norm output and is left out)."""
     cand = reference_ids(N)
-    K = len(claimed) - 1
+    K = len(claimed) - 1 if whole else len(claimed)  # the final's slot index (none in part)
     rel_l2 = (sums.err / sums.ref2.clamp_min(1e-300)).sqrt()  # (K+1, C)
+    if not whole:
+        rel_l2[:, -1] = float("inf")
     layers = []
-    for k in range(K + 1):
+    for k in range(len(claimed)):
         if sums.acc[k] is None:  # every row excused: no metric left, only the flip count below
             sums.acc[k] = {"cos_min": float("nan"), "cos_sum": 0.0, "tokens": 0, "rel_max": float("inf"),
                            "l2_err": float("inf"), "l2_ref": 1.0}
@@ -259,16 +270,20 @@ def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list
 
 @torch.no_grad()
 def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = "cpu", compute_dtype: str = "auto",
-              max_tokens: int = 1024, target=None, store=None) -> dict:
+              max_tokens: int = 1024, target=None, store=None, load_gb: float | None = None) -> dict:
     """Recompute `samples` samples of the store with the target; per-layer metrics, offsets and problems (see above).
 
     `target`: an already loaded hstap Target (its device/dtype are used) to skip loading; `store`: the store at
-    `store_path` already opened (`hstap.store.reader.open_store`)."""
-    s, target, engine, notes = _open_checked(store_path, target_dir, device, compute_dtype, target, store)
+    `store_path` already opened (`hstap.store.reader.open_store`); `load_gb`: the memory budget of a target too large
+    to load whole (`hstap.verify.partial`; default half the device's free memory)."""
+    s, target, engine, notes, plan = _open_checked(store_path, target_dir, device, compute_dtype, target, store, load_gb)
     N = target.num_layers
+    whole = plan is None or plan.whole
     compute = compute_class(engine.get("compute_dtype"), str(target.dtype))
     tol_name, tol = tolerance([s.dtype], compute)
-    claimed = list(s.layers) + [N]  # stored aux slots, then `final` (the final-norm output, id N in reference_ids)
+    cols = None if whole else [i for i, L in enumerate(s.layers) if L < N]
+    # stored aux slots, then `final` (the final-norm output, id N in reference_ids) when the target is loaded whole
+    claimed = list(s.layers) + [N] if whole else [s.layers[i] for i in cols]
     problems: list[str] = []
     picked = _pick(len(s), samples)
     twin = None
@@ -278,16 +293,17 @@ def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = 
 
         quant = quantization_of(target_dir)
         twin = Twin(target, served_activations(quant, engine), quant)
-    sums = _accumulate(s, target, picked, claimed, max_tokens, problems, tol, twin)
+    sums = _accumulate(s, target, picked, claimed, max_tokens, problems, tol, twin, cols)
     base = {"mode": "recompute", "store": str(store_path), "target": str(target_dir), "dtype": s.dtype,
             "layers_claimed": s.layers, "samples": [s.ids[i] for i in picked], "tokens": sums.tokens,
             "compute": {"store": engine.get("compute_dtype"), "recompute": str(target.dtype).replace("torch.", ""),
                         "device": str(target.device),
                         "served_activations": twin.activations if twin is not None else None},
-            "tolerance_class": tol_name, "tolerance": tol, "notes": notes}
+            "tolerance_class": tol_name, "tolerance": tol, "notes": notes,
+            "loaded": {"layers": N, "of": plan.total if plan else N, "skipped": plan.skipped if plan else []}}
     if sums.tokens == 0:
         return {**base, "metrics": [], "problems": problems or ["no sample could be compared"], "ok": False}
-    layers = _verdicts(sums, claimed, N, tol, problems, s.dtype)
+    layers = _verdicts(sums, claimed, N, tol, problems, s.dtype, whole)
     return {**base, "metrics": layers, "problems": problems, "ok": not problems}
 
 
@@ -375,15 +391,41 @@ def _print(rep: dict) -> None:
         for side, ids in (("b", rep["missing_in_b"]), ("a", rep["missing_in_a"])):
             if ids:
                 print(f"  {len(ids)} ids missing in {side}: {ids[:5]}{' ...' if len(ids) > 5 else ''}")
-    print(f"  {'slot':10s} {'cos_min':>10s} {'cos_mean':>10s} {'rel_max':>9s} {'ulp_p99':>8s} {'ulp_max':>9s}  match")
+    print(f"  {'slot':10s} {'cos_min':>10s} {'cos_mean':>10s} {'rel_max':>9s} {'rel_l2':>9s} {'x floor':>7s} "
+          f"{'flips':>5s} {'ulp_p99':>8s} {'ulp_max':>9s}  match")
     for m in rep["metrics"]:
         p99, umax = (f"{m['ulp_p99']:8.3g}", f"{m['ulp_max']:9.3g}") if "ulp_p99" in m else (f"{'-':>8s}", f"{'-':>9s}")
-        print(f"  {m['name']:10s} {m['cos_min']:10.6f} {m['cos_mean']:10.6f} {m['rel_max']:9.3g} {p99} {umax}  "
-              f"{'ok' if m['ok'] else 'FAIL'}{'  ' + m['best_match'] if 'best_match' in m else ''}")
+        floor = f"{m['rel_l2'] / m['noise_floor']:7.2f}" if m.get("noise_floor") else f"{'-':>7s}"
+        flips = f"{m['routing']['flips']:5d}" if "routing" in m else f"{'-':>5s}"
+        print(f"  {m['name']:10s} {m['cos_min']:10.6f} {m['cos_mean']:10.6f} {m['rel_max']:9.3g} {m['rel_l2']:9.3g} "
+              f"{floor} {flips} {p99} {umax}  {'ok' if m['ok'] else 'FAIL'}"
+              f"{'  ' + m['best_match'] if 'best_match' in m else ''}")
     for n in rep.get("notes", []):
         print(f"  note: {n}")
     for p in rep["problems"]:
         print(f"  problem: {p}")
+    print(f"verdict: {verdict(rep)}")
+
+
+def verdict(rep: dict) -> str:
+    """One line: what a recompute or comparison report says, with its deciding number."""
+    if not rep["ok"]:
+        n = len(rep["problems"])
+        return f"FAIL: {rep['problems'][0]}" + (f" (+{n - 1} more)" if n > 1 else "")
+    rows = rep["metrics"]
+    floored = [m for m in rows if m.get("noise_floor")]
+    if floored:
+        w = max(floored, key=lambda m: m["rel_l2"] / m["noise_limit"])
+        worst = (f"worst {w['name']}: relative L2 error {w['rel_l2']:.3g} = {w['rel_l2'] / w['noise_floor']:.2f}x the "
+                 f"bf16 noise floor (limit {w['noise_limit'] / w['noise_floor']:.2f}x)")
+    else:
+        w = min(rows, key=lambda m: m["cos_min"])
+        worst = f"worst {w['name']}: cosine {w['cos_min']:.6f}, relative L2 error {w['rel_l2']:.3g}"
+    flips = sum(m["routing"]["flips"] for m in rows[-1:] if "routing" in m)
+    skipped = (rep.get("loaded") or {}).get("skipped") or []
+    return (f"OK: the states are the target's ({rep['tolerance_class']}; {worst})"
+            + (f"; {flips} routing flips counted" if flips else "")
+            + (f"; not checked: {', '.join(skipped)}" if skipped else ""))
 
 
 def _fail(rep: dict, what: str) -> None:
@@ -401,7 +443,8 @@ def verify(cfg: VerifyConfig) -> dict:
         rep = compare_stores(cfg.a, cfg.b, cfg.samples)
         what = f"{cfg.a} vs {cfg.b}"
     elif cfg.target is not None:
-        rep = recompute(cfg.store, cfg.target, cfg.samples or 4, cfg.device, cfg.compute_dtype, cfg.max_tokens)
+        rep = recompute(cfg.store, cfg.target, cfg.samples or 4, cfg.device, cfg.compute_dtype, cfg.max_tokens,
+                        load_gb=cfg.load_gb)
         what = f"{cfg.store} vs {cfg.target}"
     else:
         rep = check_integrity(cfg.store)
