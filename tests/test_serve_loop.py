@@ -366,7 +366,7 @@ def test_a_tap_or_trainer_that_dies_fails_the_loop(tmp_path):
     up.trainer.wait()
     with pytest.raises(HstapError, match=r"train.log: the trainer exited with status 2 after 0 answers: hstap: error"):
         up.check_running()
-    with pytest.raises(HstapError, match="kv_connector_extra_config: --flush-s: must be a finite number > 0"):
+    with pytest.raises(HstapError, match="kv_connector_extra_config: flush_s: must be a finite number > 0"):
         ConnectorConfig.from_dict({"store": str(out / "store"), "tap": True, "flush_s": -1.0})
 
 
