@@ -248,7 +248,12 @@ def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list
         row["ok"] = not bad
         if bad:
             best_ok = bj != claimed[k] and float(sums.cosmin[k, best]) >= tol["cos_min"]
-            if k == K:
+            if bj == claimed[k] and "noise_limit" in row and m["rel_l2"] > row["noise_limit"]:
+                msg = (f"{name}: the target's state as another variant of the model computes it: relative L2 error "
+                       f"{m['rel_l2']:.3g} = {m['rel_l2'] / row['noise_floor']:.1f}x the bf16 noise floor (limit "
+                       f"{row['noise_limit'] / row['noise_floor']:.1f}x): another quantization or the full-precision "
+                       "original of the target, or arithmetic its engines do not do")
+            elif k == K:
                 if best_ok and bj == last_layer(N):
                     msg = "final matches pre-norm output of the last layer: missing final norm"
                 elif best_ok:
