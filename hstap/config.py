@@ -28,8 +28,10 @@ so; config.json holds the config as parsed, each section nested under its name.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import typing
 from collections.abc import Iterable
 from typing import Any
 
@@ -139,9 +141,6 @@ def layer_list(where: str, cfg: Any, name: str) -> None:
 
 def sections(cls: type) -> dict[str, type]:
     """{field: section class} of a config class's section fields (a field whose type is a dataclass)."""
-    import dataclasses
-    import typing
-
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)
             if isinstance(hints[f.name], type) and dataclasses.is_dataclass(hints[f.name])}
@@ -149,8 +148,6 @@ def sections(cls: type) -> dict[str, type]:
 
 def flat_names(cls: type) -> dict[str, str]:
     """{field name: its section} of every field of a `FLAT` section of `cls` (names spelled as the stage's own)."""
-    import dataclasses
-
     fields = {f.name: f for f in dataclasses.fields(cls)}
     return {g.name: name for name, sec in sections(cls).items() if fields[name].metadata.get("flat")
             for g in dataclasses.fields(sec) if g.init}
@@ -160,8 +157,6 @@ def from_flags(cls: type, **values: Any) -> Any:
     """`cls` from its flags' names: a `FLAT` section's fields by their own names (`lr=3e-3` into `hyper`), each
     section over its field's default; a section may also be given whole (`hyper=HyperParams(...)`). TypeError naming
     an unknown name, as a dataclass's constructor does."""
-    import dataclasses
-
     flat, secs = flat_names(cls), sections(cls)
     top: dict[str, Any] = {}
     sub: dict[str, dict[str, Any]] = {}
@@ -182,8 +177,6 @@ def from_flags(cls: type, **values: Any) -> Any:
 def flag_values(cfg: Any) -> dict[str, Any]:
     """{flag name: value} of a config: a `FLAT` section's fields by their own names, another section as a dict (what
     a flat record, e.g. trainer_state.json's "config", holds)."""
-    import dataclasses
-
     out: dict[str, Any] = {}
     secs = sections(type(cfg))
     for f in dataclasses.fields(cfg):
