@@ -292,7 +292,7 @@ def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = 
     problems: list[str] = []
     picked = _pick(len(s), samples)
     twin = None
-    if compute == "bf16":
+    if compute == "bf16" and (plan is None or plan.twin):
         from hstap.artifacts.quantization import quantization_of
         from hstap.verify.twin import served_activations
 
