@@ -2,6 +2,11 @@
 served in vLLM on that INT4 target, vLLM's own acceptance counters.
 
     flock /tmp/hstap-engine.lock python benchmarks/bench_target_mismatch.py --out /tmp/mismatch
+    # or part by part, the vLLM parts alone under the lock:
+    python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage prep
+    flock /tmp/hstap-engine.lock python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage capture
+    python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage train
+    flock /tmp/hstap-engine.lock python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage serve
     python benchmarks/bench_target_mismatch.py --tiny --out /tmp/mismatch-tiny      # random tiny target, a smoke run
 
 The served target: --target (default the reference target) quantized to INT4 W4A16 (compressed-tensors
@@ -174,38 +179,69 @@ def _parity(x: Path, y: Path) -> dict:
     return parity(x, y)
 
 
-def run(a, work: Path) -> dict:
-    from hstap.artifacts.model_dir import load_target
+def prep(a, work: Path) -> dict:
+    """The engine-free part: the INT4 copy, the prepared sets, the hf captures (b), (b16), (c), drafters (b), (c) and
+    their exports, (d). Its figures go to WORK/prep.json."""
     from hstap.demo.quantize import quantize_int4
-    from hstap.data.prompts import load_prompts
-    from hstap.speculative.evaluate import eos_ids
 
-    t_all = time.perf_counter()
+    t0 = time.perf_counter()
     target, int4 = Path(a.target), work / "target-int4"
     quantize_int4(target, int4, group_size=a.group_size)
     vocab = int(json.loads((target / "config.json").read_text())["vocab_size"])
     train_p = _prepare(target, _jsonl(Path(a.train), a.train_samples, work / "train.jsonl"), work / "p-train", vocab)
-    eval_p = _prepare(target, _jsonl(Path(a.eval), a.eval_prompts, work / "eval.jsonl"), work / "p-eval", vocab)
+    _prepare(target, _jsonl(Path(a.eval), a.eval_prompts, work / "eval.jsonl"), work / "p-eval", vocab)
     stage: dict = {}
-    caps = {"a": (int4, "vllm", "bf16"), "b": (int4, "hf", "fp32"), "b16": (int4, "hf", "bf16"),
-            "c": (target, "hf", "fp32")}
-    for key, (t, engine, compute) in caps.items():
-        stage[f"capture {key}"] = _capture(t, train_p, work / f"store-{key}", engine, compute)
-        print(f"capture ({key}) {engine} {compute}: {stage[f'capture {key}']}", flush=True)
+    for key, (t, compute) in {"b": (int4, "fp32"), "b16": (int4, "bf16"), "c": (target, "fp32")}.items():
+        stage[f"capture {key}"] = _capture(t, train_p, work / f"store-{key}", "hf", compute)
+        print(f"capture ({key}) hf {compute}: {stage[f'capture {key}']}", flush=True)
+    for key, t in (("b", int4), ("c", target)):
+        stage[f"train {key}"] = _train(work / f"store-{key}", t, work / f"run-{key}", a)
+        print(f"train ({key}): {stage[f'train {key}']}", flush=True)
+        _export(work / f"run-{key}", int4, work / f"vllm-{key}")
+    _sglang_ids_for_vllm(work / "vllm-b", work / "vllm-d")
+    out = {"stages": stage, "prep_minutes": (time.perf_counter() - t0) / 60}
+    (work / "prep.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
+def _record(work: Path, key: str, figures: dict) -> None:
+    """Add a stage's figures to WORK/stages.json (the stages may run as separate commands)."""
+    f = work / "stages.json"
+    done = json.loads(f.read_text()) if f.is_file() else {}
+    done[key] = figures
+    f.write_text(json.dumps(done, indent=2))
+
+
+def capture_a(a, work: Path) -> None:
+    """(a): vLLM's states of the INT4 model (runs vLLM: under the engine lock)."""
+    _record(work, "capture a", _capture(work / "target-int4", work / "p-train", work / "store-a", "vllm", "bf16"))
+    print("capture (a) vllm bf16 done", flush=True)
+
+
+def train_a(a, work: Path) -> None:
+    """(a)'s drafter and its export (no engine)."""
+    _record(work, "train a", _train(work / "store-a", work / "target-int4", work / "run-a", a))
+    _export(work / "run-a", work / "target-int4", work / "vllm-a")
+    print("train (a) done", flush=True)
+
+
+def serve(a, work: Path) -> dict:
+    """The parity tables and every drafter served on the INT4 target (runs vLLM: under the engine lock)."""
+    from hstap.artifacts.model_dir import load_target
+    from hstap.data.prompts import load_prompts
+    from hstap.speculative.evaluate import eos_ids
+
+    t0 = time.perf_counter()
+    int4 = work / "target-int4"
     parity = {"vllm bf16 vs hf fp32 (same INT4 checkpoint)": _parity(work / "store-a", work / "store-b"),
               "vllm bf16 vs hf bf16 (same INT4 checkpoint)": _parity(work / "store-a", work / "store-b16"),
               "vllm bf16 INT4 vs hf fp32 original": _parity(work / "store-a", work / "store-c"),
               "hf fp32 INT4 vs hf fp32 original": _parity(work / "store-b", work / "store-c")}
-    drafters = {}
-    for key, t in (("a", int4), ("b", int4), ("c", target)):
-        stage[f"train {key}"] = _train(work / f"store-{key}", t, work / f"run-{key}", a)
-        print(f"train ({key}): {stage[f'train {key}']}", flush=True)
-        drafters[key] = _export(work / f"run-{key}", int4, work / f"vllm-{key}")
-    drafters["d"] = _sglang_ids_for_vllm(drafters["b"], work / "vllm-d")
+    drafters = {k: work / f"vllm-{k}" for k in ("a", "b", "c", "d")}
     tgt, tok = load_target(int4, dtype="fp32")
     eos = eos_ids(tok, tgt)
     del tgt
-    prompts = [p for _, p in load_prompts(str(eval_p), tok, a.eval_prompts)]
+    prompts = [p for _, p in load_prompts(str(work / "p-eval"), tok, a.eval_prompts)]
     ref = _serve(int4, prompts, eos, a, None)
     served = {}
     for key, d in drafters.items():
@@ -214,8 +250,12 @@ def run(a, work: Path) -> dict:
         served[key] = r
         print(f"served ({key}): acceptance {r['acceptance']:.3f}, tau {r['tau']:.3f}, {r['rounds']} rounds, accepted "
               f"{r['accepted_per_pos']}, outputs = target-only {r['lossless']}/{len(prompts)}", flush=True)
-    return {"parity": parity, "served": served, "stages": stage, "prompts": len(prompts),
-            "generated_tokens_target_only": sum(map(len, ref["outputs"])), "minutes": (time.perf_counter() - t_all) / 60}
+    stages = json.loads((work / "stages.json").read_text()) if (work / "stages.json").is_file() else {}
+    pre = json.loads((work / "prep.json").read_text())
+    stages.update(pre["stages"])
+    return {"parity": parity, "served": served, "stages": stages, "prompts": len(prompts),
+            "generated_tokens_target_only": sum(map(len, ref["outputs"])),
+            "serve_minutes": (time.perf_counter() - t0) / 60, "prep_minutes": pre["prep_minutes"]}
 
 
 def report(res: dict, a) -> None:
@@ -223,7 +263,8 @@ def report(res: dict, a) -> None:
 
     print(f"\nvLLM {vllm.__version__} (bf16) on {platform.processor() or platform.machine()} ({os.cpu_count()} CPUs); "
           f"{a.train_samples} training conversations, {a.steps} steps x {a.batch_tokens} tokens, k={a.k}, "
-          f"{res['prompts']} prompts x {a.max_new} new tokens; {res['minutes']:.1f} min in all")
+          f"{res['prompts']} prompts x {a.max_new} new tokens; stages (s): "
+          + ", ".join(f"{k} {v['seconds']}" for k, v in res["stages"].items()))
     print("\n| drafter trained on | vLLM acceptance (accepted / drafted) | vLLM tau | accepted by position | rounds | "
           "outputs = target-only |\n|---|---|---|---|---|---|")
     for key, r in res["served"].items():
@@ -252,22 +293,31 @@ def main(argv=None) -> int:
     ap.add_argument("--group-size", type=int, default=128, help="INT4 group size")
     ap.add_argument("--out", required=True, help="directory for results.json and the work files (kept)")
     ap.add_argument("--tiny", action="store_true", help="a random tiny target, 24 conversations, 4 steps (smoke run)")
+    ap.add_argument("--stage", default="all", choices=["all", "prep", "capture", "train", "serve"],
+                    help="one part, on the same --out, in this order: prep (no engine), capture (vLLM), train (no "
+                         "engine), serve (vLLM); run the vLLM parts under the engine lock")
     a = ap.parse_args(argv)
     work = Path(a.out).absolute()
-    work.mkdir(parents=True, exist_ok=False)
+    work.mkdir(parents=True, exist_ok=a.stage not in ("all", "prep"))
     if a.tiny:
-        from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
+        if a.stage in ("all", "prep"):
+            from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
 
-        tok = build_tokenizer(sample_texts(), vocab_size=400, out_dir=work / "tok")
-        build_random_target(work / "tiny", tok, num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=2,
-                            intermediate_size=256)
-        chats = stdlib_conversations()
-        (work / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats[:24]))
-        (work / "e.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats[24:32]))
+            tok = build_tokenizer(sample_texts(), vocab_size=400, out_dir=work / "tok")
+            build_random_target(work / "tiny", tok, num_layers=6, hidden_size=128, num_heads=4, num_kv_heads=2,
+                                intermediate_size=256)
+            chats = stdlib_conversations()
+            (work / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats[:24]))
+            (work / "e.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats[24:32]))
         a.target, a.train, a.eval, a.train_samples, a.eval_prompts = (str(work / "tiny"), str(work / "c.jsonl"),
                                                                       str(work / "e.jsonl"), 24, 8)
         a.steps, a.batch_tokens, a.max_new, a.group_size = 4, 1024, 16, 32
-    res = run(a, work)
+    for name, part in (("prep", prep), ("capture", capture_a), ("train", train_a)):
+        if a.stage in ("all", name):
+            part(a, work)
+    if a.stage not in ("all", "serve"):
+        return 0
+    res = serve(a, work)
     report(res, a)
     res["args"] = vars(a)
     (work / "results.json").write_text(json.dumps(res, indent=2))

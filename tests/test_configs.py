@@ -80,7 +80,7 @@ TRAIN_FLAGS = ("steps", "epochs", "ttt", "ttt_decay", "loss", "loss_mix", "lk_de
                "tensorboard", "follow", "consume", "keep_shards", "replay_fraction", "holdout_frac", "anchor_store",
                "anchor_fraction")
 """`hstap train`'s flags before its config had sections (one flat config of these fields)."""
-ADDED_FLAGS = ("allow_other_variant",)
+ADDED_FLAGS = ("allow_other_variant", "side_branches", "side_context")
 """`hstap train`'s flags added since."""
 
 

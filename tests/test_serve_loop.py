@@ -8,7 +8,9 @@ counters sum to its /metrics counters; the store stayed within its window; and, 
 server): a drafter trained offline, taken up by `hstap_load_drafter` with requests in flight, drafts in vLLM exactly as
 hstap's decoder drafts with it (per request: verify steps and accepted drafts), i.e. the server really drafts with the
 new weights, outputs unchanged; the tap beside EAGLE-3 stored those requests with states equal to a prefill
-recompute (fp32), although their verify steps computed rejected drafts' states at the same positions."""
+recompute (fp32), although their verify steps computed rejected drafts' states at the same positions; and the rows of
+those rejected drafts it kept beside them (side branches, every row past the accepted prefix) equal a recompute of
+the target on the accepted prefix followed by the rejected drafts."""
 
 from __future__ import annotations
 
@@ -81,7 +83,8 @@ def loop(vllm_llama, tmp_path_factory):
 
     cfg = from_flags(ServeLoopConfig, target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
                      requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
-                     keep_shards=4, shard_tokens=512, tap_dtype="fp32", flush_s=0.5, max_model_len=512, device="cpu",
+                     keep_shards=4, shard_tokens=512, tap_dtype="fp32", side_rows="all", flush_s=0.5, max_model_len=512,
+                     device="cpu",
                      holdout_frac=0.3, gate_min_samples=4,
                      train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2, lr=5e-3))))
     summary = serve_loop(cfg, probe=probe)
@@ -363,7 +366,7 @@ def test_a_tap_or_trainer_that_dies_fails_the_loop(tmp_path):
     up.trainer.wait()
     with pytest.raises(HstapError, match=r"train.log: the trainer exited with status 2 after 0 answers: hstap: error"):
         up.check_running()
-    with pytest.raises(HstapError, match="kv_connector_extra_config: --flush-s: must be a finite number > 0"):
+    with pytest.raises(HstapError, match="kv_connector_extra_config: flush_s: must be a finite number > 0"):
         ConnectorConfig.from_dict({"store": str(out / "store"), "tap": True, "flush_s": -1.0})
 
 
@@ -477,3 +480,36 @@ def test_the_loop_resolves_its_inputs_once_into_a_plan_that_builds_the_run(small
     drafter, _ = load_drafter(d0)
     assert d0 == out2 / "drafter-init" and list(drafter.config.aux_layers) == [1, 3, 4]
     assert load_vocab_map(out2 / "vocab_map.safetensors")[0].numel() == V
+
+
+@pytest.mark.vllm
+def test_the_rejected_drafts_rows_kept_equal_a_recompute_of_the_target(loop, vllm_llama):
+    import torch
+
+    from hstap.store.reader import open_store
+
+    _, probed, root, _ = loop
+    s = open_store(root / "w" / "store")
+    assert s.side and len(s) >= 6
+    target, _, _ = _hf(vllm_llama)
+    rows = 0
+    worst = 0.0
+    for i in range(len(s)):
+        x = s[i]
+        side, ids = x["side"], x["input_ids"]
+        for r in range(side["input_ids"].numel()):
+            chain, q = [], r  # the branch back to the accepted sequence: its tokens, then the prefix before it
+            while q >= 0:
+                chain.append(int(side["input_ids"][q]))
+                p = int(side["parent"][q])
+                q, start = (-1 - p, None) if p < 0 else (-1, p)
+            seq = torch.cat([ids[:start + 1], torch.tensor(chain[::-1])])[None]  # (1, P)
+            assert seq.shape[1] == int(side["pos"][r]) + 1  # the row sits at its position
+            assert int(ids[int(side["pos"][r])]) != int(side["input_ids"][r]) or int(side["parent"][r]) < 0
+            with torch.no_grad():
+                aux, final, _ = target.capture(seq, s.layers)  # (1, P, K, H), (1, P, H)
+            for got, want in ((side["aux"][r], aux[0, -1]), (side["final"][r], final[0, -1])):
+                worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+            rows += 1
+            assert 0 <= int(side["accepted"][r]) < K
+    assert rows >= 10 and worst < 1e-4, (rows, worst)  # fp32 engine, fp32 store, fp32 recompute

@@ -166,7 +166,8 @@ class ServedWriter:
         return True
 
     def add_traffic(self, sid: str, ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
-                    header, aux_scale: torch.Tensor | None = None, final_scale: torch.Tensor | None = None) -> bool:
+                    header, aux_scale: torch.Tensor | None = None, final_scale: torch.Tensor | None = None,
+                    side: dict | None = None) -> bool:
         """Store a served request (tap mode: no prepared row to check against); `header()` (a callable, made only
         when needed) creates the store if there is none. Returns whether it was added (an id already in the store is
         skipped)."""
@@ -176,7 +177,7 @@ class ServedWriter:
             self.stats["duplicates"] += 1
             return False
         # ids (T,), mask (T,), aux (T, K, H), final (T, H)
-        self.writer.add(sid, ids, mask, aux, final, aux_scale=aux_scale, final_scale=final_scale)
+        self.writer.add(sid, ids, mask, aux, final, aux_scale=aux_scale, final_scale=final_scale, side=side)
         self.added.add(sid)
         self.dirty = True
         self.stats["samples"] += 1

@@ -83,6 +83,13 @@ class ServeLoopConfig:
     """The tap commits its open shard after this many idle seconds (the end of a stream is not lost in it)."""
     tap_dtype: str = field(default="bf16", metadata={"choices": ["bf16", "fp8", "fp32"]})
     """Store dtype of the tapped states."""
+    side_rows: str = field(default="none", metadata={"choices": ["none", "first", "all"]})
+    """Rows of rejected drafts the tap keeps per verify step, as side branches of each stored request (a store of
+    format version 2; --train.side-branches trains on them): none, the first rejected draft, or all past the accepted
+    prefix."""
+    side_max_accepted: int = -1
+    """With --side-rows: keep only the verify steps that accepted at most this many drafts (the worst steps); -1:
+    every step with a rejection."""
     train: HyperParams = field(default_factory=lambda: HyperParams(**TRAIN))
     """The trainer's hyper-parameters, `hstap train`'s (--train.lr, --train.epochs, ...): train's defaults but for
     the loop's own (TRAIN: TTT 3, micro-batches of 4,096 tokens, a checkpoint every 10 steps, a metrics line every

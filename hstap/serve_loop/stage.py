@@ -96,7 +96,9 @@ def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path
              "--per-request-spec-decode-metrics", "summary"]
     if cfg.mode == "loop":
         tap = tap_transfer_config(store, tap_dtype=cfg.tap_dtype, shard_tokens=cfg.shard_tokens, flush_s=cfg.flush_s,
-                                  **({"max_store_gb": cfg.max_store_gb} if cfg.max_store_gb else {}))
+                                  **({"max_store_gb": cfg.max_store_gb} if cfg.max_store_gb else {}),
+                                  **({"side_rows": cfg.side_rows, "side_max_accepted": cfg.side_max_accepted}
+                                     if cfg.side_rows != "none" else {}))
         args += [*serve_flags(kv_transfer_config=tap), "--worker-extension-cls", "hstap.serve_loop.worker.HstapWorker"]
     return args
 

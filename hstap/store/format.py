@@ -1,12 +1,16 @@
 """The hidden-state store's on-disk format: this docstring is the spec (versioned), the constants that name its parts
 and the bytes a token takes. What reader and writer share lives beside it, a module per concept: `hstap.store.header`
 (the header's checks, the comparison a resume makes), `hstap.store.manifest` (manifest and part files, their union,
-`merge_manifest`, the end of writing, the directory a store may be created in), `hstap.store.fp8` (fp8 quantization)
-and `hstap.store.checksum` (the file checksum, the I/O pool). The reader (`Store`, `open_store`) is
+`merge_manifest`, the end of writing, the directory a store may be created in), `hstap.store.fp8` (fp8 quantization),
+`hstap.store.checksum` (the file checksum, the I/O pool) and `hstap.store.side` (side branches: their checks and
+layout). The reader (`Store`, `open_store`) is
 `hstap.store.reader`, the writer (`StoreWriter`) is `hstap.store.writer`.
 
-Format `hstap-store`, version 1
-===============================
+Format `hstap-store`, versions 1 and 2
+======================================
+
+Version 2 is version 1 plus side branches (below), and only a store whose samples carry them is written as version 2;
+every other store is written as version 1, byte for byte as before, and read by older hstap.
 
 Layout: a store is a directory::
 
@@ -38,6 +42,25 @@ the JSON header is padded with spaces to a multiple of 8 bytes, as safetensors d
 holds `format` ("hstap-store"), `version` ("1"), `ids` (JSON list of the N sample ids, in order), `dtype`, `layers`
 (JSON list) and `rank`.
 
+Side branches (version 2; manifest `side_branches` = {producer, rows, max_accepted}, the tap's settings that kept
+them): next to the accepted sequence a sample carries S >= 0 side rows, the target's states at drafts a serving engine
+verified and rejected (`hstap.store.side`). Row r was fed token `side_input_ids[r]` at position `side_pos[r]` of its
+sample; its context is the sample's tokens 0..p and then, when `side_parent[r] < 0`, the chain of earlier side rows
+-1-side_parent[r], ... back to a row whose parent is the sample's position p = side_pos - 1 (>= 0). Every tensor of
+version 1, plus, in each shard (N samples, S side rows in all; sample j's rows are `side_offsets[j]:side_offsets[j+1]`):
+
+| name | dtype | shape | meaning |
+|---|---|---|---|
+| `side_offsets` | I64 | [N+1] | after `offsets` |
+| `side_input_ids`, `side_pos`, `side_parent` | I32 | [S] | after `input_ids`: the draft token fed, its position, its parent (above) |
+| `side_step`, `side_accepted` | I32 | [S] | the request's target forward that verified it, drafts that forward accepted |
+| `side_aux_scale`, `side_final_scale` | F32 | [S, K], [S] | fp8 stores only, after `final_scale` |
+| `side_aux`, `side_final` | as `aux` | [S, K, H], [S, H] | after `final`: the target's states at the row |
+
+A version-2 shard entry adds `side_rows` (rows per sample, file order); its `__metadata__` says `version` "2". Side
+rows take the bytes of a token each and count toward the shard limit. Commit, checksums and resume are version 1's;
+a store is resumed only by a writer of its own version (side branches or none).
+
 Dtypes (`dtype`): `bf16` (default), `fp32` (exact; CPU tests), `fp8` = float8_e4m3fn with one float32 scale per token
 per layer: `scale = amax(|x|, last dim) / 448` (1.0 for an all-zero row), `q = x / scale`, `x ~= q * scale`
 (`quantize_fp8`, `dequantize_fp8`). Bytes per token (`store_bytes_per_token`): bf16 `(K+1)*H*2 + 5`,
@@ -47,7 +70,7 @@ Nothing is ever padded.
 `manifest.json` (a JSON object)::
 
     format        "hstap-store"
-    version       1 (readers refuse a higher version)
+    version       1, or 2 with side branches (readers refuse a higher version than theirs)
     target        {path, model_type, num_layers, hidden_size, config_sha256, weights_fingerprint, tokenizer_sha256,
                    chat_template_sha256}
     engine        {name, version, device, compute_dtype}
@@ -166,7 +189,9 @@ from hstap.common import HstapError
 
 FORMAT = "hstap-store"
 PART_FORMAT = "hstap-store-part"
-VERSION = 1
+VERSION = 2
+"""The highest store version this hstap reads and writes (a store without side branches is written as 1)."""
+PART_VERSION = 1
 DTYPES = ("bf16", "fp8", "fp32")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 ST_NAMES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16",

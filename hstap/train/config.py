@@ -63,6 +63,14 @@ class HyperParams:
     """Weight of the second term of an 'a+b' --loss."""
     lk_decay: float = 3.0
     """--loss lk: the cross-entropy's weight of a row is exp(-lk_decay * (1 - tv))."""
+    side_branches: int = 0
+    """A store with side branches (the rows of drafts the target rejected, `hstap serve-loop --side-rows`): train on
+    at most this many per sample, evenly spread over it, each as one more sequence of the sample's batch
+    (hstap/train/side.py: the accepted prefix, then the rejected drafts; only the rejected rows' distributions are
+    targets, with --loss and TTT's decay). 0: a store's side branches are not trained on."""
+    side_context: int = 64
+    """Tokens of the accepted sequence before a side branch that its training sequence keeps (what the drafter
+    attends to there; at least --ttt + 1, so the verify step's anchor is inside)."""
     lr: float = 3e-3
     """Peak learning rate (AdamW; RESULTS.md: with TTT 5, 3e-3 ~ 4e-3 > 2e-3 > 1e-3 on the reference drafter). Not
     measured at wide shapes, where a lower rate (SpecForge: 1e-4) may be safer."""
@@ -92,6 +100,9 @@ class HyperParams:
         w = "train"
         at_least(w, self, ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "steps", "epochs"))
         at_least(w, self, ("eval_every",), lo=0)  # 0: at every checkpoint
+        at_least(w, self, ("side_branches",), lo=0)
+        if self.side_context < self.ttt + 1:
+            raise FieldError(w, "side_context", f"must be >= --ttt + 1 = {self.ttt + 1}, got {self.side_context}")
         fractions(w, self, ("warmup_ratio",))
         for name in ("min_lr_ratio", "loss_mix"):  # 1.0: a flat schedule; the second term alone
             if not 0.0 <= getattr(self, name) <= 1.0:

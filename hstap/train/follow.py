@@ -71,7 +71,7 @@ import numpy as np
 import torch
 
 from hstap import dist as D
-from hstap.batching import collate
+from hstap.train.side import SideCollate
 from hstap.common import HstapError
 from hstap.store.consumer import (claim_store, delete_consumed, is_consumed, own_shard_files, read_consumer,
                                   write_consumer)
@@ -212,6 +212,7 @@ class FollowBatches:
         consume: --consume; seed: --seed."""
         self.path, self.run, self.rank, self.world, self.dev = Path(store), run, rank, world, dev
         self.pin, self.workers, self.consume = pin, workers, consume
+        self.collate_fn = SideCollate(hyper.side_branches, hyper.side_context)  # with a store's side branches
         self.manifest = load_manifest(self.path)
         self.header = {k: v for k, v in self.manifest.items() if k != "shards"}
         self.ranks = writing_state(self.manifest, load_parts(self.path))[0]
@@ -384,7 +385,7 @@ class FollowBatches:
         if self.anchor is not None:
             data = torch.utils.data.ConcatDataset([data, self.anchor])
         mine = [[base[u] + j for u, j, _ in mb] for mb in todo]
-        self._it = iter(torch.utils.data.DataLoader(data, batch_sampler=mine, collate_fn=collate,
+        self._it = iter(torch.utils.data.DataLoader(data, batch_sampler=mine, collate_fn=self.collate_fn,
                                                     num_workers=self.workers, pin_memory=self.pin))
 
     def wait(self, save: Callable[[], object]) -> bool:

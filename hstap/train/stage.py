@@ -88,6 +88,7 @@ from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.data import Feed, TrainData
 from hstap.train.follow import FollowBatches
+from hstap.train.side import SideCollate
 from hstap.train.inputs import resolve
 from hstap.train.plan import TrainPlan
 from hstap.train.log import CURVES, MetricsLog, Throughput, draw_curves, print_summary, train_line
@@ -252,7 +253,8 @@ def _batches(cfg: TrainConfig, data, run: Path, rank: int, world: int, dev: torc
         return batches, hp.steps, outline
     state = state or {}
     batches = TrainBatches(data.train_rows, data.train_lengths, hp.batch_tokens, cfg.seed, rank, world,
-                           state.get("epoch", 0), state.get("batches_done", 0), cuda, workers)
+                           state.get("epoch", 0), state.get("batches_done", 0), cuda, workers,
+                           SideCollate(hp.side_branches, hp.side_context))
     per_epoch = math.ceil(len(batches.sampler) / hp.grad_accum)
     total = hp.steps or (hp.epochs or 1) * per_epoch
     return batches, total, (f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} "

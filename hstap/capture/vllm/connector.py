@@ -64,6 +64,8 @@ class _Save:
     block_ids: list[int]
     prompt_len: int = 0
     """Tapped requests: the prompt's tokens among token_ids (the loss mask starts after them)."""
+    side: dict | None = None
+    """Worker side, the tap beside EAGLE-3: the request's side branches (rows of rejected drafts), or None."""
 
 
 @dataclasses.dataclass

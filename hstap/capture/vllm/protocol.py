@@ -23,7 +23,7 @@ import os
 import shlex
 
 from hstap.common import HstapError
-from hstap.config import positive
+from hstap.config import FieldError, positive
 from hstap.engines.vllm import kv_transfer_config as producer_config
 
 CONNECTOR = "HstapConnector"
@@ -33,6 +33,7 @@ TAP_CONNECTOR_MODULE = "hstap.capture.vllm.eagle_tap"
 EVENTS_DIR = "vllm-events"  # inside the store; the store's reader ignores other files
 HELLO_PREFIX = "server-"
 PARAMS_KEY = "hstap"
+SIDE_ROWS = ("none", "first", "all")
 
 
 def speculative_config(vllm_ids: list[int]) -> dict:
@@ -85,6 +86,13 @@ class ConnectorConfig:
     """Tap mode: the store's dtype when the connector creates it (bf16, fp8, fp32)."""
     max_store_gb: float | None = None
     """Tap mode: stop capturing (dropping, counted) once the store's shards hold this many GB."""
+    side_rows: str = "none"
+    """Tap beside EAGLE-3 only: the rows of rejected drafts each verify step keeps, as side branches of the stored
+    sample (hstap/capture/vllm/eagle_tap.py): "none" (a plain store), "first" (the first rejected draft of a step),
+    "all" (every draft past the accepted prefix)."""
+    side_max_accepted: int = -1
+    """Tap beside EAGLE-3, with side_rows: keep only the steps that accepted at most this many drafts (the worst
+    steps); -1: every step with a rejection."""
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ConnectorConfig":
@@ -97,5 +105,11 @@ class ConnectorConfig:
         c = cls(**{"data": "", **cfg})
         if not 0.0 < c.tap_fraction <= 1.0 or c.tap_dtype not in ("bf16", "fp8", "fp32"):
             raise HstapError("--kv-transfer-config: hstap: tap_fraction must be in (0, 1], tap_dtype bf16|fp8|fp32")
-        positive("--kv-transfer-config: hstap: kv_connector_extra_config", c, ("flush_s", "max_store_gb"))
+        try:
+            positive("", c, ("flush_s", "max_store_gb"))
+        except FieldError as e:  # a key of the JSON, not a flag
+            raise HstapError(f"--kv-transfer-config: hstap: kv_connector_extra_config: {e.name}: {e.reason}") from None
+        if c.side_rows not in SIDE_ROWS or int(c.side_max_accepted) < -1:
+            raise HstapError(f"--kv-transfer-config: hstap: side_rows must be one of {', '.join(SIDE_ROWS)} (got "
+                             f"{c.side_rows!r}), side_max_accepted >= -1 (got {c.side_max_accepted})")
         return c

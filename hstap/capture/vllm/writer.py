@@ -109,14 +109,19 @@ class VllmWriter:
     def _tapped(self, save, rows) -> None:
         from hstap.store.format import store_bytes_per_token
 
-        T = len(save.token_ids)
+        side = self._side(save)
+        T = len(save.token_ids) + (0 if side is None else int(side["input_ids"].numel()))  # rows stored
         if not self.budget.take(T * store_bytes_per_token(len(self.layers), int(rows.shape[-1]), self.cfg.tap_dtype)):
             self.stats["tap_dropped_store_full"] += 1
             return
-        mask = torch.zeros(T, dtype=torch.uint8)
+        mask = torch.zeros(len(save.token_ids), dtype=torch.uint8)
         mask[save.prompt_len:] = 1
         self.served.add_traffic(f"tap-{self.session}-{save.req_id}", torch.as_tensor(save.token_ids), mask,
-                                rows[:, :-1], self._final(rows), self._header)
+                                rows[:, :-1], self._final(rows), self._header, side=side)
+
+    def _side(self, save) -> dict | None:
+        """A tapped request's side branches for the store (the tap beside EAGLE-3 keeps them); here none."""
+        return None
 
     def _header(self) -> dict:
         import vllm
