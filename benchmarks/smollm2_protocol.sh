@@ -77,7 +77,7 @@ stage "the 8B shape"
 if [ "${SMOKE:-0}" = 1 ]; then
   timeout 900 python3 benchmarks/bench_wide.py --tiny > $L/wide.log 2>&1
 else
-  timeout 480 python3 benchmarks/bench_wide.py --target $M --drafter $W/run --data $W/mtbench_turn1.jsonl $WIDE \
+  timeout ${WIDE_S:-480} python3 benchmarks/bench_wide.py --target $M --drafter $W/run --data $W/mtbench_turn1.jsonl $WIDE \
     > $L/wide.log 2>&1
 fi
 tail -n 25 $L/wide.log | cut -c1-400
