@@ -70,7 +70,7 @@ wait; tail -n 2 $L/train.log; for c in default hstap; do tail -n 1 $L/peer-$c.lo
 stage "eval: MT-bench turns 1 and 2"
 timeout ${EVAL_S:-600} python3 benchmarks/protocol_eval.py --target $M --work $W --turn1 $W/mtbench_turn1.jsonl \
   --turn2 $W/mtbench_turn2.jsonl --hstap $W/run --peers $W/peer-default,$W/peer-hstap --out $R/eval.json \
-  --part $PART --parallel $PAR --max-new-tokens $NT --device $DEV --peer-settings chain-t0,tree-t0 --engine fast \
+  --settings ${EVAL_SETTINGS:-chain-t0,chain-t1,tree-t0,tree-t1} --part $PART --parallel $PAR --max-new-tokens $NT --device $DEV --peer-settings chain-t0,tree-t0 --engine fast \
   --limit ${EVAL_LIMIT:-400} > $L/eval.log 2>&1; tail -n 12 $L/eval.log | cut -c1-400
 
 stage "the 8B shape"
