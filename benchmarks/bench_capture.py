@@ -15,13 +15,13 @@ What is measured (same random target, same batches of 8 x 2048 tokens, warm-up e
       2048-token sample of 3 x 7168 bf16 (Kimi-K2/DeepSeek-V3 width), against our binary path for the same tensor
       (D2H into pinned memory + StoreWriter.add + shard commit): the speedup factor;
   (f) bytes per token of each store against `store_bytes_per_token`;
-  (g) --cli: `hstap capture` itself (hstap.capture.hf.capture_hf, in this process) on the same samples, written as a
+  (g) --cli: `hstap capture` itself (hstap.capture.hf.driver.capture_hf, in this process) on the same samples, written as a
       prepared set and the same target saved as a model directory (in --shm-dir): model load, cold start (first batch,
       pinned buffers allocated as it goes) and the CLI's own rate, into --disk-dir (or --shm-dir without one);
   (h) --trace-batches N: torch.profiler over N batches of one more capture into --shm-dir, its chrome trace written to
       --out-dir/capture_trace.json and its costliest ops in the JSON.
   (i) bytes: the first 3 batches captured into bf16 and fp8 stores by this tree and by the gather that an unpadded batch
-      went through before (hstap.capture.hf.demux), their shard checksums compared (`bytes_check`).
+      went through before (hstap.capture.hf.forward.demux), their shard checksums compared (`bytes_check`).
 Every pass is profiled (hstap.capture.profile, --no-profile turns it off): seconds per pipeline stage on each thread
 (inputs, forward, demux, convert, copy, queue on the launching thread; wait_copy, store on the writer thread), the
 store writer's own split (StoreWriter.stats: checks, write, hash, fsync, commit), the pinned pool's allocation time,
@@ -56,14 +56,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import hstap.capture.hf as hf_mod  # noqa: E402
+import hstap.capture.hf.driver as driver_mod  # noqa: E402
+import hstap.capture.hf.runner as runner_mod  # noqa: E402
 import hstap.store.shard_file as shard_file  # noqa: E402
 from hstap.batching import pack_by_tokens  # noqa: E402
-from hstap.capture.hf import run_capture  # noqa: E402
+from hstap.capture.hf.runner import run_capture  # noqa: E402
 from hstap.capture.profile import CaptureProfile, spread  # noqa: E402
 from hstap.capture.staging import PinnedPool, staging_layout, to_store_dtype  # noqa: E402
 from hstap.layers import default_aux_layers  # noqa: E402
-from hstap.artifacts.model_dir import auto_device  # noqa: E402
+from hstap.device import auto_device  # noqa: E402
 from hstap.models.target import Target  # noqa: E402
 from hstap.store.format import store_bytes_per_token  # noqa: E402
 from hstap.store.reader import open_store  # noqa: E402
@@ -301,27 +302,27 @@ def bench_cli(target: Target, prepared: Path, work: Path, out: Path, dtype: str,
     prof = CaptureProfile(dev) if profile else None
     made: dict = {}
 
-    class Runner(hf_mod.CaptureRunner):  # the CLI's runner, with this pass's profile
+    class Runner(runner_mod.CaptureRunner):  # the CLI's runner, with this pass's profile
         def __init__(self, *a, **k):
             super().__init__(*a, **{**k, "profile": prof})
             made["pool"] = self.pool
 
-    class Writer(hf_mod.StoreWriter):  # the CLI's store writer, kept for its stats
+    class Writer(driver_mod.StoreWriter):  # the CLI's store writer, kept for its stats
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             made["writer"] = self
 
     cfg = CaptureConfig(target=str(tdir), data=str(prepared), out=str(out), dtype=dtype, batch_tokens=batch_tokens,
                         device="cuda" if dev.type == "cuda" else "cpu", new=True)
-    saved = hf_mod.CaptureRunner, hf_mod.StoreWriter
-    hf_mod.CaptureRunner, hf_mod.StoreWriter = Runner, Writer
+    saved = runner_mod.CaptureRunner, driver_mod.StoreWriter
+    runner_mod.CaptureRunner, driver_mod.StoreWriter = Runner, Writer
     try:
         with SyncCounter(prof.current_stage, dev.type == "cuda") if prof else contextlib.nullcontext() as syncs:
             t1 = time.perf_counter()
-            summary = hf_mod.capture_hf(cfg)
+            summary = driver_mod.capture_hf(cfg)
             call_s = time.perf_counter() - t1
     finally:
-        hf_mod.CaptureRunner, hf_mod.StoreWriter = saved
+        runner_mod.CaptureRunner, driver_mod.StoreWriter = saved
         shutil.rmtree(tdir, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
     return {"dir": str(out.parent), "dtype": dtype, "samples": summary["samples"], "tokens": summary["tokens"],
@@ -336,7 +337,7 @@ def bytes_check(target: Target, layers, batches, directory: Path, shape: dict, d
     """The stores of `batches` (bf16 and fp8) written by this tree's capture, by the gather it replaced (demux always
     index_select'ing the real rows, also of a batch without padding) and with the last batch split into one-sample
     batches (split_tail): shard checksums equal to this tree's, per dtype."""
-    real_demux = hf_mod.demux
+    real_demux = runner_mod.demux
 
     def gather(aux, final, rows):  # the old path: the real rows gathered even when they are all the rows
         B, T = aux.shape[:2]
@@ -350,13 +351,13 @@ def bytes_check(target: Target, layers, batches, directory: Path, shape: dict, d
             sums = []
             for name, fn, bs in (("now", real_demux, batches), ("gather", gather, batches),
                                  ("split", real_demux, split_tail(batches))):
-                hf_mod.demux = fn
+                runner_mod.demux = fn
                 try:
                     with StoreWriter(out / f"{dtype}-{name}", header(target, layers, dtype, shape),
                                      shard_tokens=_tokens(batches[0])) as w:
                         run_capture(target, layers, w, bs, dtype=dtype)
                 finally:
-                    hf_mod.demux = real_demux
+                    runner_mod.demux = real_demux
                 sums.append([e["sha256"] for e in open_store(out / f"{dtype}-{name}").manifest["shards"]])
             res[dtype] = {"shards": len(sums[0]), "equal": sums[0] == sums[1], "split_last_equal": sums[0] == sums[2]}
     finally:

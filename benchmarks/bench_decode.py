@@ -3,8 +3,8 @@
 over target-only decoding on the fast engine, next to the latency models' predictions, for several chain lengths and
 tree shapes, and for several engine variants side by side.
 
-    python benchmarks/bench_decode.py --target .carry/reference/target-tiny --drafter RUN \
-        --data .carry/reference/corpus/eval.jsonl.gz --budget-s 225                                 # H200
+    python benchmarks/bench_decode.py --target ../shared/reference/target-tiny --drafter RUN \
+        --data ../shared/reference/corpus/eval.jsonl.gz --budget-s 225                                 # H200
     python benchmarks/bench_decode.py --tiny                                                          # CPU, a minute
 
 Targets: --target (a model directory, e.g. the reference target) and, unless --no-big, a Llama-3.1-8B-shaped target
@@ -123,7 +123,7 @@ def random_drafter(target, seed: int = 0):
 
 def prompts_for(target, tok, data: str | None, n: int) -> list[list[int]]:
     if data:
-        from hstap.speculative.evaluate import load_prompts
+        from hstap.data.prompts import load_prompts
 
         return [p for _, p in load_prompts(data, tok, n)]
     if tok is not None and getattr(tok, "chat_template", None):

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from hstap.speculative.drivers import ngram_generate, speculative_generate, target_generate
-from hstap.speculative.evaluate import check_lossless, eos_ids, load_prompts, read_sim_tau, run_method, sim_chain_tau
+from hstap.data.prompts import load_prompts
+from hstap.speculative.evaluate import check_lossless, eos_ids, read_sim_tau, run_method, sim_chain_tau
 
 
 def build_tiny(root: Path) -> dict:

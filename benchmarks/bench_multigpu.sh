@@ -22,8 +22,8 @@
 #              (weak scaling: 16384 tokens per rank); scaling = aggregate tok/s / 1-GPU tok/s
 # Knobs (env): N8B SEQ CAP_BT REF_N (0 = whole train split) REF_MAXLEN REF_BT STEPS TRAIN_BT LOG_EVERY TTT LR
 # BT_STEPS BT_WARMUP LOSS_TOL VERIFY_REF W REF PY; BUDGET = seconds for the whole script (a stage is skipped when fewer
-# than MIN_STAGE s are left; each stage's timeout is cut to what is left). $OUT (if set) receives multigpu.log (every
-# stage's full output), the three train metrics.jsonl and result.json (= the last line).
+# than MIN_STAGE s are left; each stage's timeout is cut to what is left); OUT = a directory (if set) that receives
+# multigpu.log (every stage's full output), the three train metrics.jsonl and result.json (= the last line).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # keep: no NVLink multicast
 [[ "${1:-}" == "--tiny" ]] && TINY=1

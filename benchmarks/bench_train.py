@@ -8,7 +8,7 @@
 One step is exactly `hstap train`'s: `hstap.train.data.Feed` (batch to the device, the target distribution in chunks
 under no_grad, every TTT step's counted rows) and `hstap.train.trainer.Trainer.step` (forward of the unrolled TTT steps under
 bf16 autocast with fp32 master weights, the fused chunked lm_head + objective, backward, clipping, fused AdamW), with a
-TrainConfig of train's defaults; the step's figures are read (a host sync) once per 10 steps, as --log-every 10 does.
+HyperParams of train's defaults; the step's figures are read (a host sync) once per 10 steps, as --log-every 10 does.
 
 Shapes.
 - 8b: hidden 4096, 32/8 heads of 128, intermediate 14336, target vocab 128256, draft vocab 32000, 3 aux layers,
@@ -26,7 +26,7 @@ Figures per run: ms/step, tok/s (real tokens), MFU (`hstap.train.ttt.ttt_flops` 
 bf16), peak memory and host syncs per timed step (CUDA: torch.cuda.set_sync_debug_mode("warn") warnings counted).
 Warm-up steps (compilation) are excluded; timed steps are synchronised at both ends. --profile adds torch.profiler's
 top-15 ops by self CUDA time and by self CPU time over 3 more steps (to stderr, and to
-$OUT/profile_<shape>_<config>.txt when $OUT is set; the JSON keeps the top 5 of each). The last line of stdout is
+OUT_DIR/profile_<shape>_<config>.txt with --out-dir OUT_DIR; the JSON keeps the top 5 of each). The last line of stdout is
 one JSON object.
 
 The store's checksum check (`hstap train` hashes every shard once against its recorded checksum before the
@@ -74,11 +74,11 @@ import torch
 from hstap import dist as D
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 from hstap.train.data import Feed
-from hstap.train.config import TrainConfig
+from hstap.train.config import Devices, HyperParams
 from hstap.train.trainer import Trainer
 from hstap.train.ttt import ttt_flops
 
-TRAIN_DEFAULTS = TrainConfig(out="/nonexistent", target="/nonexistent", store="/nonexistent")  # train's defaults
+TRAIN_DEFAULTS = HyperParams()  # train's defaults
 
 REF_CONFIGS = {"eager": (False, 4096), "eager-chunk16k": (False, 16384), "compiled": (True, 4096),
                "compiled-chunk16k": (True, 16384)}
@@ -149,10 +149,10 @@ def batches_ref(a, cfg, dev, cd, n: int = 8) -> list[dict]:
 
 def make_trainer(drafter, dev, attn: str, compile_: bool, ce_chunk: int, ttt: int, fsdp: bool,
                  loss: str = TRAIN_DEFAULTS.loss) -> Trainer:
-    """train's Trainer, with a TrainConfig of train's defaults, over a drafter already on dev."""
-    tc = TrainConfig(out="/nonexistent", target="/nonexistent", store="/nonexistent", ttt=ttt, ce_chunk=ce_chunk,
-                     compile=compile_ and dev.type == "cuda", fsdp=fsdp, loss=loss)
-    return Trainer(tc, drafter, D.get_world(), dev, attn, dev.type == "cuda", ce_chunk)
+    """train's Trainer, with train's default hyper-parameters but for ttt and loss, over a drafter already on dev."""
+    hyper = HyperParams(ttt=ttt, loss=loss)
+    devices = Devices(ce_chunk=ce_chunk, compile=compile_ and dev.type == "cuda", fsdp=fsdp)
+    return Trainer(hyper, devices, drafter, D.get_world(), dev, attn, dev.type == "cuda", ce_chunk)
 
 
 def _syncs(run, cuda: bool) -> tuple[object, int | None]:
@@ -246,9 +246,9 @@ def profile(a, dev, step, label: str) -> dict:
         text.append(f"top-15 ops by self {key.upper()} time ({label}, per step):")
         text += [f"  {r['ms_per_step']:9.3f} ms  {r['calls_per_step']:8.1f} calls  {r['op'][:90]}" for r in out[key]]
     print("\n".join(text), file=sys.stderr)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / f"profile_{label}.txt").write_text("\n".join(text) + "\n")
+    if a.out_dir:
+        Path(a.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(a.out_dir) / f"profile_{label}.txt").write_text("\n".join(text) + "\n")
     return out
 
 
@@ -368,7 +368,7 @@ def run_store_checks(a, dev) -> dict:
 
     cuda = dev.type == "cuda"
     cfg = drafter_config(a.shape, a.tiny)
-    root = Path(a.store_dir) if a.store_dir else Path(tempfile.mkdtemp(prefix="bench-store-"))  # not $OUT: GBs
+    root = Path(a.store_dir) if a.store_dir else Path(tempfile.mkdtemp(prefix="bench-store-"))  # not --out-dir: GBs
     try:
         made = write_store(a, cfg, root / "store")
         d, head, cd = build_drafter(cfg, dev)
@@ -420,6 +420,7 @@ def main(argv=None) -> dict:
     p.add_argument("--no-compile", action="store_true", help="8b: no torch.compile of dense parts / CE")
     p.add_argument("--no-baseline", action="store_true", help="8b: skip the causal-only baseline")
     p.add_argument("--profile", action="store_true", help="top-15 CUDA/CPU ops of 3 more steps per run")
+    p.add_argument("--out-dir", default=None, help="--profile: also write each run's table to OUT_DIR/profile_*.txt")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="peak bf16 TFLOP/s for MFU (H200: 790)")
     p.add_argument("--dist", choices=["ddp", "fsdp"], default=None,
                    help="under torchrun: wrap with DDP or FSDP2 as hstap train does (--batch-tokens per rank)")

@@ -2,8 +2,8 @@
 with tied or untied embeddings) and its drafter widened, function-preserving, to the Llama-3.1-8B shape
 (hstap.models.widen), against the plain target, in one run (H200).
 
-    python benchmarks/bench_wide.py --target .carry/reference/target-tiny --drafter RUN \
-        --data .carry/reference/corpus/eval.jsonl.gz --prompts 48 --new-tokens 128
+    python benchmarks/bench_wide.py --target ../shared/reference/target-tiny --drafter RUN \
+        --data ../shared/reference/corpus/eval.jsonl.gz --prompts 48 --new-tokens 128
     python benchmarks/bench_wide.py --target SMOLLM2_DIR --drafter RUN --data mtbench.jsonl --prompts 80 \
         --new-tokens 128
     python benchmarks/bench_wide.py --tiny   # CPU smoke run: a random SmolLM2-like target widened (numbers mean nothing)
@@ -17,7 +17,7 @@ against target-only's (hstap.speculative.evaluate.check_lossless: a mismatch wit
 Target-only also gets decode tok/s (one-token steps only) against its weight-bandwidth bound: weight bytes / the
 device-to-device copy bandwidth measured in this run (bytes read + written). The wide target's drafter is the same
 drafter widened: the report gives both targets' tau, which agree up to bf16 rounding of the rescaled norms.
---data: what `hstap eval --data` takes (`hstap.speculative.evaluate.load_prompts`): a prepared dir, or a conversations
+--data: what `hstap eval --data` takes (`hstap.data.prompts.load_prompts`): a prepared dir, or a conversations
 file (JSONL/JSON/Parquet, e.g. {"id", "messages": [{"role", "content"}, ...]} per line), whose prompt is each record's
 messages up to its last user turn, rendered with the target's chat template (so a two-turn MT-bench record with the
 target's first answer gives the second turn's prompt); the first --prompts records.
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args(argv)
     from hstap.artifacts.model_dir import load_target
-    from hstap.speculative.evaluate import eos_ids, load_any_drafter, load_prompts
+    from hstap.data.prompts import load_prompts
+    from hstap.speculative.evaluate import eos_ids, load_any_drafter
 
     if a.tiny:
         import tempfile

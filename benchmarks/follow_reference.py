@@ -2,8 +2,8 @@
 the store's size sampled over time; then the same samples trained offline with the same settings; chain-5 tau of both
 drafters on held-out prompts.
 
-    python benchmarks/follow_reference.py                         # H200: REF=.carry/reference (target-tiny, corpus)
-    REF=../shared/reference python benchmarks/follow_reference.py --device cuda
+    python benchmarks/follow_reference.py                         # one GPU: ../shared/reference (target-tiny, corpus)
+    python benchmarks/follow_reference.py --ref DIR --device cuda  # a reference directory elsewhere (or REF=DIR)
     python benchmarks/follow_reference.py --tiny                  # CPU smoke run: a random toy target (tau ~1)
 
 Stages (every one is a `python -m hstap.cli` process):
@@ -26,7 +26,7 @@ shards, window 4 = 512 MiB, 2 epochs): about 3 minutes (prepare ~15 s, the follo
 side ~60-90 s including flex-attention compilation, the two evals side by side ~60 s); not measured at these
 defaults. Measured (RESULTS.md, "Train as you serve"): --samples 2000 --num-prompts 24 in 271 s, the capture beside the
 follower waiting on the window most of that time. It needs
-~7 GB of disk for the work dir (the offline store). Ends with a table and one JSON line; with $OUT set, the logs, the
+~7 GB of disk for the work dir (the offline store). Ends with a table and one JSON line; with --out-dir, the logs, the
 store size series (store_size.jsonl), the metrics and id logs and the eval reports are copied there.
 """
 
@@ -120,8 +120,10 @@ class StoreSampler(threading.Thread):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a random toy target (no REF needed)")
-    ap.add_argument("--ref", default=os.environ.get("REF", str(HERE.parent / ".carry" / "reference")))
+    ap.add_argument("--ref", default=os.environ.get("REF", str(HERE.parent.parent / "shared" / "reference")),
+                    help="a directory with target-tiny/ and corpus/ (default: ../shared/reference beside the checkout)")
     ap.add_argument("--work", default=None, help="work dir for the stores and runs (default: a temp dir)")
+    ap.add_argument("--out-dir", default=None, help="copy the small outputs here: logs, store sizes, metrics, reports")
     ap.add_argument("--device", default=None, help="cuda (default) or cpu (default with --tiny)")
     ap.add_argument("--samples", type=int, default=4000, help="training conversations (first N of train.jsonl.gz)")
     ap.add_argument("--keep-shards", type=int, default=4)
@@ -198,7 +200,7 @@ def main() -> None:
         _check(p, work / f"eval-{name}.log")
     timings["eval_s"] = round(time.monotonic() - t, 1)
 
-    from hstap.store.format import load_manifest, load_parts, union_entries
+    from hstap.store.manifest import load_manifest, load_parts, union_entries
     sf = work / "store-follow"
     entries, _, _ = union_entries(load_manifest(sf), load_parts(sf))
     biggest = max(int(e["bytes"]) for e in entries)
@@ -224,8 +226,8 @@ def main() -> None:
     print(f"store: {len(entries)} shards, {res['store_bytes_total'] / 1e9:.2f} GB captured; peak on disk "
           f"{sampler.peak_files} files / {sampler.peak_bytes / 1e6:.1f} MB (bound {a.keep_shards} x "
           f"{biggest / 1e6:.1f} MB = {a.keep_shards * biggest / 1e6:.1f} MB); {res['left_on_disk']} left at the end")
-    if os.environ.get("OUT"):  # the small outputs only: logs, the store size series, metrics, id logs, eval reports
-        out = Path(os.environ["OUT"])
+    if a.out_dir:  # the small outputs only: logs, the store size series, metrics, id logs, eval reports
+        out = Path(a.out_dir)
         for f in [*work.glob("*.log"), work / "store_size.jsonl", *work.glob("run-*/metrics.jsonl"),
                   *work.glob("run-*/follow.jsonl"), *work.glob("eval-*/report.json")]:
             dst = out / f.relative_to(work)

@@ -11,7 +11,7 @@ vocab_size and the largest token id only (hstap.data.fits.check_tokenizer).
 
 Prepared set: the layout `hstap prepare` writes (hstap.data.prepare): an Arrow dataset (`save_to_disk`) with id (str),
 input_ids (list[int32], uniform in [0, vocab)), loss_mask (list[int8], all 1), plus token_freq.safetensors,
-vocab_map.safetensors (the --draft-vocab most frequent ids, hstap.data.vocab.build_vocab_map) and meta.json (format
+vocab_map.safetensors (the --draft-vocab most frequent ids, hstap.artifacts.vocab_map.build_vocab_map) and meta.json (format
 "hstap-prepared", tokenizer and chat template None). Both outputs are built in a hidden temp sibling and renamed into
 place; an existing one is refused unless --force. Prints one JSON line (sizes and timings).
 """
@@ -64,7 +64,7 @@ def make_target(out: Path, shape: dict, dtype: str, device: str, seed: int, forc
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hstap.artifacts.model_dir import auto_device
+    from hstap.device import auto_device
 
     dev = torch.device(auto_device(device))
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
@@ -103,7 +103,7 @@ def make_prepared(out: Path, vocab: int, samples: int, seq: int, draft_vocab: in
 
     from hstap.common import atomic_write_bytes, atomic_write_json
     from hstap.data.prepare import record_batch
-    from hstap.data.vocab import build_vocab_map, check_vocab_map
+    from hstap.artifacts.vocab_map import build_vocab_map, check_vocab_map
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)

@@ -32,7 +32,7 @@ Configurations (`configs`; --configs picks):
   default        speculators' defaults as its CLI resolves them: Muon (lr 1e-3) + AdamW, linear schedule (1% warmup),
                  TTT 3, KL loss, equal step weights, 8192 tokens per step, its layout (norm_before_fc, norm_output,
                  norm_before_residual; sliding window 2048, which changes nothing on samples of <= 2048 tokens).
-  hstap          train's defaults as far as speculators expresses them (`hstap.train.config.TrainConfig` read at run
+  hstap          train's defaults as far as speculators expresses them (`hstap.train.config.HyperParams` read at run
                  time): AdamW lr 3e-3, weight decay 0, warmup 5% then cosine ending at 10% of lr (cycles chosen so),
                  TTT 5, step weight 0.6^k, 0.5 KL + 0.5 hard CE (= train's ce+hard up to the target's entropy, which has
                  no gradient), train's --batch-tokens per step, hstap's layout (all three switches off, full attention).
@@ -115,9 +115,9 @@ class StoreSamples(BaseDataset):
 
 def hstap_recipe(batch_tokens: int | None) -> dict:
     """`hstap train`'s defaults in speculators' terms (module docstring)."""
-    from hstap.train.config import TrainConfig as HstapTrain
+    from hstap.train.config import HyperParams
 
-    d = {f.name: f.default for f in dataclasses.fields(HstapTrain)}
+    d = {f.name: f.default for f in dataclasses.fields(HyperParams)}
     terms = d["loss"].split("+")
     if any(t not in LOSS_TERMS for t in terms):
         raise SystemExit(f"peer_speculators: train's default loss {d['loss']!r} has no speculators equivalent")
@@ -460,7 +460,7 @@ def run_config(name: str, overrides: dict, a, ctx: dict) -> dict:
 def context(a) -> dict:
     """What every configuration shares: the store, its split, vocab map and aux layers, the target's head, the
     device."""
-    from hstap.data.vocab import load_store_vocab_map
+    from hstap.artifacts.vocab_map import load_store_vocab_map
     from hstap.layers import to_vllm
     from hstap.artifacts.model_dir import target_head
     from hstap.train.data import is_eval

@@ -54,6 +54,7 @@ def build(root: Path) -> dict:
 
 
 def run(a: dict, root: Path, online: bool) -> list[dict]:
+    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
     from hstap.train.stage import train
 
@@ -63,7 +64,7 @@ def run(a: dict, root: Path, online: bool) -> list[dict]:
               loss="ce", ttt_decay=0.8)  # the schedule and objective of the recorded trajectory
     kw |= dict(online=True, data=a["prepared"], aux_layers="1,3,4") if online else dict(store=a["store"], data=a["prepared"])
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        train(TrainConfig(**kw))
+        train(from_flags(TrainConfig, **kw))
     rows = [json.loads(x) for x in (Path(kw["out"]) / "metrics.jsonl").read_text().splitlines() if x.strip()]
     keep = ("step", "loss", "loss_k", "acc", "grad_norm", "lr", "eval_loss", "eval_acc")
     return [{k: r[k] for k in keep if k in r} | ({"eval": True} if r.get("eval") else {}) for r in rows]

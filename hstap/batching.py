@@ -142,8 +142,8 @@ class TrainBatches:
     """Endless micro-batches of this rank, epoch after epoch; `epoch`/`done` give the position after the last one."""
 
     def __init__(self, rows: Rows, lengths: list[int], batch_tokens: int, seed: int, rank: int, world: int,
-                 epoch: int, done: int, pin: bool, workers: int):
-        self.rows, self.pin, self.workers = rows, pin, workers
+                 epoch: int, done: int, pin: bool, workers: int, collate_fn=collate):
+        self.rows, self.pin, self.workers, self.collate_fn = rows, pin, workers, collate_fn
         self.sampler = BucketBatchSampler(lengths, batch_tokens, shuffle=True, seed=seed, rank=rank, world_size=world)
         if len(self.sampler) == 0:
             raise HstapError(f"train: the training split is empty ({len(lengths)} samples)")
@@ -155,7 +155,7 @@ class TrainBatches:
                 self.epoch, self.done = self.epoch + 1, 0
             self.sampler.set_epoch(self.epoch)
             self.sampler.skip(self.done)
-            loader = torch.utils.data.DataLoader(self.rows, batch_sampler=self.sampler, collate_fn=collate,
+            loader = torch.utils.data.DataLoader(self.rows, batch_sampler=self.sampler, collate_fn=self.collate_fn,
                                                  num_workers=self.workers, pin_memory=self.pin)
             for batch in loader:
                 self.done += 1

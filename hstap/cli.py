@@ -2,12 +2,14 @@
 
 Every field of a stage config becomes a flag, spelled `--max-len`, `--max_len` or `--prepare.max_len` (the dotted form
 is the one `--config` files and `config.json` use). The field's docstring is its help text, so each default and each
-explanation exists in exactly one place. A field that is a section of another stage's config (the serve loop's and
-the demo's `train: HyperParams`) gives one flag per field of the section: `--train.lr` (or `--train-lr`), its default
-the section's. `--config run.yaml` loads values (YAML or JSON: a flat mapping, a mapping under the stage name, or an
-artifact's `config.json`; a section as a mapping or as dotted keys), each checked against its field's type as strictly
-as a flag (`check_value`: one error line naming the file and the field), and flags given on the command line override
-them, so `hstap train --config RUN/config.json` replays a run.
+explanation exists in exactly one place. A section field (`hstap.config`: the serve loop's and the demo's
+`train: HyperParams`) gives one flag per field of the section: `--train.lr` (or `--train-lr`), its default the
+section's; a `FLAT` section's fields keep their own names (train's `--lr`, `--store`; also `--hyper.lr`).
+`--config run.yaml` loads values (YAML or JSON: a flat mapping, a mapping under the stage name, or an artifact's
+`config.json`; a section as a mapping or as dotted keys, a `FLAT` section's fields also at the top level, as an
+earlier flat config.json holds them), each checked against its field's type as strictly as a flag (`check_value`: one
+error line naming the file and the field), and flags given on the command line override them, so
+`hstap train --config RUN/config.json` replays a run.
 
     hstap prepare --tokenizer DIR --data corpus.jsonl --out PREPARED
     hstap train --config RUN/config.json --train.steps 2000
@@ -21,6 +23,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -31,13 +34,15 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from hstap.common import HstapError, user_message
+from hstap.common import HstapError, one_line, user_message
+from hstap.config import FieldError
+from hstap.stage_paths import check_input_paths, check_output_paths
 
 # subcommand -> (module of its config, config class, entry function, one-line help). Only stages that work are listed.
 # An entry "module:function" lives in another module than its config: a config whose fields more than its entry module
 # reads has a module of its own below them all (`train`: hstap/train/config.py); `generate` is the capture stage's
 # composition (--capture). A config module loads no torch, numpy nor transformers: `hstap STAGE --help`, a bad value
-# and a missing input path (INPUT_PATHS) are answered before the stage's own module loads them.
+# and a missing input path (`hstap.stage_paths`) are answered before the stage's own module loads them.
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": ("hstap.demo.config", "DemoConfig", "hstap.demo.stage:demo",
              "the whole pipeline end to end, offline, on a toy target (or yours)"),
@@ -64,32 +69,6 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "verify": ("hstap.verify.config", "VerifyConfig", "hstap.verify.stage:verify",
                "store integrity, recompute vs the target, layer-offset detection, compare two stores"),
 }
-
-
-# Fields that name inputs which must exist before the stage starts: checked here, before the stage's module (torch,
-# transformers: seconds) is imported, so that a mistyped path is one line at once. The stages check them again.
-INPUT_PATHS: dict[str, tuple[str, ...]] = {
-    "prepare": ("tokenizer", "data", "chat_template"),
-    "generate": ("target", "data"),
-    "capture": ("target", "data", "src"),
-    "train": ("target", "store", "data", "vocab_map", "eval_store", "init_from"),
-    "export": ("run", "store", "target"),
-    "eval": ("target", "data", "drafter"),
-    "serve-loop": ("target", "prompts", "drafter", "reference", "vocab_map"),
-    "verify": ("store", "target", "a", "b"),
-    "demo": ("target", "data"),
-}
-
-
-def check_input_paths(stage: str, cfg: Any) -> None:
-    """HstapError naming the first input path of `cfg` (INPUT_PATHS) that does not exist."""
-    for name in INPUT_PATHS.get(stage, ()):
-        if stage == "train" and name == "store" and getattr(cfg, "follow", False):
-            continue  # --follow: the store may be created by a capture that starts later
-        v = getattr(cfg, name, None)
-        for p in v if isinstance(v, list) else [v]:
-            if p and not os.path.exists(p):
-                raise HstapError(f"{p}: --{name.replace('_', '-')}: does not exist")
 
 
 def stage_entry(stage: str):
@@ -149,6 +128,17 @@ def _section(tp: Any) -> type | None:
     return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
 
 
+def _parse_float(s: str) -> float:
+    """A float flag's value: a finite number (nan and inf are no setting: `hstap.config.positive`)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    return v
+
+
 def _parse_bool(s: str) -> bool:
     v = s.strip().lower()
     if v in ("1", "true", "yes", "on"):
@@ -160,12 +150,10 @@ def _parse_bool(s: str) -> bool:
 
 def options(cls: type) -> list[tuple[tuple[str, ...], dataclasses.Field, Any, str, Any]]:
     """(path, field, annotation, docstring, default) of every option of a config: each field, and each field of a
-    nested section (path ("train", "lr"), its default that of the section's default). A class's own fields come
-    before those it inherits (TrainConfig's before its HyperParams')."""
-    own = set(vars(cls).get("__annotations__", {}))
+    nested section (path ("train", "lr"), its default that of the section's default), in the fields' order."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     out = []
-    for f in sorted((f for f in dataclasses.fields(cls) if f.init), key=lambda f: f.name not in own):
+    for f in (f for f in dataclasses.fields(cls) if f.init):
         sec = _section(hints[f.name])
         if sec is None:
             out.append(((f.name,), f, hints[f.name], docs.get(f.name, ""), _default(f)))
@@ -185,8 +173,13 @@ def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParse
     for path, f, hint, doc, default in options(cls):
         tp, is_list = _base_type(hint)
         dotted, dashed = ".".join(path), "-".join(path).replace("_", "-")
+        flat = len(path) > 1 and cls.__dataclass_fields__[path[0]].metadata.get("flat")
         if len(path) == 1:  # --max-len --max_len --prepare.max_len
             names = [f"--{dashed}", f"--{dotted}", f"--{stage}.{dotted}"]
+        elif flat:  # a FLAT section's: --batch-tokens --batch_tokens --train.batch_tokens --hyper.batch-tokens
+            own = path[1].replace("_", "-")
+            names = [f"--{own}", f"--{path[1]}", f"--{stage}.{path[1]}", f"--{path[0]}.{own}", f"--{dotted}"]
+            dashed = own
         else:  # a section's: --train.batch-tokens --train.batch_tokens --train-batch-tokens --demo.train.batch_tokens
             names = [f"--{path[0]}.{path[1].replace('_', '-')}", f"--{dotted}", f"--{dashed}", f"--{stage}.{dotted}"]
         names = list(dict.fromkeys(names))
@@ -204,7 +197,7 @@ def build_parser(stage: str, cls: type, helptext: str) -> argparse.ArgumentParse
             p.add_argument(f"--no-{dashed}", dest=dotted, action="store_false", default=argparse.SUPPRESS,
                            help=argparse.SUPPRESS)
             continue
-        kw["type"] = tp
+        kw["type"] = _parse_float if tp is float else tp
         kw["metavar"] = tp.__name__.upper() if tp in (int, float) else "STR"
         if is_list:
             kw["nargs"] = "+"
@@ -282,8 +275,8 @@ def check_value(where: str, hint: Any, meta: Any, v: Any) -> Any:
     ok = {bool: lambda x: isinstance(x, bool), int: lambda x: isinstance(x, int) and not isinstance(x, bool),
           float: lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
           str: lambda x: isinstance(x, str)}.get(tp, lambda x: True)
-    if not ok(v):
-        raise HstapError(f"{where}: expected {_KINDS[tp]}, got {v!r}")
+    if not ok(v) or (tp is float and not math.isfinite(v)):
+        raise HstapError(f"{where}: expected {'a finite number' if ok(v) else _KINDS[tp]}, got {v!r}")
     if "choices" in meta and v not in meta["choices"]:
         raise HstapError(f"{where}: expected one of {', '.join(map(str, meta['choices']))}, got {v!r}")
     return float(v) if tp is float else v
@@ -291,15 +284,23 @@ def check_value(where: str, hint: Any, meta: Any, v: Any) -> Any:
 
 def file_values(path: str, stage: str, cls: type) -> dict:
     """The values of a `--config` file for `cls`, each checked against its field (`check_value`): {field: value}, a
-    section's as {section: {field: value}} (a nested mapping or dotted keys, `train.lr`). Keys may carry the stage
-    (`prepare.max_len`) and use dashes."""
+    section's as {section: {field: value}} (a nested mapping or dotted keys, `train.lr`; a `FLAT` section's fields
+    also by their own names, `lr`). Keys may carry the stage (`prepare.max_len`) and use dashes."""
+    from hstap.config import flat_names
+
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    hints = typing.get_type_hints(cls)
+    hints, flat = typing.get_type_hints(cls), flat_names(cls)
     out: dict[str, Any] = {}
     for key, v in load_config_file(path, stage).items():
         parts = str(key).replace("-", "_").split(".")
         if len(parts) > 1 and parts[0] == stage.replace("-", "_"):
             parts = parts[1:]
+        if len(parts) == 1 and parts[0] not in fields and parts[0] in flat:  # `lr`: the field of a FLAT section
+            sec = flat[parts[0]]
+            g = {g.name: g for g in dataclasses.fields(hints[sec])}[parts[0]]
+            out.setdefault(sec, {})[g.name] = check_value(f"{path}: {g.name}", typing.get_type_hints(hints[sec])[
+                g.name], g.metadata, v)
+            continue
         f = fields.get(parts[0])
         sec = _section(hints[f.name]) if f is not None else None
         if f is None or (sec is None and len(parts) > 1):
@@ -341,11 +342,17 @@ def join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[s
 
 def make_config(stage: str, cls: type, argv: list[str], helptext: str = "") -> Any:
     """The stage's config from its command line: a `--config` file's values (`file_values`), then the flags over them
-    (a section's field by field over the section's default)."""
+    (a section's field by field over the section's default). A field's value refused by its config (`FieldError`) is
+    named as the user gave it: the flag as typed, or the `--config` file and the field's key."""
     parser = build_parser(stage, cls, helptext)
-    ns = vars(parser.parse_args(join_dash_values(parser, argv)))
+    args = join_dash_values(parser, argv)
+    ns = vars(parser.parse_args(args))
     cfg_file = ns.pop("config", None)
     values = file_values(cfg_file, stage, cls) if cfg_file else {}
+    in_file = {f"{k}.{g}" if isinstance(v, dict) else k for k, v in values.items() for g in (v if isinstance(v, dict)
+                                                                                           else [None])}
+    typed = {parser._option_string_actions[a.split("=", 1)[0]].dest: a.split("=", 1)[0] for a in args
+             if a.split("=", 1)[0] in parser._option_string_actions}
     for dest, v in ns.items():
         sec, _, name = dest.rpartition(".")
         (values.setdefault(sec, {}) if sec else values)[name] = v
@@ -354,11 +361,22 @@ def make_config(stage: str, cls: type, argv: list[str], helptext: str = "") -> A
     if missing:
         parser.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
     hints = typing.get_type_hints(cls)
+    sec = ""
     try:
         for f in fields:
             if _section(hints[f.name]) is not None and f.name in values:
+                sec = f.name
                 values[f.name] = dataclasses.replace(_default(f), **values[f.name])
+        sec = ""
         return cls(**values)
+    except FieldError as e:
+        dest = f"{sec}.{e.name}" if sec else e.name
+        if dest in typed:
+            raise HstapError(f"{stage}: {typed[dest]}: {e.reason}") from None
+        if dest in in_file:  # the key as the file may hold it: a FLAT section's field by its own name
+            key = e.name if sec and cls.__dataclass_fields__[sec].metadata.get("flat") else dest
+            raise HstapError(f"{cfg_file}: {key}: {e.reason}") from None
+        raise HstapError(f"{stage}: --{dest.replace('_', '-')}: {e.reason}") from None
     except (TypeError, ValueError) as e:
         raise HstapError(str(e)) from None
 
@@ -406,9 +424,16 @@ def main(argv: list[str] | None = None) -> int:
         mod = importlib.import_module(mod_name)
         cfg = make_config(stage, getattr(mod, cls_name), argv[1:], helptext)
         check_input_paths(stage, cfg)
+        check_output_paths(stage, cfg)
         stage_entry(stage)(cfg)
     except HstapError as e:
         print(f"hstap: error: {user_message(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.filename is None:  # not about a path: a bug or the system's, with its traceback
+            raise
+        # a path the checks could not foresee (a disk that filled, a directory removed under the run): one line
+        print(f"hstap: error: {e.filename}: {e.strerror or one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hstap: interrupted", file=sys.stderr)

@@ -4,7 +4,8 @@ Every artifact hstap writes goes through `atomic_write_*` (temp file in the same
 directory) so a crash leaves either the old file or the new one, never a torn one; a directory is built beside its
 destination and published whole (`publishing_dir`, `publish_dir`). `write_run_config` puts the stage config as
 parsed, the git commit and the package version as `config.json` next to each output (what a run resolves from its
-inputs is its own: a training run's plan.json).
+inputs is its own: a training run's plan.json); `read_record` reads such a record back. `read_json` is the one way a
+JSON file is read where a bad one is the user's: a JSON object, or one line naming the file.
 """
 
 from __future__ import annotations
@@ -159,6 +160,22 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
+def read_json(path: str | os.PathLike, what: str | None = None) -> dict:
+    """The JSON object in the file `path`; a one-line HstapError naming the file (and the line of a syntax error) when
+    it cannot be read, is not JSON or holds no object. `what` names the file in the message (default: its name)."""
+    p = Path(path)
+    what = what or p.name
+    try:
+        obj = json.loads(p.read_bytes())
+    except json.JSONDecodeError as e:
+        raise HstapError(f"{p}:{e.lineno}: {what} is not valid JSON: {e.msg}") from None
+    except (OSError, ValueError) as e:  # ValueError: bytes in no encoding JSON allows
+        raise HstapError(f"{p}: cannot read: {one_line(e)}") from None
+    if not isinstance(obj, dict):
+        raise HstapError(f"{p}:1: {what}: expected a JSON object")
+    return obj
+
+
 def sha256_bytes(data: bytes | str) -> str:
     if isinstance(data, str):
         data = data.encode()
@@ -201,11 +218,35 @@ def write_run_config(out_dir: str | os.PathLike, stage: str, cfg: Any) -> None:
     atomic_write_json(Path(out_dir) / "config.json", run_meta(stage, cfg))
 
 
+def read_record(path: str | os.PathLike) -> dict | None:
+    """The run record in the file `path` (a JSON object with "stage" and "hstap_version", `run_meta`), or None when it
+    is missing, unreadable or not one."""
+    try:
+        rec = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if isinstance(rec, dict) and isinstance(rec.get("stage"), str) and "hstap_version" in rec:
+        return rec
+    return None
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 that is free now (the OS's choice): for servers hstap or its tests start."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def require_module(module: str, what: str, dist: str | None = None) -> None:
+    """HstapError `{what}: needs the {dist} package ...` with its install line when `module` cannot be imported here:
+    an optional dependency a stage needs, asked for before its work starts (not an ImportError traceback in it)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise HstapError(f"{what}: needs the {dist or module!r} package, which cannot be imported here ({one_line(e)}; "
+                         f"pip install {dist or module})") from None
 
 
 def package_files(dist: str, suffix: str = "") -> list[Path]:
@@ -215,7 +256,7 @@ def package_files(dist: str, suffix: str = "") -> list[Path]:
 
     try:
         files = md.distribution(dist).files or []
-    except md.PackageNotFoundError:
+    except (md.PackageNotFoundError, ValueError):  # ValueError: no name at all ("")
         raise HstapError(f"package {dist!r} is not installed (pip install {dist})") from None
     return [Path(f.locate()) for f in files if str(f).endswith(suffix) and "__pycache__" not in str(f)]
 

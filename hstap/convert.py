@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hstap.common import (
-    HstapError, atomic_write_json, file_mode, one_line, package_files, package_version, publishing_dir,
+    HstapError, atomic_write_json, file_mode, one_line, package_files, package_version, publishing_dir, require_module,
     run_meta)
+from hstap.artifacts.outputs import check_new_out
 from hstap.config import absolute
 
 RECORD = "hstap_convert.json"
@@ -70,6 +71,9 @@ class ConvertConfig:
     def __post_init__(self):
         if (self.gguf is None) == (self.package is None):
             raise HstapError("convert: give exactly one of --gguf FILE or --package NAME")
+        for name in ("gguf", "package"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise HstapError(f"convert: --{name}: empty; give {'a .gguf file' if name == 'gguf' else 'a pip name'}")
         absolute(self, "out", "gguf")
 
 
@@ -194,10 +198,9 @@ def check_prompt(tok) -> list[int]:
 def convert(cfg: ConvertConfig) -> dict:
     """Convert cfg's GGUF into cfg.out (module docstring); prints and returns what it did."""
     t0 = time.perf_counter()
-    out = Path(cfg.out)
-    if out.exists():
-        raise HstapError(f"{out}: already exists (convert never overwrites; remove it or choose another --out)")
+    out = check_new_out(cfg.out, "convert")
     src = source_file(cfg)  # both checked before torch and transformers load (20 s on a busy 2-core machine)
+    require_module("gguf", "convert", "gguf")  # transformers reads a GGUF with it
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer

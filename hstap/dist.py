@@ -2,7 +2,7 @@
 wrapping.
 
 The one place that reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK: `torchrun_env`) and picks a process's
-device (`local_device`). Training joins an NCCL (CUDA) or gloo (CPU) group with `init_dist`; capture (capture/hf.py)
+device (`local_device`). Training joins an NCCL (CUDA) or gloo (CPU) group with `init_dist`; capture (capture/hf/driver.py)
 joins a gloo group used only for barriers and the final counts with `init_barrier`.
 
 Model code (`models/drafter.py`) never sees ranks; `train/stage.py` calls these from outside, torchtitan-style. Everything degrades
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hstap.common import HstapError
-from hstap.artifacts.model_dir import resolve_device
+from hstap.device import resolve_device
 
 
 def torchrun_env() -> tuple[int, int, int]:
@@ -45,7 +45,7 @@ def torchrun_env() -> tuple[int, int, int]:
 
 
 def local_device(device: str, world_size: int, local_rank: int) -> torch.device:
-    """`hstap.artifacts.model_dir.resolve_device(device)`, except that under torchrun (world_size > 1) "auto" and "cuda" mean GPU
+    """`hstap.device.resolve_device(device)`, except that under torchrun (world_size > 1) "auto" and "cuda" mean GPU
     `local_rank`; a CUDA device becomes the current one (streams, events and pinned copies then default to it)."""
     if world_size > 1 and str(device) in ("auto", "cuda") and torch.cuda.is_available():
         device = f"cuda:{local_rank}"

@@ -56,16 +56,16 @@ def small_run(tiny_tokenizer, tmp_path_factory) -> dict:
     import io
 
     from helpers.train import build_assets
-
+    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
     from hstap.train.stage import train
 
     root = tmp_path_factory.mktemp("small-run")
     a = build_assets(root, tiny_tokenizer[0], n=12)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        train(TrainConfig(out=str(root / "run"), target=str(a["target"]), store=str(a["store"]), steps=2,
-                          eval_store=str(a["store"]),
-                          batch_tokens=2048, save_every=2, device="cpu", compile=False, tensorboard=False))
+        train(from_flags(TrainConfig, out=str(root / "run"), target=str(a["target"]), store=str(a["store"]), steps=2,
+                         eval_store=str(a["store"]), batch_tokens=2048, save_every=2, device="cpu", compile=False,
+                         tensorboard=False))
     return {**a, "chats": root / "chats.jsonl", "run": root / "run"}
 
 

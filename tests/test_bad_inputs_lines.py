@@ -1,7 +1,7 @@
 """Bad input, lines where tracebacks were: a shard with a damaged header (safetensors' own error, raised by train's
 pre-flight before the checksum pass), an engine that is not installed (checked before anything is written: a real
-process in which vLLM and SGLang cannot be imported), an --out that is a file. Each is one `hstap: error:` line, exit
-status 2, and nothing written."""
+process in which vLLM and SGLang cannot be imported), convert without the gguf package, an --out that is a file. Each is
+one `hstap: error:` line, exit status 2, and nothing written."""
 
 from __future__ import annotations
 
@@ -16,14 +16,17 @@ import pytest
 from helpers.refusals import refused, snapshot
 
 REPO = Path(__file__).resolve().parent.parent
-BLOCKER = '''import sys
+BLOCKER = '''import os
+import sys
+
+_BLOCKED = os.environ["HSTAP_TEST_NOT_INSTALLED"].split(",")
 
 
 class _NotInstalled:
-    """A meta path finder that makes the engines look not installed."""
+    """A meta path finder that makes the packages of HSTAP_TEST_NOT_INSTALLED look not installed."""
 
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("vllm", "sglang"):
+        if name.split(".")[0] in _BLOCKED:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 
@@ -32,12 +35,18 @@ sys.meta_path.insert(0, _NotInstalled())
 '''
 
 
-def without_engines(tmp_path: Path) -> dict:
-    """An environment whose Python cannot import vllm nor sglang (a sitecustomize on PYTHONPATH), this tree's hstap."""
-    block = tmp_path / "no-engines"
+def without(tmp_path: Path, *modules: str) -> dict:
+    """An environment whose Python cannot import `modules` (a sitecustomize on PYTHONPATH), this tree's hstap."""
+    block = tmp_path / "not-installed"
     block.mkdir(exist_ok=True)
     (block / "sitecustomize.py").write_text(BLOCKER)
-    return {**os.environ, "PYTHONPATH": f"{block}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "PYTHONPATH": f"{block}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
+            "HSTAP_TEST_NOT_INSTALLED": ",".join(modules)}
+
+
+def without_engines(tmp_path: Path) -> dict:
+    """An environment whose Python cannot import vllm nor sglang."""
+    return without(tmp_path, "vllm", "sglang")
 
 
 def refused_in_a_process(argv: list, env: dict, *expect: str, untouched=()) -> str:
@@ -101,6 +110,16 @@ def test_eval_engines_not_installed_are_refused_before_the_local_runs(small_run,
     out = tmp_path / "eval-sglang"
     refused_in_a_process([*args, "--out", out, "--engine", "sglang", "--sglang-python", sys.executable], env,
                          f"--engine sglang: {sys.executable} has no sglang package", untouched=[out])
+
+
+@pytest.mark.procs
+def test_convert_without_the_gguf_package_is_one_line(tmp_path, capsys):
+    """--gguf FILE says what --package NAME says of a missing package: its install line, before any model loads."""
+    f, out = tmp_path / "model.gguf", tmp_path / "model"
+    f.write_bytes(b"GGUF" + bytes(60))
+    refused_in_a_process(["convert", "--gguf", f, "--out", out], without(tmp_path, "gguf"),
+                         "convert: needs the 'gguf' package", "pip install gguf", untouched=[out])
+    refused(["convert", "--package", "", "--out", out], capsys, "convert: --package: empty", untouched=[out])
 
 
 def test_an_out_that_is_a_file_is_one_line(small_run, tmp_path, capsys):

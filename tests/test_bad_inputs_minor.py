@@ -53,7 +53,8 @@ def test_generate_layers_without_capture(small_run, tmp_path, capsys):
 
 def test_demo_checks_every_flag_before_any_work(tmp_path, capsys):
     out = tmp_path / "demo"
-    refused(["demo", "--train.lr", "0", "--out", out], capsys, "train: --lr must be > 0", untouched=[out])
+    refused(["demo", "--train.lr", "0", "--out", out], capsys, "demo: --train.lr: must be a finite number > 0",
+            untouched=[out])
     refused(["demo", "--k", "0", "--out", out], capsys, "--k", untouched=[out])
 
 
@@ -72,10 +73,53 @@ def test_convert_says_a_directory_is_one(tmp_path, capsys):
 
 
 def test_missing_inputs_are_refused_before_the_stage_loads(tmp_path, capsys):
-    """The CLI's own check (hstap.cli.INPUT_PATHS), before the stage's module imports torch and transformers."""
+    """The CLI's own check (hstap.stage_paths.INPUT_PATHS), before the stage's module imports torch and transformers."""
     nx = tmp_path / "nowhere"
     for argv, flag in ((["capture", "--target", nx, "--data", tmp_path, "--out", tmp_path / "s"], "--target"),
                        (["export", "--run", nx, "--to", "vllm", "--out", tmp_path / "e"], "--run"),
                        (["prepare", "--tokenizer", tmp_path, "--data", nx, "--out", tmp_path / "p"], "--data"),
                        (["verify", "--a", tmp_path, "--b", nx], "--b")):
         refused(argv, capsys, f"{nx}: {flag}: does not exist", untouched=[tmp_path])
+
+
+def test_float_settings_are_finite_and_named_as_given(tmp_path, capsys):
+    """nan and inf are no setting (`--lr inf` trained a drafter of NaNs and exited 0, `--lr nan` was a traceback), nor
+    a negative decay or store bound; a refused field is named as the user gave it: the flag as typed (the serve loop's
+    --train-lr, not train's --lr) or the --config file and its key (the demo's train section)."""
+    import pytest
+
+    from hstap.common import HstapError
+    from hstap.train.config import HyperParams
+
+    out, t = tmp_path / "o", tmp_path
+    for v in ("nan", "inf", "-inf"):
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--target", str(t), "--store", str(t), "--out", str(out), "--lr", v])
+        assert e.value.code == 2 and f"expected a finite number, got '{v}'" in capsys.readouterr().err
+        with pytest.raises(HstapError, match="train: --lr: must be a finite number > 0"):
+            HyperParams(lr=float(v))
+    refused(["train", "--target", t, "--store", t, "--out", out, "--ttt-decay", "-0.5"], capsys,
+            "train: --ttt-decay: must be a finite number >= 0, got -0.5", untouched=[out])
+    refused(["serve-loop", "--target", t, "--prompts", t, "--out", out, "--train-lr", "-1"], capsys,
+            "serve-loop: --train-lr: must be a finite number > 0, got -1.0", untouched=[out])
+    refused(["serve-loop", "--target", t, "--prompts", t, "--out", out, "--max-store-gb", "-1"], capsys,
+            "serve-loop: --max-store-gb: must be a finite number > 0, got -1.0", untouched=[out])
+    cfg = tmp_path / "demo.yaml"
+    cfg.write_text("train:\n  lr: .nan\n")
+    refused(["demo", "--config", cfg, "--out", out], capsys, f"{cfg}: train.lr: expected a finite number, got nan")
+    cfg.write_text("train:\n  ttt_decay: -1\n  lr: 0.01\n")
+    refused(["demo", "--config", cfg, "--out", out], capsys, f"{cfg}: train.ttt_decay: must be a finite number >= 0",
+            untouched=[out])
+
+
+def test_an_input_that_is_a_fifo_is_refused_by_name(small_run, tmp_path, capsys):
+    """A FIFO as --prompts (it said "no such file"), as --data: refused before the stage loads."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    out = tmp_path / "o"
+    refused(["serve-loop", "--target", small_run["target"], "--prompts", fifo, "--out", out], capsys,
+            f"{fifo}: --prompts: is not a regular file", untouched=[out])
+    refused(["eval", "--target", small_run["target"], "--data", fifo, "--out", out], capsys,
+            f"{fifo}: --data: is not a regular file", untouched=[out])

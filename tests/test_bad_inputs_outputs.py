@@ -6,6 +6,7 @@ user's files stay as they were (`helpers.refusals.refused`)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -41,6 +42,9 @@ def test_export_out_is_never_its_own_input(small_run, capsys):
     for out, what in ((run / "best", "is the input --run"), (run, "holds the input --run")):
         refused(["export", "--run", run, "--to", "sglang", "--out", out, "--overwrite"], capsys, f"{out}: --out: "
                 f"{what}", untouched=[run])
+    ckpt = next((run / "checkpoints").iterdir())  # another drafter of the run: train's, not "files hstap did not write"
+    refused(["export", "--run", run, "--to", "sglang", "--out", ckpt, "--overwrite"], capsys,
+            f"{ckpt}: --out: holds an output of hstap train", untouched=[run])
 
 
 def test_export_replaces_its_own_earlier_export_only_with_overwrite(small_run, tmp_path, capsys):
@@ -59,16 +63,71 @@ def test_verify_report_replaces_only_its_own_report(small_run, tmp_path, capsys)
     store = small_run["store"]
     notes = tmp_path / "notes.json"
     notes.write_text('{"mine": true}\n')
-    refused(["verify", "--store", store, "--report", notes], capsys,
-            f"{notes}: --report: exists and is not a report hstap verify wrote; pass --overwrite", untouched=[notes])
+    for over in ([], ["--overwrite"]):  # a file of the user's: never, whatever --overwrite says
+        refused(["verify", "--store", store, "--report", notes, *over], capsys,
+                f"{notes}: --report: exists and is a file hstap did not write", untouched=[notes])
+    # the store's own manifest: neither a report nor the report's to replace (it is the input)
+    manifest = store / "manifest.json"
+    refused(["verify", "--store", store, "--report", manifest, "--overwrite"], capsys, f"{manifest}: --report:",
+            untouched=[store])
     rep = tmp_path / "report.json"
     assert main(["verify", "--store", str(store), "--report", str(rep)]) == 0
     assert json.loads(rep.read_text())["stage"] == "verify"
-    assert main(["verify", "--store", str(store), "--report", str(rep)]) == 0  # its own earlier report: replaced
-    assert main(["verify", "--store", str(store), "--report", str(notes), "--overwrite"]) == 0  # asked for
-    assert json.loads(notes.read_text())["ok"] is True
+    refused(["verify", "--store", store, "--report", rep], capsys,
+            "holds an earlier hstap verify report; pass --overwrite", untouched=[rep])
+    assert main(["verify", "--store", str(store), "--report", str(rep), "--overwrite"]) == 0  # its own: replaced
     refused(["verify", "--store", store, "--report", tmp_path], capsys, "--report: is a directory",
             untouched=[tmp_path / "report.json"])
+
+
+def _outputs(small_run, out, free) -> list[list]:
+    """A command line of each stage that writes `out` (its output flag last but one), all else valid (`free`: a
+    writable directory for generate's answers beside a --capture store)."""
+    t, run, store, chats, prep = (small_run[k] for k in ("target", "run", "store", "chats", "prepared"))
+    return [["data", "--source", "sharegpt", "--file", chats, "--out", out],
+            ["convert", "--gguf", chats, "--out", out],
+            ["prepare", "--tokenizer", t, "--data", chats, "--out", out],
+            ["generate", "--target", t, "--data", chats, "--max-new-tokens", "2", "--out", out],
+            ["generate", "--target", t, "--data", chats, "--out", free / "a.jsonl", "--capture", out],
+            ["capture", "--target", t, "--data", prep, "--out", out],
+            ["train", "--target", t, "--store", store, "--steps", "1", "--out", out],
+            ["export", "--run", run, "--to", "sglang", "--out", out],
+            ["eval", "--target", t, "--drafter", run, "--data", chats, "--out", out],
+            ["serve-loop", "--target", t, "--prompts", chats, "--out", out],
+            ["verify", "--store", store, "--report", out],
+            ["demo", "--out", out]]
+
+
+def test_every_output_that_cannot_be_written_is_one_line_before_any_work(small_run, tmp_path, capsys):
+    """A parent that is a file, or a FIFO where a file goes: refused by name before the stage loads, nothing made."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for argv in _outputs(small_run, blocker / "sub" / "out", tmp_path):
+        refused(argv, capsys, f"{argv[-2]}: {blocker} is not a directory", untouched=[blocker])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for argv in _outputs(small_run, fifo, tmp_path):
+        kind = "file" if argv[0] in ("data", "verify") or argv[-2:] == ["--out", fifo] and argv[0] == "generate" \
+            else "directory"
+        refused(argv, capsys, f"{fifo}: {argv[-2]}: exists and is not a {'regular file' if kind == 'file' else kind}")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes a read-only directory")
+def test_every_output_in_a_read_only_directory_is_one_line(small_run, tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        for argv in _outputs(small_run, ro / "out", tmp_path):
+            refused(argv, capsys, f"{argv[-2]}: cannot write in {ro} (permission denied)", untouched=[ro])
+    finally:
+        ro.chmod(0o755)
+
+
+def test_verify_report_in_a_new_directory(small_run, tmp_path):
+    rep = tmp_path / "reports" / "today" / "verify.json"
+    assert main(["verify", "--store", str(small_run["store"]), "--report", str(rep)]) == 0
+    assert json.loads(rep.read_text())["stage"] == "verify"
 
 
 def test_eval_and_serve_loop_never_write_into_a_directory_of_the_users(small_run, tmp_path, capsys):
@@ -135,7 +194,7 @@ def test_a_run_record_of_another_stage_is_not_this_ones(tmp_path):
 
 def test_a_store_is_created_beside_a_waiting_trainer_but_never_in_a_users_shards(tmp_path):
     from hstap.common import HstapError
-    from hstap.store.format import check_store_dir
+    from hstap.store.manifest import check_store_dir
 
     waiting = tmp_path / "waiting"  # `train --follow --consume` claims the store's window before it exists
     waiting.mkdir()

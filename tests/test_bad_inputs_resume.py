@@ -88,7 +88,7 @@ def test_generate_resumes_only_its_own_input(small_run, generated, tmp_path, cap
 
 
 def test_work_of_a_store_older_than_the_work_block():
-    from hstap.store.format import header_diff, work_of
+    from hstap.store.header import header_diff, work_of
 
     old = {"layers": [1], "dtype": "bf16", "hidden_size": 8}  # no `work`, no `contents`: a prepared capture
     assert work_of(old) == {"kind": "prepared", "producer": None, "data": None}

@@ -1,5 +1,5 @@
 """The GPU benchmarks' CPU smoke modes run end to end: bench_train.py --tiny (both shapes, profile; --store-checks) and
-quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter);
+research/quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter);
 bench_ngram.py on a few streams (its index and its scan propose the same drafts); peer_speculators.py --tiny
 (speculators' trainer on a tiny store, hstap's reading of its checkpoints equal to speculators' model); bench_wide.py
 --tiny (a SmolLM2-like tiny target widened, every method lossless); bench_capture.py --tiny (every pass profiled, the
@@ -50,8 +50,8 @@ def test_bench_train_tiny_both_shapes():
 def test_quality_variants_tiny(tmp_path):
     env = {**os.environ, "W": str(tmp_path / "w"), "OUT": str(tmp_path / "out"), "VARIANTS": "base,n2",
            "MEASURE": "n2", "NP": "1", "EP": "1", "STEPS": "1", "PAR": "2", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(["bash", str(REPO / "benchmarks" / "quality_variants.sh"), "--tiny"], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(["bash", str(REPO / "benchmarks" / "research" / "quality_variants.sh"), "--tiny"], env=env,
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert summary["bench"] == "quality_variants" and set(summary["variants"]) == {"base", "n2"}

@@ -102,15 +102,15 @@ def test_gpu_speculative_greedy_equals_target(tiny_llama):
 
 def test_gpu_training_bf16_runs(tiny_llama, tmp_path):
     from helpers.capture import make_prepared
-
+    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
     from hstap.train.stage import train
 
     prepared = make_prepared(tiny_llama, tmp_path / "prep", 40)
     _capture(tiny_llama, prepared, tmp_path / "store", "cuda", "bf16", "bf16")
     with contextlib.redirect_stdout(io.StringIO()):
-        train(TrainConfig(store=str(tmp_path / "store"), target=str(tiny_llama), out=str(tmp_path / "run"), steps=30,
-                          ttt=3, lr=3e-3, batch_tokens=1024, device="cuda", draft_vocab=64))
+        train(from_flags(TrainConfig, store=str(tmp_path / "store"), target=str(tiny_llama), out=str(tmp_path / "run"),
+                         steps=30, ttt=3, lr=3e-3, batch_tokens=1024, device="cuda", draft_vocab=64))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert all(map(lambda v: v == v, losses)) and losses[-1] < losses[0]
@@ -120,7 +120,7 @@ def test_gpu_zero_copy_pipeline_equals_copying_and_reuses_pinned_buffers(tiny_ll
     """The writer hands the store views of pinned buffers and takes them back after the shard commit: a buffer
     reused too early would corrupt committed samples. Compare bitwise with the copying path; count pinned buffers."""
     from hstap.batching import pack_by_tokens
-    from hstap.capture import hf
+    from hstap.capture.hf import runner as hf
     from hstap.artifacts.model_dir import load_target
     from hstap.store.reader import open_store
     from hstap.store.writer import StoreWriter

@@ -151,14 +151,41 @@ def test_a_missing_head_is_an_error_unless_tied(targets, tmp_path):
     plain = _variant(ds, tmp_path / "plain", drop="lm_head.weight")
     with pytest.raises(HstapError, match=r"model.safetensors: no lm_head .*\(tried lm_head.weight\)"):
         target_head(plain)
-    with pytest.raises(HstapError, match=r"1 of its tensors are not in the checkpoint \(lm_head.weight\)"):
-        load_target(plain)
+    with pytest.raises(HstapError, match=r"model.safetensors: no lm_head .*\(tried lm_head.weight\)"):
+        load_target(plain)  # found before transformers builds the model
     two = _variant(ds, tmp_path / "two")
     state = load_file(str(two / "model.safetensors"))
     state["other.model.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
     save_file(state, str(two / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(HstapError, match="several embeddings"):
         target_head(two)
+
+
+TEXT_CONFIGS = {"a string": (lambda c: c.update(text_config="kimi_k2"), "text_config: a wrapper", 'got "kimi_k2"'),
+                "null": (lambda c: c.update(text_config=None), "text_config: a wrapper", "got null"),
+                "missing": (lambda c: c.pop("text_config"), "text_config: a Kimi_K25Config", "it is missing"),
+                "another hidden size": (lambda c: c["text_config"].update(hidden_size=32),
+                                        "text_config.hidden_size: 32, but the checkpoint's", "the config of another"),
+                "another vocabulary": (lambda c: c["text_config"].update(vocab_size=999),
+                                       "text_config.vocab_size: 999, but the checkpoint's", "the config of another"),
+                "fewer layers": (lambda c: c["text_config"].update(num_hidden_layers=4),
+                                 "text_config.num_hidden_layers: 4, but the checkpoint holds 6", "another model")}
+
+
+@pytest.mark.parametrize("case", list(TEXT_CONFIGS))
+def test_a_kimi_text_config_not_of_its_language_model_is_one_line(case, targets, small_run, tmp_path, capsys):
+    """A Kimi-K2.5 config.json whose text_config is not its language model's: a string, null or missing (transformers
+    would build its default Kimi-K2 in its place) or of another size than the checkpoint: capture and generate refuse
+    it in one line naming the field, before any model is built, nothing written."""
+    from helpers.refusals import refused
+
+    edit, *expect = TEXT_CONFIGS[case]
+    bad = _variant(targets["kimi_k25"], tmp_path / "bad", conf=edit)
+    out = tmp_path / "out"
+    refused(["capture", "--target", bad, "--data", small_run["prepared"], "--out", out, "--layers", "1,2,3"], capsys,
+            f"{bad / 'config.json'}: ", *expect, untouched=[out])
+    refused(["generate", "--target", bad, "--data", small_run["chats"], "--out", out, "--max-new-tokens", "2"], capsys,
+            f"{bad / 'config.json'}: ", *expect, untouched=[out, tmp_path / "out.config.json"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -182,6 +209,7 @@ def pipeline(targets, tmp_path_factory) -> dict[str, dict]:
     from hstap.data.prepare import prepare
     from hstap.export.config import ExportConfig
     from hstap.export.stage import export
+    from hstap.config import from_flags
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
     from hstap.train.config import TrainConfig
@@ -202,15 +230,15 @@ def pipeline(targets, tmp_path_factory) -> dict[str, dict]:
         r["verify"] = _quiet(recompute, str(r["store"]), str(target), samples=4, device="cpu", compute_dtype="fp32")
         r["run"] = d / "run"
         torch.manual_seed(0)
-        r["train"] = _quiet(train, TrainConfig(store=str(r["store"]), target=str(target), out=str(r["run"]), steps=6,
-                                               lr=3e-3, batch_tokens=600, ttt=2, log_every=1, eval_frac=0.25,
-                                               save_every=6, device="cpu"))
+        r["train"] = _quiet(train, from_flags(TrainConfig, store=str(r["store"]), target=str(target), out=str(r["run"]),
+                                              steps=6, lr=3e-3, batch_tokens=600, ttt=2, log_every=1, eval_frac=0.25,
+                                              save_every=6, device="cpu"))
         for to in ("sglang", "vllm"):
             r[to] = d / to
             _quiet(export, ExportConfig(run=str(r["run"]), to=to, out=str(r[to]), dtype="fp32", target=str(target)))
-        r["eval"] = _quiet(evaluate, EvalConfig(target=str(target), drafter=str(r["vllm"]), data=str(r["prepared"]),
-                                                out=str(d / "eval"), k=2, max_new_tokens=10, num_prompts=3,
-                                                device="cpu", dtype="fp32"))
+        r["eval"] = _quiet(evaluate, from_flags(EvalConfig, target=str(target), drafter=str(r["vllm"]),
+                                                data=str(r["prepared"]), out=str(d / "eval"), k=2, max_new_tokens=10,
+                                                num_prompts=3, device="cpu", dtype="fp32"))
         out[kind] = r
     return out
 

@@ -75,18 +75,19 @@ def report(env, vllm_store, smollm2, smollm2_prepared, smollm2_store, tmp_path_f
     """A drafter trained for STEPS steps on the two samples (acceptance > 0 is all it is for), then `hstap eval
     --engine vllm` on both prompts (turn 2, after the model's own first answer). After vllm_store: one engine at a
     time."""
+    from hstap.config import from_flags
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
     from hstap.train.config import TrainConfig
     from hstap.train.stage import train
 
     root = tmp_path_factory.mktemp("real-vllm-eval")
-    quiet(train, TrainConfig(out=str(root / "run"), target=str(smollm2), store=str(smollm2_store),
-                             eval_store=str(smollm2_store), ttt=K, steps=STEPS, lr=5e-3, warmup_ratio=0.0,
-                             batch_tokens=4096, save_every=STEPS, device="cpu", tensorboard=False))
-    quiet(evaluate, EvalConfig(target=str(smollm2), drafter=str(root / "run"), data=str(smollm2_prepared[0]),
-                               out=str(root / "rep"), k=K, max_new_tokens=N_NEW, device="cpu", dtype="fp32",
-                               engine="vllm", num_prompts=2))
+    quiet(train, from_flags(TrainConfig, out=str(root / "run"), target=str(smollm2), store=str(smollm2_store),
+                            eval_store=str(smollm2_store), ttt=K, steps=STEPS, lr=5e-3, warmup_ratio=0.0,
+                            batch_tokens=4096, save_every=STEPS, device="cpu", tensorboard=False))
+    quiet(evaluate, from_flags(EvalConfig, target=str(smollm2), drafter=str(root / "run"),
+                               data=str(smollm2_prepared[0]), out=str(root / "rep"), k=K, max_new_tokens=N_NEW,
+                               device="cpu", dtype="fp32", engine="vllm", num_prompts=2))
     return json.loads((root / "rep" / "report.json").read_text())
 
 

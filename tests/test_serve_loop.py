@@ -8,7 +8,9 @@ counters sum to its /metrics counters; the store stayed within its window; and, 
 server): a drafter trained offline, taken up by `hstap_load_drafter` with requests in flight, drafts in vLLM exactly as
 hstap's decoder drafts with it (per request: verify steps and accepted drafts), i.e. the server really drafts with the
 new weights, outputs unchanged; the tap beside EAGLE-3 stored those requests with states equal to a prefill
-recompute (fp32), although their verify steps computed rejected drafts' states at the same positions."""
+recompute (fp32), although their verify steps computed rejected drafts' states at the same positions; and the rows of
+those rejected drafts it kept beside them (side branches, every row past the accepted prefix) equal a recompute of
+the target on the accepted prefix followed by the rejected drafts."""
 
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ def loop(vllm_llama, tmp_path_factory):
     from hstap.export.stage import export
     from hstap.serve_loop.requests import Client, post
     from hstap.serve_loop.config import TRAIN
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
-    from hstap.serve_loop.stage import serve_loop, stop_ids
+    from hstap.serve_loop.stage import serve_loop
     from hstap.train.config import HyperParams
     from hstap.store.consumer import read_consumer, write_consumer
     from hstap.demo.toy import stdlib_conversations
@@ -52,12 +55,12 @@ def loop(vllm_llama, tmp_path_factory):
         """After the stream (the trainer stopped): release the window it held, load drafter B while requests are in
         flight, serve the probe prompts one at a time, wait for the tap to commit them."""
         from hstap.artifacts.model_dir import load_tokenizer
-        from hstap.speculative.evaluate import load_prompts
+        from hstap.data.prompts import load_prompts
         from hstap.store.reader import open_store
 
         write_consumer(out / "store", {**read_consumer(out / "store"), "active": False})
         prompts = [p for _, p in load_prompts(str(root / "probe.jsonl"), load_tokenizer(str(vllm_llama)))]
-        c = Client(url, N_NEW, stop_ids(str(vllm_llama)), 0)
+        c = Client(url, N_NEW, json.loads((out / "plan.json").read_text())["stop_ids"], 0)  # the loop's own
         with ThreadPoolExecutor(4) as pool:  # 4 in flight while B is loaded
             busy = [pool.submit(c.complete, i, p) for i, p in enumerate(prompts * 2)]
             time.sleep(0.3)
@@ -78,11 +81,12 @@ def loop(vllm_llama, tmp_path_factory):
         probed["rollback"] = _bad_load_rolled_back(url, root, run_b, cfg, prompts, c)
 
 
-    cfg = ServeLoopConfig(target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
-                          requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
-                          keep_shards=4, shard_tokens=512, tap_dtype="fp32", flush_s=0.5, max_model_len=512,
-                          device="cpu", holdout_frac=0.3, gate_min_samples=4,
-                          train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2, lr=5e-3))))
+    cfg = from_flags(ServeLoopConfig, target=str(vllm_llama), prompts=str(root / "served.jsonl"), out=str(root / "w"),
+                     requests=REQUESTS, concurrency=4, max_tokens=N_NEW, k=K, update_every=8, layers="1,2,3",
+                     keep_shards=4, shard_tokens=512, tap_dtype="fp32", side_rows="all", flush_s=0.5, max_model_len=512,
+                     device="cpu",
+                     holdout_frac=0.3, gate_min_samples=4,
+                     train=HyperParams(**(TRAIN | dict(ttt=K, batch_tokens=1024, save_every=2, lr=5e-3))))
     summary = serve_loop(cfg, probe=probe)
     return summary, probed, root, run_b
 
@@ -142,7 +146,7 @@ def _hf(vllm_llama):
 def test_every_request_answered_once_and_lossless(loop, vllm_llama):
     from hstap.artifacts.model_dir import load_tokenizer
     from hstap.speculative.drivers import target_generate
-    from hstap.speculative.evaluate import load_prompts
+    from hstap.data.prompts import load_prompts
 
     s, _, root, _ = loop
     assert s["answered"] == REQUESTS and s["lost"] == 0 and s["duplicates"] == 0
@@ -240,12 +244,15 @@ def test_the_tap_beside_eagle3_stored_what_was_served(loop, vllm_llama):
 
     _, probed, root, _ = loop
     assert None not in probed["stored"], probed["stored"]  # every probe answer is a store sample
+    hello = json.loads(next((root / "w" / "store" / "vllm-events").glob("server-*.json")).read_text())
+    assert hello["model_runner"] == "v1"  # the tap reads V1's runner; serve-loop's own server pins it
     rep = recompute(str(root / "w" / "store"), str(vllm_llama), samples=100, device="cpu", compute_dtype="fp32")
     assert rep["ok"], rep["problems"]  # decode-step states (rejected drafts overwritten) == a prefill, fp32
 
 
 def test_bad_settings_are_one_error_each(tmp_path):
     from hstap.common import HstapError
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.train.config import HyperParams
 
@@ -257,13 +264,25 @@ def test_bad_settings_are_one_error_each(tmp_path):
                     ({"anchor_fraction": 0.2}, "--anchor-store and --anchor-fraction go together"),
                     ({"holdout_frac": 1.0}, r"--holdout-frac: must be in \[0, 1\)"),
                     ({"gate_min_samples": 80}, "--gate-min-samples 80 > --gate-samples 64"),
-                    ({"server_cpus": "0;1"}, "--server-cpus: expected a CPU list")):
+                    ({"server_cpus": "0;1"}, "--server-cpus: expected a CPU list"),
+                    ({"server_cpus": "1-0"}, r"--server-cpus: expected a CPU list like 0 or 0-1,3 \(ranges low-high\)"),
+                    ({"trainer_cpus": "3-"}, "--trainer-cpus: expected a CPU list"),
+                    ({"port": 70000}, "--port: must be a TCP port, 1-65535"),
+                    ({"flush_s": -1.0}, "--flush-s: must be a finite number > 0"),
+                    ({"flush_s": float("nan")}, "--flush-s: must be a finite number > 0"),
+                    ({"max_store_gb": -2.0}, "--max-store-gb: must be a finite number > 0"),
+                    ({"mode": "fixed", "drafter": "d", "anchor_store": "s", "anchor_fraction": 0.3},
+                     "--anchor-store: the trainer's and the tap's, which run only in --mode loop"),
+                    ({"mode": "target", "drafter": "d"}, "--drafter: --mode target serves no drafter"),
+                    ({"drafter": "d", "layers": "1,2,3"}, "--layers: shapes the drafter started from nothing"),
+                    ({"drafter": "d", "vocab_map": "v"}, "--vocab-map: shapes the drafter started from nothing")):
         with pytest.raises(HstapError, match=msg):
-            ServeLoopConfig(**base, **kw)
+            from_flags(ServeLoopConfig, **base, **kw)
 
 
 def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_written(small_run, tmp_path):
     from hstap.common import HstapError
+    from hstap.config import from_flags
     from hstap.serve_loop.config import ServeLoopConfig
     from hstap.serve_loop.stage import serve_loop
 
@@ -271,13 +290,84 @@ def test_an_unlike_anchor_store_or_absent_cpus_are_refused_before_anything_is_wr
                 anchor_fraction=0.3, device="cpu")
     out = tmp_path / "w"
     with pytest.raises(HstapError, match=r"manifest.json:1: dtype: the anchor store has 'fp32'.* has 'bf16'"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"])))  # the tap writes bf16
+        # the tap writes bf16
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(small_run["store"])))
     with pytest.raises(HstapError, match="--anchor-store: not an hstap store"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(tmp_path)))
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(tmp_path)))
     with pytest.raises(HstapError, match=r"--trainer-cpus 0,4096: CPU\(s\) \[4096\] not on this machine"):
-        serve_loop(ServeLoopConfig(**base, out=str(out), anchor_store=str(small_run["store"]),
-                                   trainer_cpus="0,4096"))
+        serve_loop(from_flags(ServeLoopConfig, **base, out=str(out), anchor_store=str(small_run["store"]),
+                              trainer_cpus="0,4096"))
     assert not out.exists()
+
+
+def test_a_start_drafter_of_another_target_is_refused_before_anything_is_written(small_run, tmp_path):
+    """--drafter, --layers and --vocab-map are checked against the target before --out is written and vLLM starts."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hstap.common import HstapError
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.stage import serve_loop
+
+    out = tmp_path / "w"
+    base = dict(target=str(small_run["target"]), prompts=str(small_run["chats"]), out=str(out), device="cpu")
+    V = json.loads((small_run["target"] / "config.json").read_text())["vocab_size"]
+    vm = tmp_path / "vocab_map.safetensors"
+    save_file({"d2t": torch.zeros(8, dtype=torch.long), "t2d": torch.arange(V + 5) < 8}, str(vm))
+    wide = tmp_path / "wide"  # the target's files, a config of another hidden size
+    shutil.copytree(small_run["target"], wide)
+    conf = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**conf, "hidden_size": 2 * conf["hidden_size"]}))
+    for kw, msg in (({"vocab_map": str(vm)}, f"--vocab-map: covers {V + 5} token ids, the target"),
+                    ({"layers": "1,3,40"}, "serve-loop: --layers: layer id 40 is out of range"),
+                    ({"drafter": str(tmp_path)}, "no drafter found"),
+                    ({"drafter": str(small_run["run"]), "target": str(wide)}, "target_hidden_size: the drafter was "
+                                                                               "made for a target of")):
+        with pytest.raises(HstapError, match=msg):
+            serve_loop(ServeLoopConfig(**(base | kw)))
+        assert not out.exists()
+
+
+def test_a_tap_or_trainer_that_dies_fails_the_loop(tmp_path):
+    """The tap's writer thread leaves a "stopped" event as it dies (a negative --flush-s used to kill it silently: the
+    run reported "store peak 0.0 MB" and exit 0), and a trainer process can exit on an error: either fails the run in
+    one line naming its log."""
+    import queue
+    import shutil
+    import subprocess
+    import sys
+
+    from hstap.capture.served import ServedWriter, drain, stopped_writer
+    from hstap.capture.vllm.protocol import EVENTS_DIR, ConnectorConfig
+    from hstap.common import HstapError
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.updates import Updater
+
+    out = tmp_path / "w"
+    (out / "store").mkdir(parents=True)
+    cfg = ServeLoopConfig(target="t", prompts="p", out=str(out))
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        up = Updater(cfg, "http://127.0.0.1:1", out, "fp32", trainer, None)
+        up.check_running()  # all running
+        with pytest.raises(ValueError):  # the queue refuses a negative timeout: the thread ends
+            drain(queue.Queue(), -1.0, ServedWriter(str(out / "store"), [1, 2], EVENTS_DIR), lambda item: None)
+        assert "ValueError" in stopped_writer(out / "store", EVENTS_DIR)
+        with pytest.raises(HstapError, match=rf"^{out / 'server.log'}: the tap beside vLLM stopped writing the store"):
+            up.check_running()
+    finally:
+        trainer.kill()
+        trainer.wait()
+    shutil.rmtree(out / "store" / EVENTS_DIR)
+    (out / "train.log").write_text("hstap: error: something the trainer refused\n")
+    up.trainer = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(2)"])
+    up.trainer.wait()
+    with pytest.raises(HstapError, match=r"train.log: the trainer exited with status 2 after 0 answers: hstap: error"):
+        up.check_running()
+    with pytest.raises(HstapError, match="kv_connector_extra_config: flush_s: must be a finite number > 0"):
+        ConnectorConfig.from_dict({"store": str(out / "store"), "tap": True, "flush_s": -1.0})
 
 
 def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
@@ -298,15 +388,128 @@ def test_a_drafter_of_another_shape_is_refused_before_loading(tmp_path):
         check_same_drafter(tmp_path / "a", tmp_path / "c")
 
 
-def test_a_bad_reference_is_one_error_naming_the_line(tmp_path):
+def test_a_bad_reference_is_one_error_naming_the_line(small_run, tmp_path, capsys):
+    """--reference is a --mode target run's served.jsonl of these prompts: a broken line, a binary file, a JSONL of
+    something else (its comparison would be on 0/0 and pass), one of fewer prompts, or a --mode loop run's are one
+    line naming the file, before anything is written or started."""
+    from helpers.refusals import refused
+
     from hstap.common import HstapError
-    from hstap.serve_loop.stage import read_reference
+    from hstap.serve_loop.plan import read_reference
 
     p = tmp_path / "served.jsonl"
     p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n{"i": 2, "tokens": [3\n')
-    with pytest.raises(HstapError, match=r"served.jsonl:3: --reference: not a served.jsonl record"):
-        read_reference(str(p))
+    with pytest.raises(HstapError, match=r"served.jsonl:3: --reference: not a served.jsonl of hstap serve-loop"):
+        read_reference(str(p), 3)
     p.write_text('{"i": 0, "tokens": [1, 2]}\n{"i": 1, "error": "x"}\n')
-    assert read_reference(str(p)) == {0: [1, 2]}  # a lost request has no reference
+    assert read_reference(str(p), 2) == {0: [1, 2]}  # a lost request has no reference
+    with pytest.raises(HstapError, match="--reference: holds no answer to prompt 2 "):
+        read_reference(str(p), 3)
     with pytest.raises(HstapError, match="--reference: not a file"):
-        read_reference(str(tmp_path / "none.jsonl"))
+        read_reference(str(tmp_path / "none.jsonl"), 1)
+    (tmp_path / "config.json").write_text(json.dumps({"stage": "serve-loop", "hstap_version": "0", "config":
+                                                      {"mode": "loop"}}))
+    with pytest.raises(HstapError, match="--reference: served by a --mode loop run"):
+        read_reference(str(p), 2)
+    out, binary = tmp_path / "loop", tmp_path / "ref.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    base = ["serve-loop", "--target", small_run["target"], "--prompts", small_run["chats"], "--out", out]
+    refused([*base, "--reference", binary], capsys, f"{binary}: --reference: not a served.jsonl of hstap serve-loop",
+            untouched=[out])
+    refused([*base, "--reference", small_run["chats"]], capsys,
+            f"{small_run['chats']}:1: --reference: not a served.jsonl of hstap serve-loop", untouched=[out])
+
+
+def test_the_loop_resolves_its_inputs_once_into_a_plan_that_builds_the_run(small_run, tmp_path):
+    """hstap/serve_loop/plan.py: the start drafter's layers, depth and vocabulary read once (nothing written); what
+    the loop then writes and starts is built from the plan: OUT/vocab_map.safetensors, the trainer's config, the
+    server's two vLLM JSON arguments (hstap/engines/vllm.py's)."""
+    import torch
+
+    from hstap.artifacts.drafter_dir import load_drafter, resolve_drafter_dir
+    from hstap.artifacts.vocab_map import load_vocab_map
+    from hstap.capture.vllm.protocol import TAP_CONNECTOR, TAP_CONNECTOR_MODULE
+    from hstap.config import from_flags
+    from hstap.engines.vllm import eagle3_config
+    from hstap.serve_loop.config import ServeLoopConfig
+    from hstap.serve_loop.plan import WHOLE_VOCABULARY, resolve
+    from hstap.serve_loop.stage import server_args, start_drafter, trainer_config
+
+    base = dict(target=str(small_run["target"]), prompts=str(small_run["chats"]), device="cpu", requests=4)
+    out = tmp_path / "w"
+    cfg = from_flags(ServeLoopConfig, **base, out=str(out), drafter=str(small_run["run"]), holdout_frac=0.2)
+    plan = resolve(cfg, out)
+    d = resolve_drafter_dir(small_run["run"])
+    meta = json.loads((d / "drafter.json").read_text())
+    assert plan.drafter == d and list(plan.layers) == meta["config"]["aux_layers"] == [1, 3, 4]
+    assert plan.draft_layers == meta["config"].get("num_layers", 1) and plan.vocab.sha256() == meta["vocab_map_sha256"]
+    assert (len(plan.prompts), plan.device, plan.dtype) == (4, "cpu", "fp32") and plan.stop_ids
+    rec = json.loads(json.dumps(plan.record()))  # OUT/plan.json: the resolved facts, JSON as they are
+    assert rec["aux_layers"] == [1, 3, 4] and rec["vocab_map"]["sha256"] == meta["vocab_map_sha256"]
+    assert rec["requests"] == 4 and rec["target"]["path"] == str(small_run["target"].resolve())
+    assert not out.exists()  # resolving writes nothing
+
+    out.mkdir()
+    assert start_drafter(cfg, plan, out) == d
+    d2t, t2d = load_vocab_map(out / "vocab_map.safetensors")  # written atomically, the drafter's own map
+    assert torch.equal(d2t, plan.vocab.d2t) and torch.equal(t2d, plan.vocab.t2d)
+    t = trainer_config(cfg, out, d, plan.draft_layers, plan.device)
+    assert t.stream.holdout_frac == 0.2 and t.drafter.draft_layers == plan.draft_layers and t.drafter.init_from == str(d)
+    served = out / "exports" / "v0000"
+    args = server_args(cfg, plan.device, plan.dtype, served, out / "store")
+    assert json.loads(args[args.index("--speculative-config") + 1]) == eagle3_config(served, cfg.k) == {
+        "method": "eagle3", "model": str(served), "num_speculative_tokens": cfg.k}
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert (kv["kv_connector"], kv["kv_connector_module_path"], kv["kv_role"]) == (
+        TAP_CONNECTOR, TAP_CONNECTOR_MODULE, "kv_producer")
+    assert kv["kv_connector_extra_config"] == {"store": str(out / "store"), "tap": True, "tap_dtype": cfg.tap_dtype,
+                                               "shard_tokens": cfg.shard_tokens, "flush_s": cfg.flush_s}
+    fixed = server_args(from_flags(ServeLoopConfig, **base, out=str(out), mode="fixed", drafter=str(d)), "cpu",
+                        "fp32", served, out / "store")
+    assert "--speculative-config" in fixed and "--kv-transfer-config" not in fixed  # the loop off: no tap
+
+    # from nothing: --layers, the whole vocabulary, the trainer's initialisation written when the loop starts
+    out2 = tmp_path / "w2"
+    cfg2 = from_flags(ServeLoopConfig, **base, out=str(out2), layers="1,3,4")
+    plan2 = resolve(cfg2, out2)
+    V = json.loads((small_run["target"] / "config.json").read_text())["vocab_size"]
+    assert (plan2.drafter, plan2.layers, plan2.draft_layers) == (None, (1, 3, 4), 1)
+    assert (plan2.vocab.size, plan2.vocab.source) == (V, WHOLE_VOCABULARY)
+    out2.mkdir()
+    d0 = start_drafter(cfg2, plan2, out2)
+    drafter, _ = load_drafter(d0)
+    assert d0 == out2 / "drafter-init" and list(drafter.config.aux_layers) == [1, 3, 4]
+    assert load_vocab_map(out2 / "vocab_map.safetensors")[0].numel() == V
+
+
+@pytest.mark.vllm
+def test_the_rejected_drafts_rows_kept_equal_a_recompute_of_the_target(loop, vllm_llama):
+    import torch
+
+    from hstap.store.reader import open_store
+
+    _, probed, root, _ = loop
+    s = open_store(root / "w" / "store")
+    assert s.side and len(s) >= 6
+    target, _, _ = _hf(vllm_llama)
+    rows = 0
+    worst = 0.0
+    for i in range(len(s)):
+        x = s[i]
+        side, ids = x["side"], x["input_ids"]
+        for r in range(side["input_ids"].numel()):
+            chain, q = [], r  # the branch back to the accepted sequence: its tokens, then the prefix before it
+            while q >= 0:
+                chain.append(int(side["input_ids"][q]))
+                p = int(side["parent"][q])
+                q, start = (-1 - p, None) if p < 0 else (-1, p)
+            seq = torch.cat([ids[:start + 1], torch.tensor(chain[::-1])])[None]  # (1, P)
+            assert seq.shape[1] == int(side["pos"][r]) + 1  # the row sits at its position
+            assert int(ids[int(side["pos"][r])]) != int(side["input_ids"][r]) or int(side["parent"][r]) < 0
+            with torch.no_grad():
+                aux, final, _ = target.capture(seq, s.layers)  # (1, P, K, H), (1, P, H)
+            for got, want in ((side["aux"][r], aux[0, -1]), (side["final"][r], final[0, -1])):
+                worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+            rows += 1
+            assert 0 <= int(side["accepted"][r]) < K
+    assert rows >= 10 and worst < 1e-4, (rows, worst)  # fp32 engine, fp32 store, fp32 recompute

@@ -9,7 +9,7 @@ from helpers.train import build_assets, states_store
 
 def test_held_back_keeps_the_newest_held_back_samples_and_survives_consumed_shards(tiny_tokenizer, tmp_path):
     from hstap.serve_loop.gate import HeldBack
-    from hstap.store.format import load_manifest
+    from hstap.store.manifest import load_manifest
     from hstap.train.data import is_eval
 
     assets = build_assets(tmp_path / "a", tiny_tokenizer[0], n=4, with_store=False)
@@ -49,7 +49,8 @@ def test_the_gate_score_is_chain_decoding_on_the_targets_own_answers(vllm_llama,
     from hstap.artifacts.model_dir import load_target, target_head
     from hstap.serve_loop.gate import score_drafter
     from hstap.speculative.drivers import speculative_generate
-    from hstap.speculative.evaluate import eos_ids, load_any_drafter, prompt_from_mask
+    from hstap.data.prompts import prompt_from_mask
+    from hstap.speculative.evaluate import eos_ids, load_any_drafter
     from hstap.store.reader import open_store
 
     greedy, run, root = greedy_drafted

@@ -17,6 +17,7 @@ from hstap.common import HstapError
 from hstap.verify.parity import TOLERANCES
 from hstap.verify.config import VerifyConfig
 from hstap.verify.stage import compare_stores, quick_check, recompute, verify
+from helpers.store import rewrite as _rewrite
 
 
 PREPARE = {"max_len": 96}  # `prepare`'s settings of this module's `prepared` set (conftest.py)
@@ -47,28 +48,6 @@ def stores(tiny_llama, prepared, tmp_path_factory) -> dict[str, Path]:
         capture(CaptureConfig(target=str(tiny_llama), data=str(prepared), out=str(out[name]), layers=layers,
                               dtype=dtype, device="cpu", compute_dtype=compute))
     return out
-
-
-def _rewrite(src: Path, dst: Path, layers=None, edit=None, keep=None, extra=()) -> Path:
-    """Copy a real store sample by sample with StoreWriter, optionally claiming other layers or editing samples."""
-    from hstap.store.reader import open_store
-    from hstap.store.writer import StoreWriter
-
-    s = open_store(src)
-    header = {k: v for k, v in s.header.items() if k not in ("format", "version", "created", "created_unix")}
-    if layers is not None:
-        header["layers"] = layers
-    with StoreWriter(dst, header) as w:
-        for i in range(len(s)):
-            x = s[i]
-            if keep is not None and x["id"] not in keep:
-                continue
-            if edit is not None:
-                x = edit(dict(x))
-            w.add(x["id"], x["input_ids"], x["loss_mask"], x["aux"], x["final"])
-        for x in extra:
-            w.add(**x)
-    return dst
 
 
 # ---------------------------------------------------------------------------------------------------------------------

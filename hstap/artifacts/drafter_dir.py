@@ -23,28 +23,18 @@ wrong tokens silently), and the aux layers (drafter config == the provenance sto
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from hstap.common import HstapError, atomic_write_json, fsync_dir
-from hstap.data.vocab import check_vocab_map
+from hstap.common import HstapError, atomic_write_json, fsync_dir, read_json
+from hstap.artifacts.vocab_map import check_vocab_map, vocab_map_sha256
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 
 DRAFTER_FORMAT = "hstap-drafter"
 DRAFTER_VERSION = 1
-
-
-def vocab_map_sha256(d2t: torch.Tensor, t2d: torch.Tensor) -> str:
-    """Identity of a draft vocabulary map: sha256 over d2t as little-endian int64 and t2d as uint8 bytes."""
-    h = hashlib.sha256()
-    h.update(d2t.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8").tobytes())
-    h.update(b"|")
-    h.update(t2d.detach().to("cpu", torch.bool).contiguous().numpy().astype("u1").tobytes())
-    return h.hexdigest()
 
 
 EMBEDDING = "embed_tokens.weight"
@@ -139,10 +129,7 @@ def load_drafter(path: str | Path, device="cpu", dtype=torch.float32, embed: tor
     """Load an hstap-format drafter (or a RUN's best/latest); returns (drafter in eval mode, drafter.json dict). A
     checkpoint without its embedding gets the target's (`restore_embedding`: `embed`, else `target`'s)."""
     d = resolve_drafter_dir(path)
-    try:
-        meta = json.loads((d / "drafter.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HstapError(f"{d / 'drafter.json'}: cannot read: {e}") from None
+    meta = read_json(d / "drafter.json")
     if meta.get("format") != DRAFTER_FORMAT:
         raise HstapError(f"{d / 'drafter.json'}: not an hstap drafter (format={meta.get('format')!r})")
     cfg = DrafterConfig.from_dict(meta["config"])
@@ -172,13 +159,9 @@ def expected_state(cfg: DrafterConfig) -> dict[str, tuple[tuple[int, ...], torch
 
 def read_checkpoint(d: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     jpath, wpath = d / "drafter.json", d / "drafter.safetensors"
-    try:
-        meta = json.loads(jpath.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HstapError(f"{jpath}: cannot read: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != DRAFTER_FORMAT:
-        fmt = meta.get("format") if isinstance(meta, dict) else None
-        raise HstapError(f"{jpath}: not an hstap drafter (format={fmt!r})")
+    meta = read_json(jpath)
+    if meta.get("format") != DRAFTER_FORMAT:
+        raise HstapError(f"{jpath}: not an hstap drafter (format={meta.get('format')!r})")
     if not isinstance(meta.get("config"), dict):
         raise HstapError(f"{jpath}: config: missing")
     try:

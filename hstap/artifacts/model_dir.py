@@ -1,5 +1,6 @@
-"""Everything about reading a local HF model directory: device and dtype, config, tokenizer and chat template (and
-their hashes), the target model, its embedding and lm_head, and the fingerprint a store header records.
+"""Everything about reading a local HF model directory: config, tokenizer and chat template (and their hashes), the
+target model (on the device and dtype `hstap.device` resolves), its embedding and lm_head, and the fingerprint a store
+header records.
 
 Every stage that touches a target goes through here (capture, train, verify, eval, generate, the engines), so "which
 model is this" is decided in one place. No model hub: paths are local directories only.
@@ -18,60 +19,21 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from hstap.common import HstapError, one_line, sha256_bytes
+from hstap.device import resolve_device, resolve_dtype
 from hstap.models.target import Target
+from hstap.artifacts.quantization import LOADING_ATTRIBUTES_WARNING, load_kwargs, quantization_of
 from hstap.artifacts.tiktoken_dir import TIKTOKEN_FILE, is_tiktoken_dir, load_tiktoken_dir
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", TIKTOKEN_FILE)
 FINGERPRINT_EDGE = 1 << 20  # bytes hashed at each end of a weight file
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Device and dtype
-
-
-def auto_device(device: str | torch.device) -> str:
-    """The device a --device value names: "auto" -> "cuda" where torch sees a GPU, else "cpu"; any other as given."""
-    if str(device) != "auto":
-        return str(device)
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def auto_dtype(dtype: str, device: str | torch.device) -> str:
-    """The compute dtype a --dtype value names on `device` (a --device value): "auto" -> "bf16" on CUDA (what serving
-    engines run), "fp32" on the CPU (exact, tests); any other as given."""
-    if dtype != "auto":
-        return dtype
-    return "bf16" if torch.device(auto_device(device)).type == "cuda" else "fp32"
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """`auto_device(device)` as a torch.device; "cuda" without an index -> the current CUDA device."""
-    device = auto_device(device)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise HstapError(f"--device: {device} requested but CUDA is not available (torch {torch.__version__})")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise HstapError(f"--device: expected cpu, cuda or auto, got {device!r}")
-    return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto_dtype(dtype, device)` as a torch.dtype."""
-    dtype = auto_dtype(dtype, device)
-    if dtype not in COMPUTE_DTYPES:
-        raise HstapError(f"--compute-dtype: expected auto, fp32 or bf16, got {dtype!r}")
-    return COMPUTE_DTYPES[dtype]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -89,14 +51,62 @@ def check_model_dir(path: str | os.PathLike) -> Path:
 
 def read_config(path: str | os.PathLike):
     """The HF config of the model class config.json names: for a multimodal wrapper (Kimi-K2.5's
-    `KimiK25ForConditionalGeneration`, Llava, ...) the wrapper's, whose `text_config` is the language model hstap runs."""
+    `KimiK25ForConditionalGeneration`, Llava, ...) the wrapper's, whose `text_config` is the language model hstap runs
+    (`check_text_config`)."""
     from transformers import AutoConfig
 
     p = check_model_dir(path)  # a missing directory: our line, not the hub's "Repo id must be in the form ..."
     try:
-        return AutoConfig.from_pretrained(str(p))
-    except (OSError, ValueError, KeyError) as e:
-        raise HstapError(f"{p / 'config.json'}: cannot read the model config: {type(e).__name__}: {e}") from None
+        raw = json.loads((p / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise HstapError(f"{p / 'config.json'}: cannot read the model config: {one_line(e)}") from None
+    if not isinstance(raw, dict):
+        raise HstapError(f"{p / 'config.json'}: cannot read the model config: not a JSON object")
+    if "text_config" in raw:
+        check_text_config(p, raw, "a wrapper")
+    try:
+        cfg = AutoConfig.from_pretrained(str(p))
+    except Exception as e:  # noqa: BLE001 - the user's file: whatever transformers' field checks raise, one line
+        raise HstapError(f"{p / 'config.json'}: cannot read the model config: {type(e).__name__}: {one_line(e)}") \
+            from None
+    if "text_config" in (getattr(type(cfg), "sub_configs", None) or {}):
+        check_text_config(p, raw, f"a {type(cfg).__name__}")
+    return cfg
+
+
+def check_text_config(p: Path, raw: dict, what: str) -> None:
+    """A wrapper's config.json (`raw`) states its language model as a mapping under `text_config`: where it is
+    missing, null or empty, transformers builds its class's default in its place (Kimi-K2.5's: the full 61-layer
+    Kimi-K2), another model than the checkpoint's. One line naming the field."""
+    tc = raw.get("text_config", "missing")
+    if not isinstance(tc, dict) or not tc:
+        got = "it is missing" if tc == "missing" else f"got {json.dumps(tc)[:60]}"
+        raise HstapError(f"{p / 'config.json'}: text_config: {what} states its language model's config there (a "
+                         f"mapping: model_type, hidden_size, num_hidden_layers, ...); {got}")
+
+
+def check_text_shape(p: Path, cfg, w: TextWeights) -> None:
+    """The language model's config against its checkpoint before a model is built from it: the embedding is
+    (vocab_size, hidden_size) and every decoder layer the config counts is there (a DeepSeek MTP layer may follow).
+    A config of another size (a `text_config` of another model) is one line naming the field, not transformers'
+    size-mismatch report."""
+    from safetensors import safe_open
+
+    text = text_config(cfg)
+    where = f"{p / 'config.json'}: {'text_config.' if text is not cfg else ''}"
+    with safe_open(str(w.files[w.embed]), framework="pt") as h:
+        shape = tuple(h.get_slice(w.embed).get_shape())
+    want = (int(text.vocab_size), int(text.hidden_size))
+    for i, name in enumerate(("vocab_size", "hidden_size")):
+        if len(shape) != 2 or shape[i] != want[i]:
+            raise HstapError(f"{where}{name}: {want[i]}, but the checkpoint's {w.embed} is "
+                             f"{' x '.join(map(str, shape))} (vocab_size x hidden_size): the config of another model")
+    layer = re.compile(re.escape(w.base) + r"layers\.(\d+)\.")
+    have = {int(m.group(1)) for k in w.files if (m := layer.match(k))}
+    n, extra = int(text.num_hidden_layers), int(getattr(text, "num_nextn_predict_layers", 0) or 0)
+    if have and not n <= len(have) <= n + extra:
+        raise HstapError(f"{where}num_hidden_layers: {n}, but the checkpoint holds {len(have)} decoder layers: the "
+                         f"config of another model")
 
 
 def text_config(cfg):
@@ -222,7 +232,9 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
 
     A multimodal wrapper (Kimi-K2.5's `KimiK25ForConditionalGeneration`, ...) loads as its language model alone, a
     causal LM of its `text_config`, from the tensors `text_weights` finds (no vision tower). A tensor of the model
-    missing from the checkpoint is an error, never a random initialisation.
+    missing from the checkpoint is an error, never a random initialisation. A quantized checkpoint (INT4 W4A16
+    compressed-tensors, DeepSeek-V3's block FP8: hstap.artifacts.quantization) loads as the quantized model, its
+    weights unpacked to the values they stand for; another quantization is one error line.
 
     dtype: "fp32" | "bf16" | "auto" (fp32 on CPU, bf16 on CUDA). Attention is SDPA, or eager for architectures without
     it."""
@@ -238,10 +250,14 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
-    kw: dict = {"dtype": dt}
-    wrapper = text_config(cfg) is not cfg
-    if wrapper:
-        kw.update(text_model_kwargs(p, cfg))
+    kw: dict = {"dtype": dt, **load_kwargs(quantization_of(p))}
+    try:
+        weights = text_weights(p, cfg)
+        check_text_shape(p, cfg, weights)
+    except HstapError as e:
+        raise HstapError(f"{p}: cannot load the target model: {e}") from None
+    if text_config(cfg) is not cfg:
+        kw.update(text_model_kwargs(p, cfg, weights))
     if dev.type == "cuda" and is_accelerate_available():  # transformers needs accelerate for device_map
         kw["device_map"] = {"": dev.index}  # load straight into GPU memory, not through a full CPU copy
     verbosity = hf_logging.get_verbosity()
@@ -249,8 +265,11 @@ def load_target(path: str | os.PathLike, device: str | torch.device = "cpu", dty
     # DeepSeek MTP layer) are left out on purpose
     hf_logging.set_verbosity_error()
     try:
-        model, info = _from_pretrained(p, kw)
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a damaged or incomplete directory
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=f".*{LOADING_ATTRIBUTES_WARNING}", category=UserWarning)
+            model, info = _from_pretrained(p, kw)
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError, SafetensorError) as e:  # a damaged or incomplete
+        # directory, or a quantized one without its package (compressed-tensors)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise HstapError(f"{p}: cannot load the target model: {type(e).__name__}: {first}") from None
     finally:
@@ -278,12 +297,12 @@ def _from_pretrained(p: Path, kw: dict):
         return AutoModelForCausalLM.from_pretrained(str(p), attn_implementation="eager", output_loading_info=True, **kw)
 
 
-def text_model_kwargs(path: str | os.PathLike, cfg) -> dict:
+def text_model_kwargs(path: str | os.PathLike, cfg, weights: TextWeights | None = None) -> dict:
     """from_pretrained arguments that load a wrapper's language model as a causal LM of its own: its text config (the
     wrapper's tie flag, its quantization when only the wrapper states one) and the renames of `text_weights`."""
     import copy
 
-    weights = text_weights(path, cfg)
+    weights = weights or text_weights(path, cfg)
     text = copy.deepcopy(text_config(cfg))
     # Kimi-K2.5's text_config says model_type "kimi_k2"; transformers builds a DeepseekV3Config from it but keeps the
     # name, and picks a model's weight conversions (per-expert tensors -> fused experts) by model_type: the class's own.
@@ -297,7 +316,9 @@ def text_model_kwargs(path: str | os.PathLike, cfg) -> dict:
 def target_head(target_dir: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding (V, H), lm_head (V, H)) of the target's language model, read from its safetensors (`text_weights`);
     the lm_head is the embedding only where the config ties them and the checkpoint stores no head."""
-    w = text_weights(target_dir)
+    cfg = read_config(target_dir)
+    w = text_weights(target_dir, cfg)
+    check_text_shape(Path(target_dir), cfg, w)
     e = w.tensor(w.embed)
     return e, (e if w.head is None else w.tensor(w.head))
 
@@ -392,10 +413,15 @@ def tensor_files(path: Path) -> tuple[Path, dict]:
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise HstapError(f"{path}: no *.safetensors weights (hstap reads the target's embedding and lm_head from them)")
+    from safetensors import SafetensorError
+
     files = {}
     for f in shards:
-        with safe_open(str(f), framework="pt") as h:
-            files.update({k: f for k in h.keys()})
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                files.update({k: f for k in h.keys()})
+        except (SafetensorError, OSError) as e:
+            raise HstapError(f"{f}: cannot read its safetensors header: {one_line(e)}") from None
     return (shards[0] if len(shards) == 1 else path), files
 
 

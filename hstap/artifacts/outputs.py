@@ -7,18 +7,26 @@ config.json is the model's). A file output carries the same record beside or ins
 `<out>.config.json`, verify's JSON report its own "stage" key.
 
 An existing output is replaced (`--overwrite`, or the demo's work directory) only when its record names the stage
-that would replace it: a directory of the user's files, or another stage's output, is refused by name, with or without
---overwrite, and left as it was. An empty directory holds nothing to lose: it is used as it is. An output that is, or
-holds, one of the run's own inputs is refused too (the replacement would remove what it reads).
+that would replace it: a directory or a file of the user's, or another stage's output, is refused by name, with or
+without --overwrite, and left as it was. An empty directory holds nothing to lose: it is used as it is. An output that
+is, or holds, one of the run's own inputs is refused too (the replacement would remove what it reads). The stages
+that write a new output only (data, prepare, convert) refuse any existing one (`check_new_out`).
+
+Where an output goes is checked before any work (`check_writable`, which the command line runs on every stage's output
+flags before the stage's module loads): an existing file output must be a regular file (a FIFO would block, a device
+would swallow it), a directory output a directory, and the output, or the nearest directory above it that exists
+(missing ones are made), must be writable. An OSError that still comes (a full disk) is one line naming its path
+(`hstap.cli.main`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
-from hstap.common import HstapError
+from hstap.common import HstapError, read_record
 
 RECORDS = ("config.json", "hstap_export.json", "hstap_convert.json")
 """The files a stage's run record may live in (the first one found that is a run record counts)."""
@@ -26,24 +34,31 @@ RECORD_OF = {"export": "hstap_export.json", "convert": "hstap_convert.json"}
 """Stages whose run record is not config.json (there, config.json is the model's)."""
 
 
-def read_record(path: Path) -> dict | None:
-    """The run record in `path` (a JSON object with "stage" and "hstap_version"), or None."""
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    if isinstance(rec, dict) and isinstance(rec.get("stage"), str) and "hstap_version" in rec:
-        return rec
-    return None
-
-
 def written_by(d: Path) -> str | None:
-    """The hstap stage whose run record the directory `d` holds; None: not an hstap output."""
+    """The hstap stage whose run record the directory `d` holds (a drafter directory, RUN/best or a checkpoint, is
+    train's: its drafter.json); None: not an hstap output."""
     for name in RECORDS:
         rec = read_record(d / name)
         if rec is not None:
             return rec["stage"]
+    if (d / "drafter.json").is_file():
+        from hstap.artifacts.drafter_dir import DRAFTER_FORMAT
+
+        try:
+            if json.loads((d / "drafter.json").read_text()).get("format") == DRAFTER_FORMAT:
+                return "train"
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            pass
     return None
+
+
+def check_new_out(out: str | os.PathLike, stage: str, flag: str = "--out") -> Path:
+    """Before any work of a stage that never replaces an output (data, prepare, convert): `out` as a Path, or
+    HstapError naming it and `flag` when anything is there."""
+    out = Path(out)
+    if out.exists():
+        raise HstapError(f"{out}: already exists ({stage} never overwrites; remove it or choose another {flag})")
+    return out
 
 
 def check_out_dir(out: str | os.PathLike, stage: str, overwrite: bool | None, flag: str = "--out") -> bool:
@@ -85,18 +100,53 @@ def check_not_input(out: str | os.PathLike, inputs: list[tuple[str, str | os.Pat
             raise HstapError(f"{out}: {flag}: {where} the input {name} {p}; write the output somewhere else")
 
 
-def check_out_file(out: str | os.PathLike, stage: str, overwrite: bool, flag: str) -> None:
-    """Before any work: may `stage` write the JSON file `out`? Yes when it is new, a JSON record of `stage` (its
-    "stage" key), or with `overwrite`; a directory never."""
+def check_writable(out: str | os.PathLike, flag: str, kind: str = "file") -> None:
+    """Before any work: can an output of `kind` ("file" or "dir") be written at `out`? HstapError naming `out` and
+    `flag` when an existing `out` is not a regular file (`kind` "file": a directory, a FIFO, a device) or not a
+    directory ("dir"), or is not writable, or when the nearest existing directory above it is not a directory or not
+    writable (a missing parent is made by the stage; the output's temporary files and sidecars go beside it)."""
     out = Path(out)
-    if out.is_dir():
-        raise HstapError(f"{out}: {flag}: is a directory; give a file path")
-    if not out.exists() or overwrite:
-        return
     try:
-        rec = json.loads(out.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        rec = None
-    if not (isinstance(rec, dict) and rec.get("stage") == stage):
-        raise HstapError(f"{out}: {flag}: exists and is not a report hstap {stage} wrote; pass --overwrite to replace "
-                         f"it, or choose another {flag}")
+        st = out.stat() if out.exists() else None
+    except OSError as e:
+        raise HstapError(f"{out}: {flag}: cannot be read ({e.strerror})") from None
+    if st is not None and kind == "dir" and not stat.S_ISDIR(st.st_mode):
+        raise HstapError(f"{out}: {flag}: exists and is not a directory (a directory is written there); choose "
+                         f"another {flag}")
+    if st is not None and kind == "file":
+        if stat.S_ISDIR(st.st_mode):
+            raise HstapError(f"{out}: {flag}: is a directory; give a file path")
+        if not stat.S_ISREG(st.st_mode):
+            raise HstapError(f"{out}: {flag}: exists and is not a regular file (a FIFO, a socket or a device); give "
+                             f"a file path")
+    if st is not None and not os.access(out, os.W_OK | (os.X_OK if kind == "dir" else 0)):
+        raise HstapError(f"{out}: {flag}: not writable (permission denied); choose another {flag}")
+    if st is not None and kind == "dir":
+        return  # written inside
+    above = out.absolute().parent
+    while not above.exists() and not above.is_symlink() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise HstapError(f"{out}: {flag}: {above} is not a directory; choose another {flag}")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise HstapError(f"{out}: {flag}: cannot write in {above} (permission denied); choose another {flag}")
+
+
+def check_out_file(out: str | os.PathLike, stage: str, overwrite: bool, flag: str) -> bool:
+    """Before any work: may `stage` write the JSON file `out`? True when it is an earlier record of `stage` (its
+    "stage" and "hstap_version" keys) that the run replaces, which needs `overwrite`; False when it is new. HstapError
+    naming `out` and `flag` for a directory, and for any other file, whatever `overwrite` says: a file of the user's
+    (or the store's own manifest.json) is never replaced."""
+    out = Path(out)
+    check_writable(out, flag, "file")
+    if not out.exists():
+        return False
+    rec = read_record(out)
+    if rec is None or rec["stage"] != stage:
+        what = "a file hstap did not write" if rec is None else f"an output of hstap {rec['stage']}"
+        raise HstapError(f"{out}: {flag}: exists and is {what} (not an earlier report of hstap {stage}); hstap "
+                         f"{stage} replaces only its own earlier report, so nothing was touched: choose another {flag}")
+    if not overwrite:
+        raise HstapError(f"{out}: {flag}: holds an earlier hstap {stage} report; pass --overwrite to replace it, or "
+                         f"choose another {flag}")
+    return True

@@ -29,10 +29,9 @@ from __future__ import annotations
 import ast
 import base64
 import binascii
-import json
 from pathlib import Path
 
-from hstap.common import HstapError, one_line
+from hstap.common import HstapError, one_line, read_json
 
 TIKTOKEN_FILE = "tiktoken.model"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -75,13 +74,7 @@ def read_tokenizer_config(path: Path) -> dict:
     if not path.is_file():
         raise HstapError(f"{path}: missing; a tiktoken tokenizer ({TIKTOKEN_FILE}) needs it for its special tokens and "
                          "the tokenizer class (auto_map) whose split pattern it uses")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise HstapError(f"{path}: cannot read: {one_line(e)}") from None
-    if not isinstance(config, dict):
-        raise HstapError(f"{path}: not a JSON object")
-    return config
+    return read_json(path)
 
 
 def class_file(d: Path, config: dict, cfg_path: Path) -> tuple[Path, str]:

@@ -1,7 +1,7 @@
 """What a capture run needs, resolved once (`resolve` -> `CapturePlan`), and the pieces every engine uses: the store to
 resume (`check_out`), the store header (`store_header`, also the servers' taps'), the prepared set's vocabulary map
 (`copy_vocab_map`), messages and summaries. It lives below the stage (`hstap.capture.stage`, which reaches the engines)
-and the engines (capture/hf.py, capture/sglang/driver.py, capture/vllm/driver.py, capture/vllm/importer.py), which
+and the engines (capture/hf/driver.py, capture/sglang/driver.py, capture/vllm/driver.py, capture/vllm/importer.py), which
 call it and never the stage.
 
 `resolve` reads the prepared set and the target once and refuses data made with another tokenizer or chat template
@@ -82,7 +82,8 @@ def check_out(out: str, new: bool, rank: int = 0, world: int = 1, header: dict |
     captured: made with this run's target, layers and dtype (`header`, when given: refused before anything is loaded),
     and every committed shard present at its recorded size and hashed against its checksum (ranks split the shards).
     Returns whether there is a store to resume."""
-    from hstap.store.format import check_resumable, check_store_dir
+    from hstap.store.header import check_resumable
+    from hstap.store.manifest import check_store_dir
     from hstap.store.reader import open_store
 
     if not check_store_dir(out) or new:  # a directory of other files is refused, --new or not
@@ -104,10 +105,10 @@ def store_header(target_block: dict, engine: dict, dtype: str, layers: list[int]
                  data_meta: dict | None = None, work: dict | None = None) -> dict:
     """The StoreWriter header (see hstap/store/format.py). `config`: what made the store (a capture config as a dict,
     or a tap's settings), recorded as `capture_config`; `data` records what the samples were rendered and tokenized
-    with; `vocab_map` the prepared set's draft vocabulary map (`hstap.data.vocab.vocab_map_record`) of the prepared
+    with; `vocab_map` the prepared set's draft vocabulary map (`hstap.artifacts.vocab_map.vocab_map_record`) of the prepared
     set `config["data"]`, when it has one; `work` the store's identity (format.py: kind, producer, data): `work`, else
     a capture of the prepared set `data_meta` describes (its path, and the sha256 of its meta.json's content)."""
-    from hstap.data.vocab import vocab_map_record
+    from hstap.artifacts.vocab_map import vocab_map_record
 
     h = {"target": target_block, "engine": engine, "dtype": dtype, "layers": list(layers),
          "hidden_size": int(target_block["hidden_size"]),
@@ -131,8 +132,8 @@ def copy_vocab_map(data: str, out: str) -> None:
     """Copy PREPARED/vocab_map.safetensors into the store (atomically) when the store's header records that very file
     (same sha256) and the store lacks it: after the store is created, or on the resume of a run killed before.
     A store created from another prepared set keeps its own map (with a note)."""
-    from hstap.data.vocab import VOCAB_MAP_FILE, vocab_map_record
-    from hstap.store.format import load_manifest
+    from hstap.artifacts.vocab_map import VOCAB_MAP_FILE, vocab_map_record
+    from hstap.store.manifest import load_manifest
 
     rec, stored = vocab_map_record(data), load_manifest(Path(out)).get("vocab_map")
     if rec is None or stored is None:

@@ -1,7 +1,7 @@
 """Where a capture pass's time goes, stage by stage: `CaptureRunner(..., profile=CaptureProfile(device))`
 (benchmarks/bench_capture.py prints it per pass). Without a profile the runner pays nothing for it (NO_PROFILE).
 
-Stages of capture/hf.py's pipeline:
+Stages of capture/hf/runner.py's pipeline:
     launching thread  inputs    the samples' checks and metadata (host only)
                       forward   padding, the host-to-device copy of the ids, the target's forward with its hooks
                       demux     the padding rows dropped (nothing to do for a batch without padding)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hstap.common import HstapError
+from hstap.common import HstapError, one_line
 from hstap.capture.session import END_PREFIX
 
 log = logging.getLogger("hstap.served")
@@ -166,7 +166,8 @@ class ServedWriter:
         return True
 
     def add_traffic(self, sid: str, ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
-                    header, aux_scale: torch.Tensor | None = None, final_scale: torch.Tensor | None = None) -> bool:
+                    header, aux_scale: torch.Tensor | None = None, final_scale: torch.Tensor | None = None,
+                    side: dict | None = None) -> bool:
         """Store a served request (tap mode: no prepared row to check against); `header()` (a callable, made only
         when needed) creates the store if there is none. Returns whether it was added (an id already in the store is
         skipped)."""
@@ -176,17 +177,50 @@ class ServedWriter:
             self.stats["duplicates"] += 1
             return False
         # ids (T,), mask (T,), aux (T, K, H), final (T, H)
-        self.writer.add(sid, ids, mask, aux, final, aux_scale=aux_scale, final_scale=final_scale)
+        self.writer.add(sid, ids, mask, aux, final, aux_scale=aux_scale, final_scale=final_scale, side=side)
         self.added.add(sid)
         self.dirty = True
         self.stats["samples"] += 1
         return True
 
 
+STOPPED = "stopped"
+"""The kind of the error event a writer thread leaves as it ends on an error (`drain`): the tap writes no more."""
+
+
+def stopped_writer(store: str | os.PathLike, events_dir: str) -> str | None:
+    """The message of the first "stopped" event (`STOPPED`) among STORE/events_dir's event files: a writer thread that
+    ended on an error; None while every writer is running (or ended normally)."""
+    for f in sorted(Path(store, events_dir).glob("r*.jsonl")):
+        try:
+            lines = f.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                e = json.loads(line)
+            except ValueError:  # a line being appended
+                continue
+            if isinstance(e, dict) and e.get("event") == "error" and e.get("kind") == STOPPED:
+                return str(e.get("message"))
+    return None
+
+
 def drain(q: queue.Queue, flush_s: float, writer, handle) -> None:
     """An in-server writer thread's loop: `handle(item)` each queued item until None; when idle for `flush_s`, commit
     the open shard and look for the end of a session (`writer.flush()`, `writer.check_end()`). A failing item becomes
-    an error event for the driver (`writer.event`); serving goes on."""
+    an error event for the driver (`writer.event`); serving goes on. Whatever ends the loop otherwise (a writer that
+    stopped, a `flush_s` the queue refuses) is a "stopped" error event before it propagates: the thread is gone and
+    the tap writes nothing more, which the driver must report as a failure (`hstap serve-loop`: `tap_stopped`)."""
+    try:
+        _drain(q, flush_s, writer, handle)
+    except BaseException as e:
+        log.exception("hstap: the capture writer thread stopped")
+        writer.event({"event": "error", "kind": STOPPED, "message": f"{type(e).__name__}: {one_line(e)}"})
+        raise
+
+
+def _drain(q: queue.Queue, flush_s: float, writer, handle) -> None:
     while True:
         try:
             item = q.get(timeout=flush_s)

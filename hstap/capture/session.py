@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_json
-from hstap.store.format import committed_ids_of, load_manifest, load_parts, writing_state
+from hstap.store.manifest import committed_ids_of, load_manifest, load_parts, writing_state
 
 RID_PREFIX = "hstap:"
 END_PREFIX = "end-"

@@ -19,7 +19,7 @@ header), so that `hstap train --store STORE` uses the vocabulary chosen at prepa
 Multi-GPU: under torchrun each rank takes samples rank::world_size, runs its own copy of the model on cuda:LOCAL_RANK
 and writes its own shards; rank 0 merges the manifest after a barrier (a gloo process group is used only for barriers
 and the final counts; torchrun's environment is read by hstap/dist.py). Engines, each owning its capture loop:
-`hf` (embedded, capture/hf.py), `sglang` (a server with the hstap plugin and hook, capture/sglang/hook.py, driven by
+`hf` (embedded, capture/hf/), `sglang` (a server with the hstap plugin and hook, capture/sglang/hook.py, driven by
 capture/sglang/driver.py), `vllm` (vLLM's own engine with hstap's connector, capture/vllm/connector.py, driven by
 capture/vllm/driver.py) and `vllm-import` (convert stock vLLM extract_hidden_states output,
 capture/vllm/importer.py). This module is the stage's entry: it reaches each engine by import. The config is
@@ -39,7 +39,7 @@ def capture(cfg: CaptureConfig) -> dict:
     """Capture hidden states into cfg.out; prints and returns a summary (rank 0's has the totals of all ranks). Each
     engine is imported when it runs: the config is checked before torch or any engine is imported."""
     if cfg.engine == "hf":
-        from hstap.capture.hf import capture_hf
+        from hstap.capture.hf.driver import capture_hf
         return capture_hf(cfg)
     if cfg.engine == "sglang":
         from hstap.capture.sglang.driver import run_sglang_capture

@@ -1,4 +1,4 @@
-"""Staging captured hidden states for the device-to-host copy, shared by the embedded engine (capture/hf.py) and the
+"""Staging captured hidden states for the device-to-host copy, shared by the embedded engine (capture/hf/runner.py) and the
 SGLang hook (capture/sglang/hook.py).
 
 A batch's store tensors (aux, final and, for fp8, their scales) are converted to the store dtype where they are
@@ -22,7 +22,7 @@ ALIGN = 512  # byte alignment of each tensor inside a pinned buffer (any dtype v
 def to_store_dtype(aux: torch.Tensor, final: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
     """Packed (S, K, H), (S, H) -> the store's tensors, converted where they are (on the GPU, fp8 halves the D2H)."""
     if dtype == "fp8":
-        from hstap.store.format import quantize_fp8
+        from hstap.store.fp8 import quantize_fp8
 
         aux_q, aux_scale = quantize_fp8(aux)  # (S, K, H) float8, (S, K) float32
         final_q, final_scale = quantize_fp8(final)  # (S, H) float8, (S,) float32

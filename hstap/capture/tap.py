@@ -97,7 +97,7 @@ class GeneratedStore:
 
         from hstap.capture.inputs import check_out, store_header
         from hstap.data.conversations import files_fingerprint
-        from hstap.store.format import committed_ids_of
+        from hstap.store.manifest import committed_ids_of
         from hstap.layers import parse_layers
         from hstap.artifacts.model_dir import target_fingerprint
         from hstap.store.writer import StoreWriter
@@ -158,7 +158,7 @@ def generate(cfg: GenerateConfig) -> dict:
 
     if cfg.capture is None:
         return run(cfg)
-    from hstap.artifacts.model_dir import resolve_device, resolve_dtype
+    from hstap.device import resolve_device, resolve_dtype
 
     def make_tap() -> GeneratedStore:
         dt = resolve_dtype(cfg.dtype, resolve_device(cfg.device))

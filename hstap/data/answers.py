@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hstap.common import HstapError
+from hstap.common import HstapError, read_record
 from hstap.data.generate_config import GenerateConfig
 
 
@@ -78,8 +78,6 @@ def check_resume(cfg: GenerateConfig, keys: tuple[str, ...], out: Path, cfg_path
     resume it with other settings than the ones its record holds (the `keys` that change what is generated: a
     resume with any of them changed would mix two distributions, or two inputs, in one file); the input files
     ("data") by their `data_fingerprint` where the record has one (the same files moved elsewhere resume)."""
-    from hstap.artifacts.outputs import read_record
-
     if not out.exists() or out.stat().st_size == 0:
         return
     rec = read_record(cfg_path)

@@ -37,7 +37,7 @@ rendered text (SpecForge: one registry entry per model family) and `{% generatio
 Output directory PREPARED (built in a hidden temp sibling, fsynced, renamed at the end; an existing one is refused):
   Arrow dataset (`datasets.save_to_disk`; `load_prepared`): id (str), input_ids (list[int32]), loss_mask (list[int8])
   token_freq.safetensors  token_freq int64 [V]: counts of loss-masked tokens (V = len(tokenizer))
-  vocab_map.safetensors   d2t int64 [N] (hot id - draft index), t2d bool [V] (the draft vocabulary map: hstap/data/vocab.py)
+  vocab_map.safetensors   d2t int64 [N] (hot id - draft index), t2d bool [V] (the draft vocabulary map: hstap/artifacts/vocab_map.py)
   meta.json               tokenizer/chat-template sha256, chat_template_kwargs, vocab_size, max_len, counts, draft
                           vocab size and coverage
   config.json             the resolved PrepareConfig (replay: `hstap prepare --config PREPARED/config.json --out NEW`)
@@ -61,12 +61,13 @@ from pathlib import Path
 import numpy as np
 
 from hstap.common import (
-    HstapError, atomic_write_bytes, atomic_write_json, one_line, publishing_dir, write_run_config)
+    HstapError, atomic_write_bytes, atomic_write_json, publishing_dir, read_json, write_run_config)
 from hstap.data.chat import assistant_spans, tokenize_conversation
 from hstap.data.conversations import BadRecord, count_skip, expand_paths, iter_records
 from hstap.data.prepare_config import PrepareConfig
 from hstap.data.reasoning import template_kwargs
-from hstap.data.vocab import build_vocab_map, check_vocab_map
+from hstap.artifacts.outputs import check_new_out
+from hstap.artifacts.vocab_map import VOCAB_MAP_FILE, build_vocab_map, check_vocab_map, write_vocab_map
 from hstap.artifacts.model_dir import chat_template_of, chat_template_sha256, load_tokenizer, tokenizer_sha256
 
 CHUNK = 64  # records per worker task: large enough to amortise IPC, small enough to keep workers busy
@@ -82,13 +83,10 @@ def read_meta(path: str | os.PathLike) -> dict:
         p = p / "meta.json"
     elif p.is_file() and p.name != "meta.json":  # e.g. the conversations file itself
         raise HstapError(f"{p}: a file, not a prepared dataset directory; run hstap prepare --data {p} first")
-    try:
-        meta = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise HstapError(f"{p}: not found (not a prepared dataset? run hstap prepare)") from None
-    except (OSError, ValueError) as e:
-        raise HstapError(f"{p}: cannot read: {one_line(e)}") from None
-    if not isinstance(meta, dict) or meta.get("format") != "hstap-prepared":
+    if not p.exists():
+        raise HstapError(f"{p}: not found (not a prepared dataset? run hstap prepare)")
+    meta = read_json(p)
+    if meta.get("format") != "hstap-prepared":
         raise HstapError(f"{p}: not an hstap prepared-data meta.json")
     return meta
 
@@ -222,9 +220,7 @@ def check_answers_kwargs(files: list[Path], kwargs: dict) -> None:
 def prepare(cfg: PrepareConfig) -> dict:
     """Tokenize cfg.data into cfg.out (see the module docstring); prints and returns a summary."""
     t0 = time.perf_counter()
-    out = Path(cfg.out)
-    if out.exists():
-        raise HstapError(f"{out}: already exists (prepare never overwrites; remove it or choose another --out)")
+    out = check_new_out(cfg.out, "prepare")
     files = expand_paths(cfg.data)
     kwargs = template_kwargs(cfg.chat_template_kwargs)
     check_answers_kwargs(files, kwargs)
@@ -329,7 +325,7 @@ def _prepare_into(cfg: PrepareConfig, files: list[Path], tok, template: str, tmp
     masked = int(freq.sum())
     coverage = 100.0 * float(freq[t2d].sum()) / masked
     atomic_write_bytes(tmp / "token_freq.safetensors", st_save({"token_freq": freq}))
-    atomic_write_bytes(tmp / "vocab_map.safetensors", st_save({"d2t": d2t, "t2d": t2d}))
+    write_vocab_map(tmp / VOCAB_MAP_FILE, d2t, t2d)
     summary = {
         "read": counts["read"], "written": counts["written"], "truncated": counts["truncated"],
         "cut_answers": counts["cut_answers"], "distinct_masked_tokens": int((freq > 0).sum()), "vocab_size": V,

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from hstap.common import (
     HstapError, atomic_write_json, file_mode, fsync_dir, one_line, package_files, package_version, run_meta)
+from hstap.artifacts.outputs import check_new_out
 from hstap.config import absolute, at_least
 from hstap.data.conversations import conversation_id, iter_json_list
 
@@ -209,9 +210,7 @@ def mtbench_records(path: Path, turn: int, counts: Counter):
 def data(cfg: DataConfig) -> dict:
     """Write cfg.source as a conversation file (module docstring); prints and returns the counts."""
     t0 = time.perf_counter()
-    out = Path(cfg.out)
-    if out.exists():
-        raise HstapError(f"{out}: already exists (data never overwrites; remove it or choose another --out)")
+    out = check_new_out(cfg.out, "data")
     package, name = (SHAREGPT_PACKAGE, SHAREGPT_FILE) if cfg.source == "sharegpt" else (MTBENCH_PACKAGE, MTBENCH_FILE)
     src = Path(cfg.file) if cfg.file else installed_file(package, name)
     if not src.is_file():

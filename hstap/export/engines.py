@@ -20,13 +20,12 @@ must be the ones the drafter was trained on.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from hstap.common import HstapError
+from hstap.common import HstapError, read_json
 from hstap.artifacts.drafter_dir import expected_state, load_drafter
 from hstap.layers import from_sglang, from_vllm, to_sglang, to_vllm, vllm_default_ids
 from hstap.models.drafter import SPECULATORS_FLAGS, DrafterConfig, Eagle3Drafter, parse_rope
@@ -129,11 +128,8 @@ def vllm_aux_layers(path: str | Path, num_layers: int) -> list[int]:
     with one line when they are not the layers the drafter was trained on (its hstap_export.json), e.g. an SGLang-only
     config whose ids vLLM would read one layer early."""
     p = Path(path)
-    try:
-        conf = json.loads((p / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HstapError(f"{p / 'config.json'}: cannot read: {e}") from None
-    info = json.loads((p / "hstap_export.json").read_text()) if (p / "hstap_export.json").is_file() else {}
+    conf = read_json(p / "config.json")
+    info = read_json(p / "hstap_export.json") if (p / "hstap_export.json").is_file() else {}
     ids = vllm_reads(conf)
     read = from_vllm(ids or vllm_default_ids(num_layers), num_layers)
     trained = info.get("aux_layers")
@@ -181,11 +177,8 @@ def read_export(path: str | Path) -> tuple[dict, dict, list[int], str, dict]:
     from hstap_export.json when present, else from the config's ids (SGLang: `from_sglang`; vLLM: `from_vllm`)."""
     p = Path(path)
     cpath = p / "config.json"
-    try:
-        conf = json.loads(cpath.read_text())
-        info = json.loads((p / "hstap_export.json").read_text()) if (p / "hstap_export.json").is_file() else {}
-    except (OSError, json.JSONDecodeError) as e:
-        raise HstapError(f"{cpath}: cannot read: {e}") from None
+    conf = read_json(cpath)
+    info = read_json(p / "hstap_export.json") if (p / "hstap_export.json").is_file() else {}
     mtype = info.get("target_model_type", "llama")
     if conf.get("speculators_model_type") == "eagle3":
         layer = dict(conf["transformer_layer_config"])

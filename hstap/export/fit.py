@@ -12,15 +12,15 @@ anything: one line naming the drafter's file and field, instead of a size mismat
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from hstap.common import HstapError
+from hstap.common import HstapError, read_json
 
 
 def drafter_facts(path: str | Path) -> dict:
-    """{"file": the JSON the facts come from, "vocab_size", "target_hidden_size", "aux_layers", "target": the target
-    block it was trained on (None: not recorded)} of a drafter directory, RUN, or SGLang / speculators export."""
+    """{"file": the JSON the facts come from, "vocab_size", "target_hidden_size", "aux_layers", "num_layers" (decoder
+    layers), "target": the target block it was trained on (None: not recorded)} of a drafter directory, RUN, or
+    SGLang / speculators export."""
     from hstap.artifacts.drafter_dir import resolve_drafter_dir
     from hstap.export.engines import read_export
 
@@ -29,16 +29,16 @@ def drafter_facts(path: str | Path) -> dict:
         conf, layer, aux, _, info = read_export(p)
         return {"file": p / "config.json", "vocab_size": layer.get("vocab_size"),
                 "target_hidden_size": layer.get("target_hidden_size") or layer.get("hidden_size"), "aux_layers": aux,
+                "num_layers": int(layer.get("num_hidden_layers") or 1),
                 "target": ((info.get("provenance") or {}).get("store") or {}).get("target")}
     d = resolve_drafter_dir(p)
     f = d / "drafter.json"
-    try:
-        meta = json.loads(f.read_text())
-        conf = meta["config"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise HstapError(f"{f}: cannot read the drafter's config: {type(e).__name__}: {e}") from None
+    meta = read_json(f)
+    conf = meta.get("config")
+    if not isinstance(conf, dict):
+        raise HstapError(f"{f}: config: missing (not an hstap drafter?)")
     return {"file": f, "vocab_size": conf.get("vocab_size"), "target_hidden_size": conf.get("target_hidden_size"),
-            "aux_layers": [int(i) for i in conf.get("aux_layers") or []],
+            "aux_layers": [int(i) for i in conf.get("aux_layers") or []], "num_layers": int(conf.get("num_layers", 1)),
             "target": (meta.get("store") or {}).get("target") if isinstance(meta.get("store"), dict) else None}
 
 

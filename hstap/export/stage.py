@@ -17,14 +17,13 @@ disk). The output is written to a temp sibling and renamed into place.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, publishing_dir, run_meta
+from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, publishing_dir, read_json, run_meta
 from hstap.artifacts.drafter_dir import (DRAFTER_FORMAT, read_checkpoint, resolve_drafter_dir, restore_embedding,
                                validate_checkpoint)
 from hstap.export.config import ExportConfig
@@ -47,10 +46,7 @@ def _target_info(cfg: ExportConfig, dcfg: DrafterConfig, meta: dict) -> tuple[st
         if cfg.target is not None:
             raise HstapError(f"{cfg.target}: target: no config.json")
         return str(path), []  # the provenance path may only exist on the serving machine
-    try:
-        tc = json.loads(cpath.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HstapError(f"{cpath}: cannot read: {e}") from None
+    tc = read_json(cpath)
     if cfg.target is not None:
         tc_text = tc.get("text_config", tc) if isinstance(tc.get("text_config"), dict) else tc
         check_drafter_target(resolve_drafter_dir(cfg.run), {"path": str(path), "vocab_size": tc_text.get("vocab_size"),

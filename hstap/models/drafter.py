@@ -22,6 +22,12 @@ Attention runs over a key/value cache that holds earlier positions (decoding) or
 (exact, any device), or a flex_attention `BlockMask` (compiled on CUDA; eager, forward only on CPU). The training-time
 test's masks, objective and wrapper live in `hstap.train.ttt`.
 
+One forward, its kernels a strategy (as the target's layers take theirs, hstap.models.lean_target): `forward`, `project`
+and `compute_logits` take `kernels`, which decides how the rotary cos/sin, the products (fc, q/k/v, o_proj, gate/up,
+down_proj, lm_head) and the attention are computed; the layer structure, the norms, the residuals and speculators'
+variants stay here. `ModuleKernels` (the default, what training and the reference decoders run) calls the modules as
+they are; hstap.models.lean_drafter.FusedKernels computes the same function with fewer kernels for the fast decoder.
+
 Single-device model code: no I/O, no ranks, no logging.
 """
 
@@ -216,6 +222,40 @@ def new_drafter_cache(drafter):
     return DrafterCache() if n == 1 else LayerCaches(n)
 
 
+class ModuleKernels:
+    """The drafter's kernels as its modules compute them: HF's rotary module, one Linear call per product, SDPA (or
+    flex_attention for a BlockMask) with grouped heads over the layer's DrafterCache (`Attention.attend`). The default
+    strategy of the one forward (module docstring); stateless, one instance serves every drafter and layer."""
+
+    def rope(self, drafter, hidden: torch.Tensor, position_ids: torch.Tensor):
+        cos, sin = drafter.rope(hidden, position_ids)  # (B, T, hd) each
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd): broadcast over heads
+
+    def mask(self, mask, groups: int):
+        """The mask as `attend` takes it, made once per forward (groups: query heads per kv head)."""
+        return mask
+
+    def layer(self, i: int) -> "ModuleKernels":
+        """The kernels of decoder layer i (0: the midlayer)."""
+        return self
+
+    def linear(self, x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+        return module(x)
+
+    def qkv(self, attn: "Attention", x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (B, T, in) -> q (B, T, nh*hd), k and v (B, T, nkv*hd), before the rotation."""
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+    def gate_up(self, mlp: "MLP", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return mlp.gate_proj(x), mlp.up_proj(x)  # (B, T, I) each
+
+    def attend(self, attn: "Attention", q, k, v, cache, mask) -> torch.Tensor:
+        return attn.attend(q, k, v, cache, mask)  # (B, T, nh*hd)
+
+
+MODULES = ModuleKernels()
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig, in_features: int | None = None):
         """in_features: q/k/v input width (default 2H: the midlayer's cat(embedding, hidden))."""
@@ -228,13 +268,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(inp, self.n_kv * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, H, bias=False)
 
-    def qkv(self, x, cos, sin):
-        """x (B, T, in_features) -> rotated q (B, nh, T, hd), rotated k and v (B, nkv, T, hd)."""
+    def qkv(self, x, cos, sin, kernels: ModuleKernels = MODULES):
+        """x (B, T, in_features), cos/sin (B, 1, T, hd) -> rotated q (B, nh, T, hd), rotated k and v (B, nkv, T, hd)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
+        q, k, v = kernels.qkv(self, x)
+        q = q.view(B, T, self.n_heads, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         return (*rotate(q, k, cos, sin), v)
 
     def attend(self, q, k, v, cache: DrafterCache | None, mask) -> torch.Tensor:
@@ -252,9 +292,6 @@ class Attention(nn.Module):
                                                  enable_gqa=self.n_kv != self.n_heads)  # (B, nh, T, hd)
         return out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd)
 
-    def forward(self, x, cos, sin, cache: DrafterCache | None, mask) -> torch.Tensor:
-        return self.o_proj(self.attend(*self.qkv(x, cos, sin), cache, mask))
-
 
 FLEX_KERNEL_OPTIONS: dict = {"FORCE_USE_FLEX_ATTENTION": True}
 """kernel_options of every compiled flex_attention call: the main Triton kernel always, never inductor's decoding one.
@@ -269,7 +306,7 @@ run did not. TTT queries are whole sequences, not decoding steps: the main kerne
 
 FLEX_DYNAMIC = None
 """torch.compile's `dynamic` for the flex region: None (dynamo's default: the first shape static, recompiled with dynamic
-shapes once another comes); benchmarks/repro_flex.py tries True too."""
+shapes once another comes); benchmarks/research/repro_flex.py tries True too."""
 
 
 _FLEX: dict = {}
@@ -311,8 +348,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, kernels: ModuleKernels = MODULES):
+        gate, up = kernels.gate_up(self, x)  # (B, T, I) each
+        return kernels.linear(F.silu(gate) * up, self.down_proj)
 
 
 class Midlayer(nn.Module):
@@ -327,18 +365,19 @@ class Midlayer(nn.Module):
 
     # pre/post hold everything but the cache and the attention kernel: pure tensor functions that torch.compile fuses
     # (train --compile replaces them on the instance), while the cache bookkeeping stays in plain Python.
-    def pre(self, emb, hidden, cos, sin):
+    def pre(self, emb, hidden, cos, sin, kernels: ModuleKernels = MODULES):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2H)
-        return self.self_attn.qkv(x, cos, sin)
+        return self.self_attn.qkv(x, cos, sin, kernels)
 
-    def post(self, attn, hidden):
-        r = self.self_attn.o_proj(attn) + hidden  # (B, T, H)
-        return self.mlp(self.post_attention_layernorm(r)) + r  # (B, T, H) pre-norm
+    def post(self, attn, hidden, kernels: ModuleKernels = MODULES):
+        r = kernels.linear(attn, self.self_attn.o_proj) + hidden  # (B, T, H)
+        return self.mlp(self.post_attention_layernorm(r), kernels) + r  # (B, T, H) pre-norm
 
-    def forward(self, emb, hidden, cos, sin, cache, mask):
-        q, k, v = self.pre(emb, hidden, cos, sin)
+    def forward(self, emb, hidden, cos, sin, cache, mask, kernels: ModuleKernels = MODULES):
+        """emb, hidden (B, T, H), cos/sin (B, 1, T, hd) -> h_out (B, T, H), pre-norm; kernels: this layer's."""
+        q, k, v = self.pre(emb, hidden, cos, sin, kernels)
         residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden  # (B, T, H)
-        return self.post(self.self_attn.attend(q, k, v, cache, mask), residual)
+        return self.post(kernels.attend(self.self_attn, q, k, v, cache, mask), residual, kernels)
 
 
 class DecoderLayer(nn.Module):
@@ -352,14 +391,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def pre(self, hidden, cos, sin):
-        return self.self_attn.qkv(self.input_layernorm(hidden), cos, sin)
+    def pre(self, hidden, cos, sin, kernels: ModuleKernels = MODULES):
+        return self.self_attn.qkv(self.input_layernorm(hidden), cos, sin, kernels)
 
     post = Midlayer.post  # the same o_proj + residual + MLP half: the residual is this layer's input
 
-    def forward(self, hidden, cos, sin, cache, mask):
-        q, k, v = self.pre(hidden, cos, sin)
-        return self.post(self.self_attn.attend(q, k, v, cache, mask), hidden)
+    def forward(self, hidden, cos, sin, cache, mask, kernels: ModuleKernels = MODULES):
+        q, k, v = self.pre(hidden, cos, sin, kernels)
+        return self.post(kernels.attend(self.self_attn, q, k, v, cache, mask), hidden, kernels)
 
 
 class Eagle3Drafter(nn.Module):
@@ -386,12 +425,12 @@ class Eagle3Drafter(nn.Module):
         self.rotary = rotary_module(cfg)
 
     # --- pieces used by training and decoding -------------------------------------------------------------------
-    def project(self, aux: torch.Tensor) -> torch.Tensor:
+    def project(self, aux: torch.Tensor, kernels: ModuleKernels = MODULES) -> torch.Tensor:
         """Fuse captured target states: (B, T, K*Ht) or (B, T, K, Ht) -> (B, T, H)."""
         if aux.dim() == 4:
             aux = aux.flatten(-2)  # (B, T, K*Ht)
         aux = aux.to(self.fc.weight.dtype)
-        return self.fc(self.input_norm(aux) if self.config.norm_before_fc else aux)
+        return kernels.linear(self.input_norm(aux) if self.config.norm_before_fc else aux, self.fc)
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor):
         return self.rotary(x, position_ids)  # cos, sin: (B, T, hd)
@@ -401,30 +440,32 @@ class Eagle3Drafter(nn.Module):
         return [self.midlayer] + (list(self.layers.values()) if self.config.num_layers > 1 else [])
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                cache: DrafterCache | LayerCaches | None = None, attn_mask=None) -> torch.Tensor:
+                cache: DrafterCache | LayerCaches | None = None, attn_mask=None,
+                kernels: ModuleKernels = MODULES) -> torch.Tensor:
         """One pass through the layers. input_ids (B, T) target ids; hidden (B, T, H); returns h_out (B, T, H), the
         last layer's pre-norm output (normed: norm_output). Every layer sits at the same rotary positions and uses the
-        same mask."""
+        same mask. kernels: how the products, the rotary and the attention are computed (module docstring)."""
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
-        cos, sin = self.rope(hidden, position_ids)
+        cos, sin = kernels.rope(self, hidden, position_ids)  # (B, 1, T, hd) each
+        mask = kernels.mask(attn_mask, self.config.num_attention_heads // self.config.num_key_value_heads)
         n = self.config.num_layers
         if n == 1:
-            h = self.midlayer(emb, hidden, cos, sin, cache, attn_mask)  # (B, T, H)
+            h = self.midlayer(emb, hidden, cos, sin, cache, mask, kernels.layer(0))  # (B, T, H)
         else:
             if cache is not None and not (isinstance(cache, LayerCaches) and len(cache.layers) == n):
                 raise ValueError(f"a {n}-layer drafter takes a LayerCaches({n}) (new_drafter_cache), got {type(cache)}")
             caches = cache.layers if cache is not None else [None] * n
-            h = self.midlayer(emb, hidden, cos, sin, caches[0], attn_mask)
-            for layer, c in zip(self.layers.values(), caches[1:]):
-                h = layer(h, cos, sin, c, attn_mask)  # (B, T, H)
+            h = self.midlayer(emb, hidden, cos, sin, caches[0], mask, kernels.layer(0))
+            for i, (layer, c) in enumerate(zip(self.layers.values(), caches[1:]), 1):
+                h = layer(h, cos, sin, c, mask, kernels.layer(i))  # (B, T, H)
         return self.norm(h) if self.config.norm_output else h
 
     def head_input(self, h_out: torch.Tensor) -> torch.Tensor:
         """What lm_head reads of a forward's output: norm(h_out), or h_out itself when forward normed it already."""
         return h_out if self.config.norm_output else self.norm(h_out)
 
-    def compute_logits(self, h_out: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.head_input(h_out))  # (B, T, Vd)
+    def compute_logits(self, h_out: torch.Tensor, kernels: ModuleKernels = MODULES) -> torch.Tensor:
+        return kernels.linear(self.head_input(h_out), self.lm_head)  # (B, T, Vd)
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocab ids -> target ids (SGLang's hot_token_id = arange + d2t)."""

@@ -134,6 +134,14 @@ def unsupported(target) -> str | None:
         if a is None or m is None or not all(hasattr(a, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or \
                 not all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")):
             return f"layer {i}: not a Llama-style attention + SwiGLU layer"
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            lin = getattr(a, name, None) or getattr(m, name)
+            w = getattr(lin, "weight", None)
+            # a Linear that computes from more than its `weight` (FP8Linear's block scales and activation
+            # quantization, a packed INT4 module not unpacked): the lean product F.linear(x, weight) is not its function
+            if type(lin) is not torch.nn.Linear or w is None or not w.dtype.is_floating_point or w.element_size() < 2:
+                return f"layer {i}: {name} is {type(lin).__name__} with a {getattr(w, 'dtype', 'missing')} weight " \
+                       "(quantized: the lean layers multiply by plain weights only)"
     return None  # a sliding window needs no check: the fast decoder's cache holds one only when it spans every slot
 
 

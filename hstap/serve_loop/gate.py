@@ -39,7 +39,7 @@ class HeldBack:
 
     def refresh(self) -> None:
         """Copy the held-back samples of shards committed since the last call."""
-        from hstap.store.format import load_manifest, load_parts, union_entries
+        from hstap.store.manifest import load_manifest, load_parts, union_entries
         from hstap.store.reader import Store
         from hstap.train.data import is_eval
 
@@ -58,7 +58,8 @@ class HeldBack:
                 continue
             try:
                 view = Store(self.store, header | {"shards": []}, [e], [])
-                got = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in view[j].items()} for j in want]
+                got = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in view[j].items() if k != "side"}
+                       for j in want]  # side branches: never scored (the gate judges drafting on the accepted text)
             except HstapError:  # consumed (deleted) by the trainer before it was read
                 self.missed += len(want)
                 continue

@@ -78,7 +78,8 @@ def _lossless(records: list[dict], ref: dict | None) -> dict | None:
 
 
 def _store_block(cfg: ServeLoopConfig, out: Path, up: Updater) -> dict:
-    from hstap.store.format import committed_ids_of, load_manifest, store_bytes_per_token
+    from hstap.store.format import store_bytes_per_token
+    from hstap.store.manifest import committed_ids_of, load_manifest
 
     store = out / "store"
     if not (store / "manifest.json").is_file():
@@ -87,7 +88,7 @@ def _store_block(cfg: ServeLoopConfig, out: Path, up: Updater) -> dict:
     per_tok = store_bytes_per_token(len(m["layers"]), int(m["target"]["hidden_size"]), m["dtype"])
     longest = cfg.max_model_len
     return {"peak_bytes": up.peak_bytes, "peak_shard_files": up.peak_shards,
-            "bound_bytes": cfg.keep_shards * (cfg.shard_tokens + longest) * per_tok,
+            "bound_bytes": cfg.stream.keep_shards * (cfg.shard_tokens + longest) * per_tok,
             "bytes_at_end": _du(store), "samples_committed": len(committed_ids_of(store)),
             "layers": m["layers"], "dtype": m["dtype"]}
 

@@ -127,15 +127,19 @@ class Stream:
         t0 = self.t0 = time.perf_counter()
         with open(self.log_path, "w") as log, ThreadPoolExecutor(self.concurrency) as pool:
             futures = [pool.submit(self.client.complete, i, p) for i, p in enumerate(self.prompts)]
-            for fut in as_completed(futures):
-                rec = fut.result()
-                rec["t_s"] = time.perf_counter() - t0
-                self.records.append(rec)
-                rec["served"] = len(self.records)
-                on_answer(rec, len(self.records))  # it may tag the record (the drafter serving) before it is logged
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
-                self._progress(time.perf_counter() - t0)
+            try:
+                for fut in as_completed(futures):
+                    rec = fut.result()
+                    rec["t_s"] = time.perf_counter() - t0
+                    self.records.append(rec)
+                    rec["served"] = len(self.records)
+                    on_answer(rec, len(self.records))  # it may tag the record (the drafter serving) before it is logged
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                    self._progress(time.perf_counter() - t0)
+            except BaseException:  # a failed run (on_answer's error, Ctrl-C): the requests not yet sent are not sent
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
         wall = time.perf_counter() - t0
         self._progress(wall, force=True)
         return self.records, wall

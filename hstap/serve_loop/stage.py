@@ -39,165 +39,80 @@ the prompts of --prompts in order, --concurrency in flight, greedy, each sent on
 
 Outputs in --out: served.jsonl (one line per answered request: prompt index, tokens, vLLM's per-request draft counters,
 the drafter version serving when it finished), updates.jsonl (hstap/serve_loop/updates.py), summary.json and the last
-line (hstap/serve_loop/report.py), acceptance.png, server.log, train.log, run.config.json (the trainer's config),
-store/, run/, drafters/, exports/. Prints a progress line (requests served, vLLM's acceptance over the last 32 answers,
-drafter version, store size, trainer step, held-back samples).
+line (hstap/serve_loop/report.py), acceptance.png, server.log, train.log, config.json (the config as parsed), plan.json
+(what the loop resolved from it and its inputs, once, before anything was written: hstap/serve_loop/plan.py),
+run.config.json (the trainer's config), store/, run/, drafters/, exports/. Prints a progress line (requests served,
+vLLM's acceptance over the last 32 answers, drafter version, store size, trainer step, held-back samples).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from hstap.common import HstapError, atomic_write_json, free_port, run_meta, write_run_config
 from hstap.serve_loop.config import ServeLoopConfig
-from hstap.train.config import TrainConfig
+from hstap.serve_loop.plan import ServeLoopPlan, resolve
+from hstap.train.config import DrafterInit, Devices, TrainConfig, TrainInputs
 
 
-def stop_ids(target: str) -> list[int]:
-    """The ids that end an answer (eos and end of turn: `hstap.data.decode.stop_token_ids`), sent with each request."""
-    from types import SimpleNamespace
+def start_drafter(cfg: ServeLoopConfig, plan: ServeLoopPlan, out: Path) -> Path:
+    """The hstap drafter directory the server starts with and the trainer starts from (module docstring): the plan's
+    (a --drafter), else the trainer's initialisation written now as OUT/drafter-init; writes OUT/vocab_map.safetensors,
+    the trainer's fixed draft vocabulary."""
+    from hstap.artifacts.vocab_map import VOCAB_MAP_FILE, write_vocab_map
 
-    from transformers import GenerationConfig
-
-    from hstap.data.decode import stop_token_ids
-    from hstap.artifacts.model_dir import load_config, load_tokenizer
-
-    try:
-        gen = GenerationConfig.from_pretrained(target)
-    except OSError:
-        gen = None
-    return stop_token_ids(SimpleNamespace(generation_config=gen, config=load_config(target)), load_tokenizer(target))
-
-
-def request_prompts(cfg: ServeLoopConfig) -> list[list[int]]:
-    """The requests' prompt token ids, in order, checked against --requests and --max-model-len."""
-    from hstap.artifacts.model_dir import load_tokenizer
-    from hstap.speculative.evaluate import load_prompts
-
-    prompts = [p for _, p in load_prompts(cfg.prompts, load_tokenizer(cfg.target), cfg.requests or None)]
-    if cfg.requests and len(prompts) < cfg.requests:
-        raise HstapError(f"{cfg.prompts}: {len(prompts)} usable prompts, fewer than --requests {cfg.requests} (each "
-                         "prompt is served once)")
-    longest = max(map(len, prompts))
-    if longest + cfg.max_tokens > cfg.max_model_len:
-        raise HstapError(f"{cfg.prompts}: a prompt of {longest} tokens + --max-tokens {cfg.max_tokens} exceeds "
-                         f"--max-model-len {cfg.max_model_len}")
-    return prompts
-
-
-def start_drafter(cfg: ServeLoopConfig, out: Path) -> Path:
-    """The hstap drafter directory the server starts with and the trainer starts from (module docstring); writes
-    OUT/vocab_map.safetensors, the trainer's fixed draft vocabulary."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from hstap.artifacts.drafter_dir import resolve_drafter_dir, save_drafter
-
-    if cfg.drafter:
-        d = resolve_drafter_dir(cfg.drafter)
-        w = load_file(str(d / "drafter.safetensors"))
-        d2t, t2d = w["d2t"], w["t2d"]
-    else:
-        from hstap.data.vocab import load_vocab_map
-        from hstap.layers import default_aux_layers, parse_layers
-        from hstap.artifacts.model_dir import load_config, target_head
-        from hstap.train.plan import VocabMap
+    d = plan.drafter
+    if d is None:
+        from hstap.artifacts.drafter_dir import save_drafter
+        from hstap.artifacts.model_dir import target_head
         from hstap.train.trainer import init_drafter
 
-        hf = load_config(cfg.target)
-        N, V = hf.num_hidden_layers, hf.vocab_size
-        if cfg.vocab_map:
-            d2t, t2d = load_vocab_map(cfg.vocab_map)
-        else:  # the whole vocabulary: draft id i is target id i
-            d2t, t2d = torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool)
-        layers = parse_layers(cfg.layers, N) if cfg.layers else default_aux_layers(N)
         embed, head = target_head(cfg.target)
-        vocab = VocabMap(d2t, t2d, cfg.vocab_map or "the whole target vocabulary")
-        drafter = init_drafter(hf, vocab, layers, embed.float(), head.float(), seed=cfg.seed, draft_layers=1)
+        drafter = init_drafter(plan.hf_config, plan.vocab, list(plan.layers), embed.float(), head.float(),
+                               seed=cfg.seed, draft_layers=plan.draft_layers)
         d = out / "drafter-init"
-        save_drafter(d, drafter, {"store": {"layers": layers}, "init": "the trainer's initialisation, never trained"})
-    tmp = out / ".vocab_map.safetensors.tmp"
-    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp))
-    tmp.replace(out / "vocab_map.safetensors")
+        save_drafter(d, drafter, {"store": {"layers": list(plan.layers)},
+                                  "init": "the trainer's initialisation, never trained"})
+    write_vocab_map(out / VOCAB_MAP_FILE, plan.vocab.d2t, plan.vocab.t2d)
     return d
-
-
-def check_cpus(cfg: ServeLoopConfig) -> None:
-    """--server-cpus / --trainer-cpus name CPUs of this machine (else taskset would fail only after start). Not this
-    process's own affinity: it may be pinned to the trainer's CPUs itself."""
-    have = set(range(os.cpu_count() or 1))
-    for name in ("server_cpus", "trainer_cpus"):
-        want = set()
-        for part in filter(None, getattr(cfg, name).split(",")):
-            lo, _, hi = part.partition("-")
-            want |= set(range(int(lo), int(hi or lo) + 1))
-        if want - have:
-            raise HstapError(f"serve-loop: --{name.replace('_', '-')} {getattr(cfg, name)}: CPU(s) "
-                             f"{sorted(want - have)} not on this machine (CPUs 0-{max(have)})")
-
-
-def check_anchor(cfg: ServeLoopConfig, out: Path) -> None:
-    """--anchor-store against the store the tap will write (the served drafter's layers, the target's hidden size and
-    fingerprint, --tap-dtype), before anything is written: the trainer would refuse it only once serving has begun."""
-    from hstap.artifacts.drafter_dir import resolve_drafter_dir
-    from hstap.artifacts.model_dir import load_config, target_fingerprint
-    from hstap.layers import default_aux_layers, parse_layers
-    from hstap.train.follow import open_anchor
-
-    hf = load_config(cfg.target)
-    if cfg.drafter:
-        meta = json.loads((resolve_drafter_dir(cfg.drafter) / "drafter.json").read_text())
-        layers = list(meta["config"]["aux_layers"])
-    else:
-        N = hf.num_hidden_layers
-        layers = parse_layers(cfg.layers, N) if cfg.layers else default_aux_layers(N)
-    header = {"layers": layers, "hidden_size": int(hf.hidden_size), "dtype": cfg.tap_dtype,
-              "target": target_fingerprint(cfg.target)}
-    open_anchor(cfg.anchor_store, str(out / "store"), header)
 
 
 def server_args(cfg: ServeLoopConfig, device: str, dtype: str, drafter_dir: Path | None, store: Path) -> list[str]:
     """`vllm serve` arguments of a --mode run (module docstring)."""
-    from hstap.capture.vllm.eagle_tap import CONNECTOR, CONNECTOR_MODULE
-    from hstap.engines.vllm import VLLM_DTYPES
+    from hstap.capture.vllm.protocol import tap_transfer_config
+    from hstap.engines.vllm import VLLM_DTYPES, eagle3_config, serve_flags
 
     args = ["--dtype", VLLM_DTYPES[dtype], "--max-model-len", str(cfg.max_model_len), "--no-enable-prefix-caching",
             "--seed", str(cfg.seed)] + (["--enforce-eager"] if device == "cpu" else [])
     if cfg.mode == "target":
         return args
-    args += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(drafter_dir),
-                                                 "num_speculative_tokens": cfg.k}),
+    args += [*serve_flags(speculative_config=eagle3_config(drafter_dir, cfg.k)),
              "--per-request-spec-decode-metrics", "summary"]
     if cfg.mode == "loop":
-        extra = {"store": str(store), "tap": True, "tap_dtype": cfg.tap_dtype, "shard_tokens": cfg.shard_tokens,
-                 "flush_s": cfg.flush_s, **({"max_store_gb": cfg.max_store_gb} if cfg.max_store_gb else {})}
-        args += ["--kv-transfer-config", json.dumps({"kv_connector": CONNECTOR, "kv_connector_module_path":
-                                                     CONNECTOR_MODULE, "kv_role": "kv_producer",
-                                                     "kv_connector_extra_config": extra}),
-                 "--worker-extension-cls", "hstap.serve_loop.worker.HstapWorker"]
+        tap = tap_transfer_config(store, tap_dtype=cfg.tap_dtype, shard_tokens=cfg.shard_tokens, flush_s=cfg.flush_s,
+                                  **({"max_store_gb": cfg.max_store_gb} if cfg.max_store_gb else {}),
+                                  **({"side_rows": cfg.side_rows, "side_max_accepted": cfg.side_max_accepted}
+                                     if cfg.side_rows != "none" else {}))
+        args += [*serve_flags(kv_transfer_config=tap), "--worker-extension-cls", "hstap.serve_loop.worker.HstapWorker"]
     return args
 
 
-def trainer_config(cfg: ServeLoopConfig, out: Path, drafter0: Path, device: str) -> TrainConfig:
-    """The trainer's config: the loop's `train` section (train's hyper-parameters) and what the loop fixes: follow
-    OUT/store and consume it within --keep-shards, from `drafter0` (its decoder layers) with OUT's fixed vocabulary map,
-    no eval split, the loop's seed and device, no TensorBoard; the loop's hold-out (the gate's samples), window replay
-    and anchor store."""
-    dl = json.loads((drafter0 / "drafter.json").read_text())["config"].get("num_layers", 1)
-    return TrainConfig(**asdict(cfg.train), out=str(out / "run"), target=cfg.target, store=str(out / "store"),
-                       follow=True, consume=True, keep_shards=cfg.keep_shards,
-                       vocab_map=str(out / "vocab_map.safetensors"), eval_frac=0.0, init_from=str(drafter0),
-                       draft_layers=dl, seed=cfg.seed, device=device, tensorboard=False,
-                       holdout_frac=cfg.holdout_frac, replay_fraction=cfg.replay_fraction,
-                       anchor_store=cfg.anchor_store, anchor_fraction=cfg.anchor_fraction)
+def trainer_config(cfg: ServeLoopConfig, out: Path, drafter0: Path, draft_layers: int, device: str) -> TrainConfig:
+    """The trainer's config: the loop's `train` and `stream` sections as they are, and what the loop fixes: follow
+    OUT/store and consume it within --keep-shards, from `drafter0` (of `draft_layers` decoder layers) with OUT's fixed
+    vocabulary map, no eval split, the loop's seed and device, no TensorBoard."""
+    return TrainConfig(out=str(out / "run"), target=cfg.target, seed=cfg.seed, tensorboard=False, follow=True,
+                       consume=True, hyper=cfg.train, stream=cfg.stream,
+                       inputs=TrainInputs(store=str(out / "store"), vocab_map=str(out / "vocab_map.safetensors"),
+                                          eval_frac=0.0),
+                       drafter=DrafterInit(init_from=str(drafter0), draft_layers=draft_layers),
+                       devices=Devices(device=device))
 
 
 def pinned(cmd: list[str], cpus: str) -> list[str]:
@@ -213,22 +128,6 @@ def start_trainer(cfg: ServeLoopConfig, out: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.trainer_threads), "TOKENIZERS_PARALLELISM": "false"}
     with open(out / "train.log", "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def read_reference(path: str) -> dict[int, list[int]]:
-    """{prompt index: output tokens} of a --mode target run's served.jsonl (--reference)."""
-    p = Path(path)
-    if not p.is_file():
-        raise HstapError(f"{p}: --reference: not a file (the served.jsonl of a --mode target run)")
-    out = {}
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        try:
-            r = json.loads(line)
-            if "tokens" in r:
-                out[int(r["i"])] = [int(t) for t in r["tokens"]]
-        except (ValueError, KeyError, TypeError) as e:
-            raise HstapError(f"{p}:{n}: --reference: not a served.jsonl record ({e})") from None
-    return out
 
 
 def wait_for_claim(out: Path, trainer: subprocess.Popen, timeout: float = 600.0) -> None:
@@ -262,32 +161,34 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
     from hstap.serve_loop.report import summarize
     from hstap.serve_loop.updates import Updater, export_vllm
     from hstap.engines.vllm import require_vllm, vllm_server
-    from hstap.artifacts.model_dir import auto_device, auto_dtype
     from hstap.artifacts.outputs import check_not_input, check_out_dir
 
-    # Everything is checked before anything is written or removed: --out, the engine, the prompts, the reference.
+    # Everything is checked before anything is written or removed: --out, the engine, the inputs resolved once (the
+    # plan: the target, the prompts, the reference, the start drafter, the anchor store).
     out = Path(cfg.out)
+    if cfg.mode == "loop":  # the tap reads V1's model runner: a server asked for V2 is refused now, not once started
+        from hstap.engines.vllm_runner import ENV, require_v1
+
+        require_v1("v2" if os.environ.get(ENV, "").strip().lower() in ("1", "true") else "v1", "hstap serve-loop",
+                   "its tap beside EAGLE-3")
     check_not_input(out, [("--target", cfg.target), ("--prompts", cfg.prompts), ("--drafter", cfg.drafter),
                           ("--reference", cfg.reference), ("--vocab-map", cfg.vocab_map)])
     replace = check_out_dir(out, "serve-loop", cfg.overwrite)
-    device = auto_device(cfg.device)
-    dtype = auto_dtype(cfg.dtype, device)
-    prompts, stops = request_prompts(cfg), stop_ids(cfg.target)
-    ref = read_reference(cfg.reference) if cfg.reference else None
-    check_cpus(cfg)
-    if cfg.anchor_store and cfg.mode == "loop":
-        check_anchor(cfg, out)
+    plan = resolve(cfg, out)
+    device, dtype = plan.device, plan.dtype
     require_vllm("serve-loop")  # last of the checks (its import takes seconds), before anything is written
     if replace:  # an earlier serve-loop's directory (its run record says so)
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     write_run_config(out, "serve-loop", cfg)
-    drafter0 = start_drafter(cfg, out) if cfg.mode != "target" else None
+    atomic_write_json(out / "plan.json", plan.record())
+    drafter0 = start_drafter(cfg, plan, out) if cfg.mode != "target" else None
     if cfg.mode == "loop":  # the trainer's config, checked before the server starts
-        atomic_write_json(out / "run.config.json", run_meta("train", trainer_config(cfg, out, drafter0, device)))
+        atomic_write_json(out / "run.config.json",
+                          run_meta("train", trainer_config(cfg, out, drafter0, plan.draft_layers, device)))
     if drafter0 is not None:
         export_vllm(cfg.target, cfg.k, drafter0, out / "exports" / "v0000", dtype)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_V2_MODEL_RUNNER": "0"}  # V1: the tap reads it
     if cfg.mode == "loop":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM's /collective_rpc endpoint (its development endpoints)
     if device == "cpu":
@@ -306,17 +207,18 @@ def serve_loop(cfg: ServeLoopConfig, probe=None) -> dict:
                 wait_for_claim(out, trainer)
                 post(url + "/collective_rpc", {"method": "hstap_tap_start"})
             before = server_counters(url) if cfg.mode != "target" else {}
-            stream = Stream(Client(url, cfg.max_tokens, stops, cfg.seed), prompts, cfg.concurrency,
+            stream = Stream(Client(url, cfg.max_tokens, plan.stop_ids, cfg.seed), plan.prompts, cfg.concurrency,
                             out / "served.jsonl")
             up = Updater(cfg, url, out, dtype, trainer, drafter0, clock=stream.clock)
             stream.status = up.status
             records, wall = stream.run(up.on_answer)
+            up.check_running()  # the stream is over: a trainer or tap that died on the way fails the run
             after = server_counters(url) if cfg.mode != "target" else {}
             stop_process(trainer)  # the stream is over
             if probe is not None:
                 probe(url, out)
     finally:
         stop_process(trainer)
-    summary = summarize(cfg, out, prompts, records, wall, up, before, after, ref, started_s)
+    summary = summarize(cfg, out, plan.prompts, records, wall, up, before, after, plan.reference, started_s)
     atomic_write_json(out / "summary.json", summary)
     return summary

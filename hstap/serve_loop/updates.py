@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from hstap.common import one_line
+from hstap.common import HstapError, one_line
 from hstap.serve_loop.config import ServeLoopConfig
 
 BEFORE = 32
@@ -92,7 +92,7 @@ class Updater:
         self.answers: list[dict] = []
         self.updates: list[dict] = []
         self.peak_bytes, self.peak_shards = 0, 0
-        self.held = HeldBack(out / "store", cfg.holdout_frac, cfg.gate_samples)
+        self.held = HeldBack(out / "store", cfg.stream.holdout_frac, cfg.gate_samples)
         self._head = None
         (out / "updates.jsonl").write_text("")
 
@@ -118,11 +118,31 @@ class Updater:
             return
         if "tokens" in rec:
             self.answers.append(rec)
+        self.check_running(tap=done % self.cfg.update_every == 0)
         self.held.refresh()  # every answer: a shard the trainer consumes soon must be read before it goes
         if self.pending is not None:
             self._check(done)
         elif done % self.cfg.update_every == 0:
             self.update(done)
+
+    def check_running(self, tap: bool = True) -> None:
+        """--mode loop: a trainer that exited on an error, or a tap whose writer thread stopped (`tap`: checked too),
+        fails the run in one line naming its log: serving on would report a loop that learns nothing as a success."""
+        from hstap.capture.served import stopped_writer
+        from hstap.capture.vllm.protocol import EVENTS_DIR
+
+        if self.cfg.mode != "loop":
+            return
+        rc = self.trainer.poll() if self.trainer is not None else None
+        if rc not in (None, 0):
+            log = self.out / "train.log"
+            last = [x for x in (log.read_text(errors="replace") if log.is_file() else "").splitlines() if x.strip()]
+            raise HstapError(f"{log}: the trainer exited with status {rc} after {len(self.answers)} answers"
+                             + (f": {last[-1].strip()[:300]}" if last else ""))
+        why = stopped_writer(self.out / "store", EVENTS_DIR) if tap else None
+        if why is not None:
+            raise HstapError(f"{self.out / 'server.log'}: the tap beside vLLM stopped writing the store ({why[:300]}): "
+                             f"the trainer gets no traffic after {len(self.answers)} answers")
 
     def _log(self, rec: dict) -> None:
         self.updates.append(rec)
@@ -141,7 +161,7 @@ class Updater:
         """The gate's scores of `cand` and the served drafter on the same held-back samples, and its decision."""
         from hstap.serve_loop.gate import score_drafter
 
-        if self.cfg.holdout_frac <= 0:
+        if self.cfg.stream.holdout_frac <= 0:
             return {"decision": "load", "why": "no gate (--holdout-frac 0)"}
         samples = list(self.held.samples)
         if len(samples) < self.cfg.gate_min_samples:

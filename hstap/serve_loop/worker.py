@@ -15,7 +15,10 @@ serve` started with VLLM_SERVER_DEV_MODE=1, `POST /collective_rpc {"method": "hs
   target (the lm_head of a drafter whose lm_head equalled the target's at start-up) is copied for the drafter first
   (`unshare`): the target's weights never change. Returns what was loaded and a check that the engine's fused fc
   and lm_head compute with DIR's weights.
-- `hstap_tap_start()`: starts the tap beside EAGLE-3 (hstap/capture/vllm/eagle_tap.py) in this worker.
+  It uses what both of vLLM's model runners have (`get_draft_model`, `get_model`, `vllm_config`) and says which runner
+  it ran on (`hstap.engines.vllm_runner`).
+- `hstap_tap_start()`: starts the tap beside EAGLE-3 (hstap/capture/vllm/eagle_tap.py) in this worker; refused under
+  Model Runner V2, before anything is wrapped (the tap reads V1's runner).
 
 vLLM's other ways to new weights, and why not these: `reload_weights` RPC of the worker (the target only), the
 weight-transfer API (`/start_draft_weight_update`, `/update_weights`: it does retarget the draft model, but its
@@ -150,7 +153,10 @@ class HstapWorker:
         with set_current_vllm_config(vc):
             reload_weights(dvc, model, weights_iterator=weights, weights_path=None, is_checkpoint_format=True)
         self._hstap_served = str(new)
+        from hstap.engines.vllm_runner import runner_of
+
         return {"path": str(new), "seconds": time.perf_counter() - t0, "tensors": len(_shapes(new)),
+                "model_runner": runner_of(mr),
                 "unshared": unshared, "max_abs_err": weights_error(model, new)}
 
     def hstap_tap_start(self) -> dict:

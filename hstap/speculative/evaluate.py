@@ -44,6 +44,8 @@ import torch
 
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, write_run_config
 from hstap.console import Progress
+from hstap.data.prompts import load_prompts
+from hstap.data.reasoning import template_kwargs
 from hstap.plots import acceptance_plot
 from hstap.speculative.config import EvalConfig
 from hstap.speculative.drivers import (acceptance_rates, new_cache, ngram_generate, speculative_generate,
@@ -57,51 +59,6 @@ from hstap.speculative.vllm import agreement, run_vllm, vllm_drafter_dir
 
 
 # --- prompts ----------------------------------------------------------------------------------------------------------
-def prompt_from_mask(input_ids: list[int], loss_mask: list[int]) -> list[int] | None:
-    """The tokens before the last assistant answer: input_ids up to the first token of the last run of 1s."""
-    end = len(loss_mask) - 1
-    while end >= 0 and not loss_mask[end]:
-        end -= 1
-    if end < 0:
-        return None
-    start = end
-    while start > 0 and loss_mask[start - 1]:
-        start -= 1
-    return list(input_ids[:start]) or None
-
-
-def load_prompts(data: str, tokenizer, num_prompts: int | None = None) -> list[tuple[str, list[int]]]:
-    """[(id, prompt ids)] from a prepared dataset directory or a conversations file; samples without a usable turn
-    are skipped."""
-    out: list[tuple[str, list[int]]] = []
-    want = num_prompts or float("inf")
-    if Path(data).is_dir():
-        from hstap.data.prepare import load_prepared
-
-        ds = load_prepared(data)
-        for row in ds:
-            p = prompt_from_mask(row["input_ids"], row["loss_mask"])
-            if p:
-                out.append((str(row["id"]), p))
-            if len(out) >= want:
-                break
-    else:
-        from hstap.data.conversations import read_conversations
-        from hstap.data.chat import render_prompt
-
-        if tokenizer is None:
-            raise HstapError(f"{data}: conversations need the target's tokenizer, and the target directory has none")
-        for cid, messages in read_conversations([data]):
-            last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
-            if last_user >= 0:
-                out.append((cid, render_prompt(tokenizer, messages[:last_user + 1])))
-            if len(out) >= want:
-                break
-    if not out:
-        raise HstapError(f"{data}: no usable prompt (need an assistant turn in prepared data, a user turn in JSONL)")
-    return out
-
-
 def eos_ids(tokenizer, target) -> list[int]:
     """End ids: the model's and tokenizer's eos and the template's end-of-turn token (where `hstap generate` stops)."""
     from hstap.data.decode import stop_token_ids
@@ -217,22 +174,23 @@ def aggregate(per: list[dict]) -> dict:
 def decoders(cfg: EvalConfig, target, drafter, prompts, eos) -> tuple[str, dict]:
     """(engine name, {method: fn(prompt, generator, max_new) -> (output, stats)}) for --engine."""
     engine = cfg.engine if cfg.engine in ("fast", "eager") else ("fast" if target.device.type == "cuda" else "eager")
-    T, dec = cfg.temperature, None
+    d, dec = cfg.decode, None
+    T = d.temperature
     if cfg.kernels == "fused" and engine != "fast":
         print("hstap eval: --kernels fused applies to the fast engine only: the eager one runs", file=sys.stderr)
     if engine == "fast":
-        longest = max(len(p) for _, p in prompts) + cfg.max_new_tokens + max(cfg.tokens, cfg.k, cfg.depth) + 2
+        longest = max(len(p) for _, p in prompts) + d.max_new_tokens + max(d.tokens, d.k, d.depth) + 2
         dec = FastDecoder(target, drafter, max_len=longest, compile=None if cfg.compile else False,
                           **(FUSED if cfg.kernels == "fused" else {}))
     tgt, ngram, spec = ((dec.target_generate, dec.ngram_generate, dec.speculative_generate) if dec else
                         (lambda *a: target_generate(target, *a), lambda *a: ngram_generate(target, *a),
                          lambda *a: speculative_generate(target, drafter, *a)))
-    methods = {"target": lambda p, g, m=cfg.max_new_tokens: tgt(p, m, T, eos, g)}
+    methods = {"target": lambda p, g, m=d.max_new_tokens: tgt(p, m, T, eos, g)}
     if cfg.baseline == "ngram":
-        methods["ngram"] = lambda p, g, m=cfg.max_new_tokens: ngram(p, m, cfg.k, 3, T, eos, g)
+        methods["ngram"] = lambda p, g, m=d.max_new_tokens: ngram(p, m, d.k, 3, T, eos, g)
     if drafter is not None:
-        methods["eagle"] = lambda p, g, m=cfg.max_new_tokens: spec(p, m, cfg.mode, cfg.k, cfg.topk, cfg.depth,
-                                                                   cfg.tokens, T, eos, g)
+        methods["eagle"] = lambda p, g, m=d.max_new_tokens: spec(p, m, d.mode, d.k, d.topk, d.depth, d.tokens, T, eos,
+                                                                 g)
     return engine, methods
 
 
@@ -263,23 +221,24 @@ def evaluate(cfg: EvalConfig) -> dict:
     target, tok = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype)
     dev = target.device
     drafter, meta = load_any_drafter(cfg.drafter, target) if cfg.drafter is not None else (None, None)
-    prompts = load_prompts(cfg.data, tok, cfg.num_prompts)
+    prompts = load_prompts(cfg.data, tok, cfg.num_prompts, template_kwargs(cfg.chat_template_kwargs))
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)  # after the input checks, before the long runs
     write_run_config(out_dir, "eval", cfg)  # first: the record that makes the directory eval's (hstap.artifacts.outputs)
     eos = eos_ids(tok, target)
-    T, n = cfg.temperature, cfg.max_new_tokens
+    d = cfg.decode
+    T, n = d.temperature, d.max_new_tokens
     dtype = str(target.dtype).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16")
     vllm_dir = vllm_drafter_dir(cfg.drafter, cfg.target, out_dir, dtype, target.num_layers) \
         if cfg.engine == "vllm" else None  # refused now, before the long runs
-    sglang_dir = sglang_engine.sglang_drafter_dir(cfg, out_dir, dtype, target.num_layers) \
+    sglang_dir = sglang_engine.sglang_drafter_dir(cfg.drafter, cfg.sglang_python, out_dir, dtype, target.num_layers) \
         if cfg.engine == "sglang" else None
     engine, methods = decoders(cfg, target, drafter, prompts, eos)
     outputs, results = {}, {}
     for name, fn in methods.items():
-        fn(prompts[0][1], torch.Generator(device=dev).manual_seed(cfg.seed), min(n, 32))  # warm-up, not counted
+        fn(prompts[0][1], torch.Generator(device=dev).manual_seed(d.seed), min(n, 32))  # warm-up, not counted
         bar = Progress(f"hstap eval: {name}", len(prompts), "prompts")
-        outputs[name], results[name] = run_method(fn, prompts, cfg.seed, dev, bar)
+        outputs[name], results[name] = run_method(fn, prompts, d.seed, dev, bar)
         bar.close()
         r = results[name]
         print(f"hstap eval: {name:6s} tau {r['tau']:.3f}  {r['tokens_per_s']:.1f} tokens/s  ({r['new_tokens']} "
@@ -290,7 +249,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         if r is not results["target"] and "predicted_speedup" in r:  # the refined model; the naive one kept beside it
             r["predicted_speedup_naive"] = r["predicted_speedup"]
             r["predicted_speedup"] = round_model(r, results["target"])
-    vl = run_vllm(cfg, prompts, eos, str(vllm_dir), dtype) if vllm_dir is not None else None
+    vl = run_vllm(cfg.target, d, cfg.device, prompts, eos, str(vllm_dir), dtype) if vllm_dir is not None else None
 
     mismatches = []
     if T == 0:
@@ -310,7 +269,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         "compiled": (cfg.compile and target.device.type == "cuda") if engine == "fast" else None,
         "prefill_s": p.get("prefill_s"), "total_s": p["total_s"],
         "draft_s": p.get("draft_s"), "verify_s": p.get("verify_s"), "host_s": p.get("host_s"),
-        "simulated_tau": sim_chain_tau(sim, cfg.k) if cfg.mode == "chain" else None,
+        "simulated_tau": sim_chain_tau(sim, d.k) if d.mode == "chain" else None,
         "simulated": sim,
         "lossless": (not failed) if T == 0 else None, "mismatches": mismatches,
         "methods": results, "num_prompts": len(prompts), "eos_ids": eos,
@@ -331,19 +290,20 @@ def evaluate(cfg: EvalConfig) -> dict:
             entry["vllm_output_ids"] = vl["outputs"][i]
         report["vllm"] = {k: v for k, v in vl.items() if k not in ("outputs", "target_outputs")}
     if sglang_dir is not None:
-        sglang_engine.attach(report, sglang_engine.run_sglang(cfg, prompts, eos, sglang_dir, dtype, outputs,
-                                                              results["eagle"], out_dir))
+        sglang_engine.attach(report, sglang_engine.run_sglang(cfg.target, d, cfg.device, cfg.sglang_python, prompts,
+                                                              eos, sglang_dir, dtype, outputs, results["eagle"],
+                                                              out_dir))
     report["speedup_notes"] = speedup_notes(report)
     report["plot"] = PLOT
     write_run_config(out_dir, "eval", cfg)
-    atomic_write_bytes(out_dir / "report.md", markdown(cfg, report).encode())
+    atomic_write_bytes(out_dir / "report.md", markdown(d, (cfg.target, cfg.drafter, cfg.data), report).encode())
     atomic_write_json(out_dir / "report.json", report)  # before the plot: a plot that fails loses no result
-    acceptance_plot(results, cfg.mode, out_dir / PLOT)
+    acceptance_plot(results, d.mode, out_dir / PLOT)
     summary = {k: report[k] for k in ("method", "tau", "per_position_acceptance", "tokens_per_s", "target_tokens_per_s",
                                       "speedup", "simulated_tau", "lossless", "num_prompts", "methods",
                                       "speedup_notes")}
     summary["out"] = str(out_dir)
-    print_summary(cfg, report)
+    print_summary(d, cfg.out, report)
     say_mismatches(mismatches)
     sglang_engine.check_ran(report, out_dir)
     if failed:

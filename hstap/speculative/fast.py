@@ -85,7 +85,8 @@ class FastDecoder:
     of small kernels a step is made of, at a one-time cost of seconds to minutes per step, excluded from timings);
     max_len: cache slots (grown, and every graph recaptured, when a request needs more); inductor: inductor options
     for every step's compilation (torch.compile's `options`: per compilation, nothing global; e.g. INDUCTOR_CDT);
-    lean: the drafter runs as hstap.models.lean_drafter.LeanDrafter (fused weights, one attention kernel, rotary tables)
+    lean: the drafter's forward runs with hstap.models.lean_drafter's fused kernels (LeanDrafter: fused weights, one
+    attention kernel, rotary tables)
     and a greedy chain drafts with argmax alone (same drafts up to rounding; the default off keeps the reference
     path); target_layers: "hf" (the model's own decoder layers, fast_steps.run_target) or "lean"
     (hstap.models.lean_target: fused weights, one attention call per layer; a target outside the Llama family, or one whose

@@ -7,7 +7,8 @@
   tokenizer it was trained with), for an hstap drafter, a training RUN and an SGLang or vLLM export alike;
 - the engine of --engine vllm / sglang: installed where it runs (`check_engine`);
 - prepared prompts against the target's tokenizer (`hstap.data.fits.check_tokenizer`, as capture checks them): ids of
-  another tokenizer would be decoded as another vocabulary's text, and every figure would be about noise.
+  another tokenizer would be decoded as another vocabulary's text, and every figure would be about noise; and a
+  --chat-template-kwargs against the one prepare rendered them with (`check_template_kwargs`).
 
 Each is one line naming the file and field, exit status 2, and nothing written.
 """
@@ -40,7 +41,13 @@ def check_inputs(cfg: EvalConfig) -> dict:
         check_drafter_target(cfg.drafter, target)
     data = Path(cfg.data)
     if data.is_dir():
-        check_tokenizer(str(data), read_meta(data), target)
+        meta = read_meta(data)
+        check_tokenizer(str(data), meta, target)
+        if cfg.chat_template_kwargs:  # the prompts were rendered by prepare: with its kwargs, or refused
+            from hstap.data.fits import check_template_kwargs
+            from hstap.data.reasoning import template_kwargs
+            check_template_kwargs(f"{data / 'meta.json'} (hstap prepare)", meta.get("chat_template_kwargs") or {},
+                                  template_kwargs(cfg.chat_template_kwargs))
     elif not data.is_file():
         raise HstapError(f"{data}: --data: not found (a prepared dataset directory or a conversations file)")
     return target
@@ -50,8 +57,11 @@ def check_engine(cfg) -> None:
     """--engine vllm / sglang: the engine is there (vLLM importable here, SGLang in the server venv's python), checked
     before the local runs: without it the eval would fail only after them, with an export on disk."""
     if cfg.engine == "vllm":
-        from hstap.engines.vllm import require_vllm
+        from hstap.device import auto_device, auto_dtype
+        from hstap.engines.vllm import check_quantized_dtype, require_vllm
         require_vllm("--engine vllm")
+        device = auto_device(cfg.device).partition(":")[0]
+        check_quantized_dtype(cfg.target, auto_dtype(cfg.dtype, device), device)
     elif cfg.engine == "sglang":
         from hstap.engines.sglang import require_sglang, server_python
         require_sglang(server_python(cfg.sglang_python))

@@ -3,7 +3,7 @@ measured speedup may not carry over to serving (a CPU, a tiny target)."""
 
 from __future__ import annotations
 
-from hstap.speculative.config import EvalConfig
+from hstap.speculative.config import Decoding
 from hstap.speculative.sglang import sglang_lines
 
 PLOT = "acceptance.png"
@@ -32,17 +32,18 @@ def speedup_notes(r: dict) -> list[str]:
     return notes
 
 
-def print_summary(cfg: EvalConfig, r: dict) -> None:
-    """The console table of the methods and what the figures mean (cfg: the EvalConfig)."""
+def print_summary(decode: Decoding, out: str, r: dict) -> None:
+    """The console table of the methods and what the figures mean (`decode`: eval's drafting and sampling; `out`:
+    the report directory)."""
     from hstap.console import table
 
-    mode = f"chain k={cfg.k}" if cfg.mode == "chain" else f"tree topk={cfg.topk} depth={cfg.depth} tokens={cfg.tokens}"
+    mode = decode.drafting()
     rows = []
     for name, m in r["methods"].items():
         acc = " ".join(f"{a:.2f}" for a in m.get("per_position_acceptance", [])) or "-"
         rows.append([name, f"{m['tau']:.3f}", f"{m['tokens_per_s']:.1f}", f"{m['speedup']:.2f}x", acc])
-    lines = [f"hstap eval: {r['num_prompts']} prompts, " + ("greedy" if cfg.temperature == 0 else
-                                                             f"temperature {cfg.temperature:g}")
+    lines = [f"hstap eval: {r['num_prompts']} prompts, " + ("greedy" if decode.temperature == 0 else
+                                                             f"temperature {decode.temperature:g}")
              + f", {mode}, {r['dtype']} on {r['hardware'].get('gpu', r['hardware']['device'])}",
              table(["method", "tau", "tokens/s", "speedup", "acceptance by draft position"], rows)]
     if r["simulated_tau"] is not None:
@@ -53,19 +54,19 @@ def print_summary(cfg: EvalConfig, r: dict) -> None:
     lines.append("  " + TAU_MEANS)
     for note in r["speedup_notes"]:
         lines.append(f"  speedup not representative: {note}")
-    lines.append(f"  wrote {cfg.out}/report.md, report.json, {PLOT}")
+    lines.append(f"  wrote {out}/report.md, report.json, {PLOT}")
     print("\n".join(lines), flush=True)
 
 
-def markdown(cfg: EvalConfig, r: dict) -> str:
-    """REPORT/report.md (cfg: the EvalConfig)."""
+def markdown(decode: Decoding, sources: tuple[str, str | None, str], r: dict) -> str:
+    """REPORT/report.md (`decode`: eval's drafting and sampling; `sources`: its --target, --drafter and --data)."""
+    target, drafter, data = sources
     hw = r["hardware"]
     lines = [f"# hstap eval: {r['method']}", "",
-             f"target `{cfg.target}`, drafter `{cfg.drafter}`, data `{cfg.data}`, {r['num_prompts']} prompts, "
-             f"max {cfg.max_new_tokens} new tokens, temperature {cfg.temperature}, {r['dtype']} on "
+             f"target `{target}`, drafter `{drafter}`, data `{data}`, {r['num_prompts']} prompts, "
+             f"max {decode.max_new_tokens} new tokens, temperature {decode.temperature}, {r['dtype']} on "
              f"{hw.get('gpu', hw['device'])} (torch {hw['torch']}, transformers {hw['transformers']})",
-             "drafting: " + (f"chain k={cfg.k}" if cfg.mode == "chain" else
-                              f"tree topk={cfg.topk} depth={cfg.depth} tokens={cfg.tokens}")
+             "drafting: " + decode.drafting()
              + f"; engine {r['engine']}" + (f" ({r['kernels']} kernels)" if r.get("kernels") else ""), "",
              ("| method | tau | tokens/s | speedup | predicted | draft s | verify s | ms/round draft / verify / host "
               "| per-position acceptance |"),
@@ -85,7 +86,7 @@ def markdown(cfg: EvalConfig, r: dict) -> str:
     if r["simulated_tau"] is not None and r["tau"] > 0:
         sim, tau = r["simulated_tau"], r["tau"]
         lines.append(f"simulated tau of this chain (training eval at step {r['simulated']['step']}, teacher-forced: "
-                     f"chain of {cfg.k} drafts replayed on the eval split): {sim:.3f}; measured tau {tau:.3f} "
+                     f"chain of {decode.k} drafts replayed on the eval split): {sim:.3f}; measured tau {tau:.3f} "
                      f"({100 * (sim - tau) / tau:+.1f}%)")
     if r["lossless"] is not None:
         ties = sum(1 for m in r["mismatches"] if m["near_tie"])

@@ -35,17 +35,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hstap.common import HstapError
-from hstap.speculative.config import EvalConfig
+from hstap.speculative.config import Decoding
 
 
-def sglang_drafter_dir(cfg: EvalConfig, out_dir: Path, dtype: str, num_layers: int) -> Path:
-    """Before the long runs: the server venv's python exists (`--sglang-python`), and the directory SGLang loads as the
-    drafter (module docstring), refused when SGLang cannot tap its layers."""
+def sglang_drafter_dir(drafter: str, sglang_python: str | None, out_dir: Path, dtype: str, num_layers: int) -> Path:
+    """Before the long runs: the server venv's python exists (`sglang_python`: --sglang-python), and the directory
+    SGLang loads as the drafter (module docstring; `drafter`: --drafter), refused when SGLang cannot tap its layers."""
     from hstap.layers import check_sglang_capturable, from_sglang
     from hstap.engines.sglang import server_python
 
-    server_python(cfg.sglang_python)
-    drafter = cfg.drafter
+    server_python(sglang_python)
     p = Path(drafter)
     if not ((p / "config.json").is_file() and (p / "model.safetensors").is_file()):
         from hstap.export.config import ExportConfig
@@ -85,38 +84,42 @@ def spec_counts(meta: dict, k: int) -> tuple[int, list[int]]:
     return int(meta.get("spec_verify_ct") or 0), [sum(hist[j] for j in range(i + 1, len(hist))) for i in range(k)]
 
 
-def run_sglang(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[int], drafter_dir: Path, dtype: str,
+def run_sglang(target: str, decode: Decoding, device: str, sglang_python: str | None,
+               prompts: list[tuple[str, list[int]]], eos: list[int], drafter_dir: Path, dtype: str,
                hstap_outputs: dict[str, list[list[int]]], eagle: dict, out_dir: Path) -> dict:
-    """Both SGLang runs (module docstring); returns the report's `sglang` block (per-prompt outputs under `outputs`
-    and `target_outputs`, moved into the report's prompts by `attach`)."""
+    """Both SGLang runs (module docstring) of `target` on `device` (--device) with the servers of `sglang_python`
+    (--sglang-python), decoding as `decode` asks (--k, --max-new-tokens, --temperature, --seed); returns the report's
+    `sglang` block (per-prompt outputs under `outputs` and `target_outputs`, moved into the report's prompts by
+    `attach`)."""
     from hstap.engines.sglang import launch_args, server_python, startup_error
-    from hstap.artifacts.model_dir import auto_device
+    from hstap.device import auto_device
 
-    python = server_python(cfg.sglang_python)
-    device = auto_device(cfg.device).partition(":")[0]  # "cuda" or "cpu", as the target was loaded
+    python = server_python(sglang_python)
+    device = auto_device(device).partition(":")[0]  # "cuda" or "cpu", as the target was loaded
+    k, n, T, seed = decode.k, decode.max_new_tokens, decode.temperature, decode.seed
     ids = [p for _, p in prompts]
-    base = [*launch_args(device, dtype), "--disable-radix-cache", "--random-seed", str(cfg.seed)]
-    print(f"hstap eval: SGLang ({python}): target only, then EAGLE-3 with {drafter_dir} (k={cfg.k})", file=sys.stderr)
-    run = (python, cfg.target)
+    base = [*launch_args(device, dtype), "--disable-radix-cache", "--random-seed", str(seed)]
+    print(f"hstap eval: SGLang ({python}): target only, then EAGLE-3 with {drafter_dir} (k={k})", file=sys.stderr)
+    run = (python, target)
     try:
-        ref, t_ref, up_ref, version = _serve(*run, out_dir / "sglang-target.log", base, ids, cfg.max_new_tokens,
-                                             cfg.temperature, eos, cfg.seed)
+        ref, t_ref, up_ref, version = _serve(*run, out_dir / "sglang-target.log", base, ids, n,
+                                             T, eos, seed)
     except (RuntimeError, OSError, ValueError, KeyError) as e:
         raise HstapError(f"--engine sglang: the SGLang server without speculation failed: {e}") from None
     target_out = [list(a["output_ids"]) for a in ref]
     new_ref = sum(map(len, target_out))
     block: dict = {
-        "version": version, "python": python, "drafter_dir": str(drafter_dir), "k": cfg.k, "batched_prompts": len(ids),
+        "version": version, "python": python, "drafter_dir": str(drafter_dir), "k": k, "batched_prompts": len(ids),
         "target_startup_s": up_ref, "target_tokens_per_s": new_ref / t_ref if t_ref > 0 else 0.0,
         "target_equal_hstap": sum(a == b for a, b in zip(target_out, hstap_outputs["target"])),
         "target_outputs": target_out,
     }
     spec_log = out_dir / "sglang-eagle3.log"
     spec = [*base, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter_dir),
-            "--speculative-num-steps", str(cfg.k), "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", str(cfg.k + 1)]
+            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(k + 1)]
     try:
-        ans, t_spec, up_spec, _ = _serve(*run, spec_log, spec, ids, cfg.max_new_tokens, cfg.temperature, eos, cfg.seed)
+        ans, t_spec, up_spec, _ = _serve(*run, spec_log, spec, ids, n, T, eos, seed)
     except (RuntimeError, OSError, ValueError, KeyError) as e:  # it did not start (its log's error line), or a
         # request failed
         error = startup_error(spec_log.read_text(errors="replace")) if isinstance(e, RuntimeError) else \
@@ -124,9 +127,9 @@ def run_sglang(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[
         block["speculative"] = {"ran": False, "error": error, "log": str(spec_log), "device": device}
         return block
     outs = [list(a["output_ids"]) for a in ans]
-    counts = [spec_counts(a.get("meta_info") or {}, cfg.k) for a in ans]
+    counts = [spec_counts(a.get("meta_info") or {}, k) for a in ans]
     rounds = sum(c[0] for c in counts)
-    per_pos = [sum(c[1][i] for c in counts) for i in range(cfg.k)]
+    per_pos = [sum(c[1][i] for c in counts) for i in range(k)]
     new_spec = sum(map(len, outs))
     hstap_counts = eagle.get("accept_counts") or []
     block.update({
@@ -136,7 +139,7 @@ def run_sglang(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[
         "per_position_acceptance": [a / rounds if rounds else 0.0 for a in per_pos],
         "tokens_per_s": new_spec / t_spec if t_spec > 0 else 0.0,
         "speedup": (new_spec / t_spec) / block["target_tokens_per_s"] if t_spec > 0 and new_ref and t_ref > 0 else 0.0,
-        "lossless": (outs == target_out) if cfg.temperature == 0 else None,
+        "lossless": (outs == target_out) if T == 0 else None,
         "agreement": {"rounds_equal": rounds == eagle.get("verify_forwards"),
                       "accepted_per_pos_equal": per_pos == list(hstap_counts),
                       "hstap_rounds": eagle.get("verify_forwards"), "hstap_accept_counts": list(hstap_counts),

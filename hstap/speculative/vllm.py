@@ -1,8 +1,8 @@
 """`hstap eval --engine vllm`: the drafter inside vLLM's own speculative decoding, next to hstap's decoder.
 
 vLLM runs the eval prompts twice, in this process, on the same target and dtype: without speculation, then with the
-drafter as its EAGLE-3 proposer (`speculative_config={"method": "eagle3", "model": DIR, "num_speculative_tokens":
---k}`: vLLM drafts chains only). Both get all prompts at once, as a server would batch them; the stop ids are hstap's
+drafter as its EAGLE-3 proposer (`hstap.engines.vllm.eagle3_config`: `{"method": "eagle3", "model": DIR,
+"num_speculative_tokens": --k}`; vLLM drafts chains only). Both get all prompts at once, as a server would batch them; the stop ids are hstap's
 (eos and end of turn), so that the outputs compare token for token with hstap's. What comes back:
 
 - vLLM's own counters of the speculative run (`LLM.get_metrics()`, taken as the difference over the run):
@@ -23,8 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from hstap.common import HstapError
-from hstap.speculative.config import EvalConfig
+from hstap.speculative.config import Decoding
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -59,15 +58,18 @@ def _counters(llm) -> dict:
 
 
 def _run(target: str, dtype: str, prompts: list[list[int]], max_new: int, temperature: float, eos: list[int],
-         seed: int, spec: dict | None, device: str) -> tuple[list[list[int]], float, dict]:
-    """(outputs, wall seconds, counters of this run) of one vLLM engine over the prompts."""
+         seed: int, spec: dict | None, device: str) -> tuple[list[list[int]], float, dict, str]:
+    """(outputs, wall seconds, counters of this run, its model runner: 'v1' or 'v2') of one vLLM engine over the
+    prompts."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from hstap.engines.vllm import start_llm, stop_llm
+    from hstap.engines.vllm_runner import configured_runner
 
     longest = max(len(p) for p in prompts) + max_new + 8
     llm = start_llm(target, dtype, device, longest, speculative_config=spec, seed=seed, disable_log_stats=False)
+    runner = configured_runner(getattr(llm.llm_engine, "vllm_config", None))
     try:
         params = SamplingParams(max_tokens=max_new, temperature=temperature, stop_token_ids=list(eos), seed=seed)
         before = _counters(llm)
@@ -79,39 +81,39 @@ def _run(target: str, dtype: str, prompts: list[list[int]], max_new: int, temper
         stop_llm(llm)
     diff = {k: (after[k] - before.get(k, 0)) if k in COUNTERS else
             [a - b for a, b in zip(after[k], before.get(k, [0] * len(after[k])))] for k in after}
-    return [list(o.outputs[0].token_ids) for o in outs], wall, diff
+    return [list(o.outputs[0].token_ids) for o in outs], wall, diff, runner
 
 
-def run_vllm(cfg: EvalConfig, prompts: list[tuple[str, list[int]]], eos: list[int], drafter_dir: str,
-             dtype: str) -> dict:
-    """Both vLLM runs (module docstring) with the drafter in `drafter_dir` (`vllm_drafter_dir`); returns the report's
-    `vllm` block."""
-    try:
-        import vllm
-    except ImportError:
-        raise HstapError("--engine vllm: the vllm package is not installed (CPU: pip install --no-deps -r "
-                         "requirements-vllm.txt; GPU: pip install vllm)") from None
-    from hstap.artifacts.model_dir import auto_device
+def run_vllm(target: str, decode: Decoding, device: str, prompts: list[tuple[str, list[int]]], eos: list[int],
+             drafter_dir: str, dtype: str) -> dict:
+    """Both vLLM runs (module docstring) of `target` with the drafter in `drafter_dir` (`vllm_drafter_dir`), decoding
+    as `decode` asks (--k, --max-new-tokens, --temperature, --seed) on `device` (--device); returns the report's `vllm`
+    block."""
+    from hstap.device import auto_device
+    from hstap.engines.vllm import eagle3_config, require_vllm
 
-    d = drafter_dir
-    device = auto_device(cfg.device).partition(":")[0]  # "cuda" or "cpu", as the target was loaded
+    require_vllm("--engine vllm")
+    import vllm
+
+    d, k = drafter_dir, decode.k
+    device = auto_device(device).partition(":")[0]  # "cuda" or "cpu", as the target was loaded
     ids = [p for _, p in prompts]
-    print(f"hstap eval: vLLM {vllm.__version__}: target only, then EAGLE-3 with {d} (k={cfg.k})", file=sys.stderr)
-    ref, t_ref, _ = _run(cfg.target, dtype, ids, cfg.max_new_tokens, cfg.temperature, eos, cfg.seed, None, device)
-    spec = {"method": "eagle3", "model": str(d), "num_speculative_tokens": cfg.k}
-    outs, t_spec, c = _run(cfg.target, dtype, ids, cfg.max_new_tokens, cfg.temperature, eos, cfg.seed, spec, device)
+    run = (target, dtype, ids, decode.max_new_tokens, decode.temperature, eos, decode.seed)
+    print(f"hstap eval: vLLM {vllm.__version__}: target only, then EAGLE-3 with {d} (k={k})", file=sys.stderr)
+    ref, t_ref, _, _ = _run(*run, None, device)
+    outs, t_spec, c, runner = _run(*run, eagle3_config(d, k), device)
     drafts, accepted = c.get(COUNTERS[0], 0), c.get(COUNTERS[2], 0)
     per_pos = c.get(PER_POS, [])
     new_ref, new_spec = sum(map(len, ref)), sum(map(len, outs))
     return {
-        "version": vllm.__version__, "drafter_dir": str(d), "k": cfg.k, "batched_prompts": len(ids),
+        "version": vllm.__version__, "model_runner": runner, "drafter_dir": str(d), "k": k, "batched_prompts": len(ids),
         "drafts": drafts, "draft_tokens": c.get(COUNTERS[1], 0), "accepted": accepted, "accepted_per_pos": per_pos,
         "tau": 1 + accepted / drafts if drafts else 0.0,
         "per_position_acceptance": [a / drafts if drafts else 0.0 for a in per_pos],
         "target_tokens_per_s": new_ref / t_ref if t_ref > 0 else 0.0,
         "tokens_per_s": new_spec / t_spec if t_spec > 0 else 0.0,
         "speedup": (new_spec / t_spec) / (new_ref / t_ref) if t_spec > 0 and t_ref > 0 and new_ref else 0.0,
-        "lossless": ([a == b for a, b in zip(ref, outs)].count(False) == 0) if cfg.temperature == 0 else None,
+        "lossless": ([a == b for a, b in zip(ref, outs)].count(False) == 0) if decode.temperature == 0 else None,
         "outputs": outs, "target_outputs": ref,
     }
 

@@ -8,13 +8,16 @@ shards' entries; writers (`StoreWriter`) wait in `wait_for_room` while their sha
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from hstap.common import HstapError
-from hstap.store.format import SHARD_RE, TEMP_RE, load_manifest, read_json, write_json
+from hstap.common import HstapError, atomic_write_bytes, read_json
+from hstap.store.format import SHARD_RE, TEMP_RE
+from hstap.store.manifest import load_manifest, write_json
 
 CONSUMER_FORMAT = "hstap-store-consumer"
 CONSUMER_VERSION = 1
@@ -46,6 +49,38 @@ def read_consumer(path: str | os.PathLike, manifest: dict | None = None) -> dict
     if manifest is not None and born is not None and born != manifest.get("created_unix"):
         return None
     return rec
+
+
+def claim_store(store: str, keep_shards: int, run: Path, resuming: bool) -> Callable[[], None]:
+    """Rank 0 of a consuming run (`hstap.train.follow`), before anything else: write STORE/consumer.json (active, the
+    window), creating STORE if no writer has yet, so that writers keep to the window from their first shard. Refuses a
+    store another run consumes, or a consumed store this run did not consume before (a resume must be of the run that
+    consumed it). Returns the claim's undo: the store as it was (consumer.json as before, or none; STORE removed if the
+    claim made it and it is still empty), for a run refused before it starts, which leaves no active claim behind."""
+    path = Path(store)
+    made = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    m = load_manifest(path) if (path / "manifest.json").is_file() else None
+    rec = read_consumer(path, m)
+    if rec is not None and rec["run"] != str(run):
+        raise HstapError(f"{path / 'consumer.json'}:1: run: the store is consumed by {rec['run']}; one consuming "
+                         f"trainer per store (resume that run)")
+    if rec is not None and any(rec["consumed"].values()) and not resuming:
+        raise HstapError(f"{path / 'consumer.json'}:1: consumed: {run} consumed shards of this store already: pass "
+                         f"--resume")
+    before = (path / RECORD).read_bytes() if (path / RECORD).is_file() else None
+    write_consumer(path, {"run": str(run), "store_created_unix": m.get("created_unix") if m else None, "active": True,
+                          "keep_shards": keep_shards, "consumed": rec["consumed"] if rec else {}})
+
+    def undo() -> None:
+        if before is not None:
+            atomic_write_bytes(path / RECORD, before)
+            return
+        (path / RECORD).unlink(missing_ok=True)
+        if made:
+            with contextlib.suppress(OSError):  # a writer has begun the store meanwhile: it stays
+                path.rmdir()
+    return undo
 
 
 def is_consumed(entry: dict, rec: dict | None) -> bool:

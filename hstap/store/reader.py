@@ -1,6 +1,6 @@
 """The store's reader: `Store`, the samples of a store as a map-style Dataset read memory-mapped (plus `check`,
-`verify` and `token_counts`), and `open_store`. The format, and the manifest union the reader sees, are
-`hstap.store.format`'s.
+`verify` and `token_counts`), and `open_store`. The format is `hstap.store.format`'s, the manifest union the reader
+sees `hstap.store.manifest`'s.
 
 `Store.check` is what a stage runs before it reads or extends a store (train, capture's resume): every committed shard
 present at the size its entry records, and each hashed once against its recorded checksum, so that a truncated or
@@ -23,8 +23,11 @@ from safetensors import safe_open
 
 from hstap.common import HstapError, one_line
 from hstap.store.consumer import is_consumed, read_consumer
-from hstap.store.format import (DTYPES, FORMAT, ST_NAMES, TORCH_DTYPES, dequantize_fp8, file_checksum, load_manifest,
-                                load_parts, union_entries)
+from hstap.store.checksum import file_checksum
+from hstap.store.format import DTYPES, FORMAT, ST_NAMES, TORCH_DTYPES
+from hstap.store.fp8 import dequantize_fp8
+from hstap.store.manifest import load_manifest, load_parts, union_entries
+from hstap.store.side import shard_shapes, side_of_sample
 
 _MAX_OPEN_SHARDS = 256  # shards a Store keeps open (LRU, `Store._tensors`)
 
@@ -74,6 +77,10 @@ class Store(torch.utils.data.Dataset):
         starts = [np.concatenate([[0], np.cumsum(e["lengths"][:-1], dtype=np.int64)]) for e in entries if e["ids"]]
         self._start = np.concatenate(starts).astype(np.int64) if starts else np.zeros(0, np.int64)  # (N,)
         self._index = {sid: i for i, sid in enumerate(self.ids)}
+        self.side = int(manifest.get("version", 1)) >= 2
+        """Whether the samples carry side branches (format version 2): `__getitem__` adds "side" (hstap.store.side)."""
+        self._within = np.concatenate([np.arange(c, dtype=np.int64) for c in counts]) if counts else \
+            np.zeros(0, np.int64)  # (N,) each sample's index in its shard
         self._problems = list(problems)
         if len(self._index) != len(self.ids):
             self._problems.append("duplicate sample ids within a shard entry")
@@ -112,6 +119,8 @@ class Store(torch.utils.data.Dataset):
         f = self.path / e["file"]
         T, K, H = int(e["tokens"]), self.num_aux, self.hidden_size
         want = {"input_ids": [T], "loss_mask": [T], "aux": [T, K, H], "final": [T, H]}
+        if self.side:
+            want |= {n: shape for n, (_, shape) in self._side_shapes(e).items()}
         try:
             h = safe_open(str(f), framework="pt")
             sl = {name: h.get_tensor(name) for name in h.keys()}
@@ -124,6 +133,12 @@ class Store(torch.utils.data.Dataset):
             raise HstapError(f"{f}: not a readable shard ({why}); the store is damaged (`hstap verify --store "
                              f"{self.path}` lists every problem)")
         return sl
+
+    def _side_shapes(self, e: dict) -> dict:
+        """The side tensors shard entry `e` holds (format version 2): name -> (dtype, shape)."""
+        S = sum(int(n) for n in e.get("side_rows", ()))
+        return shard_shapes(S, len(e["ids"]), self.num_aux, self.hidden_size, ST_NAMES[TORCH_DTYPES[self.dtype]],
+                            self.dtype == "fp8")
 
     def __getitem__(self, i: int) -> dict:
         n = len(self.ids)
@@ -138,8 +153,11 @@ class Store(torch.utils.data.Dataset):
         if self.dtype == "fp8":
             aux = dequantize_fp8(aux, sl["aux_scale"][a:b])  # (T, K, H) float32
             final = dequantize_fp8(final, sl["final_scale"][a:b])  # (T, H) float32
-        return {"id": self.ids[i], "input_ids": sl["input_ids"][a:b].long(),  # (T,)
-                "loss_mask": sl["loss_mask"][a:b].long(), "aux": aux, "final": final}
+        out = {"id": self.ids[i], "input_ids": sl["input_ids"][a:b].long(),  # (T,)
+               "loss_mask": sl["loss_mask"][a:b].long(), "aux": aux, "final": final}
+        if self.side:
+            out["side"] = side_of_sample(sl, int(self._within[i]), dequantize_fp8 if self.dtype == "fp8" else None)
+        return out
 
     def __getstate__(self) -> dict:  # DataLoader spawn workers pickle the Dataset object itself (no file is unpickled)
         return {k: v for k, v in self.__dict__.items() if k != "_handles"} | {"_handles": OrderedDict()}
@@ -212,6 +230,10 @@ class Store(torch.utils.data.Dataset):
                 "aux": (dt, [T, K, H]), "final": (dt, [T, H])}
         if self.dtype == "fp8":
             want |= {"aux_scale": ("F32", [T, K]), "final_scale": ("F32", [T])}
+        if self.side:
+            if len(e.get("side_rows", ())) != N:
+                return out + ["side_rows do not match ids"]
+            want |= self._side_shapes(e)
         with safe_open(str(f), framework="pt") as h:
             meta = h.metadata() or {}
             if meta.get("format") != FORMAT or json.loads(meta.get("ids", "null")) != e["ids"]:
@@ -227,16 +249,20 @@ class Store(torch.utils.data.Dataset):
             offsets = h.get_tensor("offsets")  # (N+1,)
             if offsets.tolist() != [0] + np.cumsum(lengths).tolist():
                 out.append("offsets do not match the manifest's lengths")
+            if self.side and h.get_tensor("side_offsets").tolist() != [0] + np.cumsum(e["side_rows"]).tolist():
+                out.append("side_offsets do not match the manifest's side_rows")
             if bool(((h.get_tensor("loss_mask") > 1)).any()):
                 out.append("loss_mask has values other than 0/1")
-            for name in [n for n in ("aux", "final", "aux_scale", "final_scale") if n in want]:
+            for name in [n for n in ("aux", "final", "aux_scale", "final_scale", "side_aux", "side_final",
+                                     "side_aux_scale", "side_final_scale") if n in want]:
                 s = h.get_slice(name)
                 row = max(1, math.prod(want[name][1][1:]) * 4)
                 step = max(1, chunk_bytes // row)
-                for a in range(0, T, step):
-                    x = s[a:min(T, a + step)].float()  # bounded chunk: a shard can be far larger than memory
+                rows = want[name][1][0]
+                for a in range(0, rows, step):
+                    x = s[a:min(rows, a + step)].float()  # bounded chunk: a shard can be far larger than memory
                     if not bool(torch.isfinite(x).all()):
-                        out.append(f"{name}: non-finite values (NaN/Inf) in tokens {a}..{min(T, a + step)}")
+                        out.append(f"{name}: non-finite values (NaN/Inf) in tokens {a}..{min(rows, a + step)}")
                         break
                     if name.endswith("_scale") and not bool((x > 0).all()):
                         out.append(f"{name}: non-positive scales")

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from hstap.store.format import CHUNK_BYTES, ST_NAMES, combine_digests, io_pool
+from hstap.store.checksum import CHUNK_BYTES, combine_digests, io_pool
+from hstap.store.format import ST_NAMES
 
 START_WRITEBACK = True
 """Start the sink's writeback of a shard file every WRITEBACK_BYTES as it is written (Linux `sync_file_range`).

@@ -1,4 +1,4 @@
-"""Writing a store (`hstap.store.format` holds the format spec and the checksum, `hstap.store.reader` the reader):
+"""Writing a store (`hstap.store.format` holds the format spec, `hstap.store.reader` the reader):
 `StoreWriter` appends samples to shards and commits them with the protocol of the spec; `hstap.store.shard_file` lays
 out one shard file and writes it while hashing its chunks."""
 
@@ -18,10 +18,14 @@ import torch
 
 from hstap.common import HstapError, fsync_dir
 from hstap.store.consumer import RECORD, wait_for_room
-from hstap.store.format import (CHECKSUM, FORMAT, PART_FORMAT, SHARD_RE, TEMP_RE, TORCH_DTYPES, VERSION, check_header,
-                                check_store_dir, header_diff, load_manifest, load_parts, merge_manifest, quantize_fp8,
-                                refuse_other_header, store_bytes_per_token, union_entries, write_json)
+from hstap.store.checksum import CHECKSUM
+from hstap.store.format import (FORMAT, PART_FORMAT, PART_VERSION, SHARD_RE, TEMP_RE, TORCH_DTYPES,
+                                store_bytes_per_token)
+from hstap.store.fp8 import quantize_fp8
+from hstap.store.header import check_header, header_diff, refuse_other_header
+from hstap.store.manifest import check_store_dir, load_manifest, load_parts, merge_manifest, union_entries, write_json
 from hstap.store.shard_file import write_shard
+from hstap.store.side import INT_NAMES as SIDE_INTS, check_side, empty_side, store_version
 
 _NEW_SLACK_S = 60.0  # see StoreWriter._wait_for_rank0
 log = logging.getLogger("hstap.store")
@@ -41,6 +45,7 @@ class _Shard:
         self.ids: list[str] = []
         self.id_set: set[str] = set()
         self.lengths: list[int] = []
+        self.side_rows: list[int] = []  # side branches' rows per sample (stores that carry them)
         self.parts: dict[str, list[torch.Tensor]] = {}
         self.on_written: list[Callable[[], object]] = []  # run once this shard is committed (StoreWriter.when_written)
 
@@ -48,6 +53,8 @@ class _Shard:
         self.ids.append(sample_id)
         self.id_set.add(sample_id)
         self.lengths.append(int(tensors["input_ids"].shape[0]))
+        if "side_input_ids" in tensors:
+            self.side_rows.append(int(tensors["side_input_ids"].shape[0]))
         for k, t in tensors.items():
             self.parts.setdefault(k, []).append(t)
 
@@ -86,6 +93,7 @@ class StoreWriter:
         self.rank, self.world_size, self.new, self.claim = rank, world_size, new, claim
         self.shard_tokens, self.shard_bytes = shard_tokens, shard_bytes
         self.dtype: str = self.header["dtype"]
+        self.version = store_version(self.header)  # 2 when the samples carry side branches (hstap.store.side)
         self.num_aux, self.hidden_size = len(self.header["layers"]), self.header["hidden_size"]
         self.bytes_per_token = store_bytes_per_token(self.num_aux, self.hidden_size, self.dtype)
         self._limit = shard_tokens  # tokens at which a shard closes (the bytes limit converted, when tighter)
@@ -110,6 +118,10 @@ class StoreWriter:
             self._wait_for_rank0(started, wait_s)
         manifest = load_manifest(self.path)
         refuse_other_header(self.path, manifest, self.header)
+        if int(manifest.get("version", 1)) != self.version:
+            with_side = "carries side branches" if int(manifest.get("version", 1)) >= 2 else "has no side branches"
+            raise HstapError(f"{self.path / 'manifest.json'}:1: side_branches: the store {with_side}, this run's "
+                             f"would {'not ' if self.version < 2 else ''}(the same setting, or another store)")
         self.shards_dir, self.parts_dir = self.path / "shards", self.path / "parts"
         self.part_path = self.parts_dir / f"rank{rank:03d}.json"
         parts = load_parts(self.path)
@@ -150,7 +162,7 @@ class StoreWriter:
             (p / "shards").mkdir(parents=True, exist_ok=True)
             (p / "parts").mkdir(exist_ok=True)
             now = datetime.datetime.now(datetime.timezone.utc)
-            write_json(p / "manifest.json", {"format": FORMAT, "version": VERSION, **self.header,
+            write_json(p / "manifest.json", {"format": FORMAT, "version": self.version, **self.header,
                                               "writers": self.world_size, "created": now.isoformat(timespec="seconds"),
                                               "created_unix": now.timestamp(), "checksum": CHECKSUM,
                                               "shards": []})
@@ -183,7 +195,7 @@ class StoreWriter:
             f.unlink()
 
     def _write_part(self, closed: bool) -> None:
-        write_json(self.part_path, {"format": PART_FORMAT, "version": VERSION, "rank": self.rank, "closed": closed,
+        write_json(self.part_path, {"format": PART_FORMAT, "version": PART_VERSION, "rank": self.rank, "closed": closed,
                                      "shards": self._entries})
 
     # -- writing -------------------------------------------------------------------------------------------------------
@@ -201,15 +213,18 @@ class StoreWriter:
 
     def add(self, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
             final: torch.Tensor, aux_scale: torch.Tensor | None = None,
-            final_scale: torch.Tensor | None = None) -> None:
+            final_scale: torch.Tensor | None = None, side: dict | None = None) -> None:
         """Queue one sample; commits the open shard once it holds >= shard_tokens tokens (or shard_bytes bytes).
 
         input_ids (T,) int, loss_mask (T,) 0/1 (bool or int), aux (T, K, H), final (T, H), all on the CPU. aux/final in
         the store dtype or any float dtype (converted; quantized for fp8 stores); with aux_scale (T, K) and
-        final_scale (T,) given, aux/final are already float8_e4m3fn (fp8 stores only)."""
+        final_scale (T,) given, aux/final are already float8_e4m3fn (fp8 stores only). side: the sample's side
+        branches ({input_ids, pos, parent, step, accepted} (S,), aux (S, K, H), final (S, H); `hstap.store.side`),
+        only in a store whose header has `side_branches` (None there: no side rows)."""
         sample_id = str(sample_id)
         t0 = time.perf_counter()
         t = self._prepare_sample(sample_id, input_ids, loss_mask, aux, final, aux_scale, final_scale)
+        t |= self._prepare_side(sample_id, side, int(t["input_ids"].shape[0]))
         with self._lock:
             self.stats["prepare_s"] += time.perf_counter() - t0
             if self._failed:
@@ -222,8 +237,8 @@ class StoreWriter:
                 raise HstapError(f"{self.path}: sample id {sample_id!r} was added twice")
             self._open.append(sample_id, t)
             self.stats["samples"] += 1
-            T = int(t["input_ids"].shape[0])
-            self._open_tokens += T
+            T = int(t["input_ids"].shape[0]) + (int(t["side_input_ids"].shape[0]) if "side_input_ids" in t else 0)
+            self._open_tokens += T  # side rows count as tokens: they take as many bytes
             if self._expect is not None:
                 # more than announced: back to full-size shards (not a stream of floor-sized ones)
                 self._expect = None if self._expect == 0 else max(0, self._expect - T)
@@ -303,6 +318,29 @@ class StoreWriter:
             out |= {"aux": aux.to(dt).contiguous(), "final": final.to(dt).contiguous()}  # no copy when already dt
         return out
 
+    def _prepare_side(self, sid: str, side: dict | None, T: int) -> dict[str, torch.Tensor]:
+        """A sample's side rows as shard tensors `side_*` ({} in a store without side branches)."""
+        where = f"{self.path}: sample {sid!r}"
+        if self.version < 2:
+            if side is not None:
+                raise HstapError(f"{where}: side branches given to a store without them (its header has no "
+                                 f"side_branches)")
+            return {}
+        K, H = self.num_aux, self.hidden_size
+        if side is None:
+            side = empty_side(K, H, torch.float32)
+        cols = check_side(where, side, T, K, H)
+        out = {f"side_{n}": c for n, c in cols.items()}  # (S,) int32 each
+        aux, final = side["aux"], side["final"]  # (S, K, H), (S, H)
+        for name, x in (("aux", aux), ("final", final)):
+            if not x.dtype.is_floating_point or x.dtype == torch.float8_e4m3fn:
+                raise HstapError(f"{where}: side.{name}: expected a float tensor, got {x.dtype}")
+        if self.dtype == "fp8":  # quantized as the sample's own states
+            (aux, aux_scale), (final, final_scale) = quantize_fp8(aux), quantize_fp8(final)
+            out |= {"side_aux_scale": aux_scale.contiguous(), "side_final_scale": final_scale.contiguous()}
+        dt = TORCH_DTYPES[self.dtype]
+        return out | {"side_aux": aux.to(dt).contiguous(), "side_final": final.to(dt).contiguous()}
+
     def when_written(self, fn: Callable[[], object]) -> None:
         """Call `fn()` once every sample added so far is committed (at once when none is pending).
 
@@ -335,12 +373,8 @@ class StoreWriter:
         T, N, K, H = sum(sh.lengths), len(sh.ids), self.num_aux, self.hidden_size
         offsets = torch.zeros(N + 1, dtype=torch.int64)  # (N+1,)
         offsets[1:] = torch.tensor(sh.lengths, dtype=torch.int64).cumsum(0)
-        tensors = [("offsets", [offsets], [N + 1]), ("input_ids", sh.parts["input_ids"], [T])]
-        if self.dtype == "fp8":
-            tensors += [("aux_scale", sh.parts["aux_scale"], [T, K]), ("final_scale", sh.parts["final_scale"], [T])]
-        tensors += [("aux", sh.parts["aux"], [T, K, H]), ("final", sh.parts["final"], [T, H]),
-                    ("loss_mask", sh.parts["loss_mask"], [T])]
-        meta = {"format": FORMAT, "version": str(VERSION), "ids": json.dumps(sh.ids), "dtype": self.dtype,
+        tensors = self._shard_tensors(sh, offsets, T, N, K, H)
+        meta = {"format": FORMAT, "version": str(self.version), "ids": json.dumps(sh.ids), "dtype": self.dtype,
                 "layers": json.dumps(self.header["layers"]), "rank": str(self.rank)}
         st, t0 = self.stats, time.perf_counter()
         st["room_wait_s"] += wait_for_room(self.path, self.rank, self.world_size)  # a consuming trainer's window
@@ -355,6 +389,8 @@ class StoreWriter:
             raise self._fail(str(final_path), e) from e
         entry = {"file": f"shards/{name}", "rank": self.rank, "seq": seq, "sha256": sha, "bytes": size, "tokens": T,
                  "ids": list(sh.ids), "lengths": list(sh.lengths)}
+        if self.version >= 2:
+            entry["side_rows"] = list(sh.side_rows)
         self._entries.append(entry)
         try:
             self._write_part(closed=False)  # the commit point
@@ -376,6 +412,25 @@ class StoreWriter:
                 fn()
             except Exception:  # noqa: BLE001 - the shard is committed; a caller's callback must not undo that
                 log.exception("%s: a when_written callback failed", self.path)
+
+    def _shard_tensors(self, sh: _Shard, offsets: torch.Tensor, T: int, N: int, K: int, H: int) -> list:
+        """[(name, pieces, shape)] of a shard in the spec's order (descending alignment); side tensors in a version-2
+        store only, each after the sample tensors of its alignment (a version-1 shard is laid out as before)."""
+        p, side = sh.parts, self.version >= 2
+        S = sum(sh.side_rows)
+        so = torch.zeros(N + 1, dtype=torch.int64)  # (N+1,)
+        so[1:] = torch.tensor(sh.side_rows, dtype=torch.int64).cumsum(0) if side else 0
+        t = [("offsets", [offsets], [N + 1])] + ([("side_offsets", [so], [N + 1])] if side else [])
+        t += [("input_ids", p["input_ids"], [T])] + ([(f"side_{n}", p[f"side_{n}"], [S]) for n in SIDE_INTS]
+                                                     if side else [])
+        if self.dtype == "fp8":
+            t += [("aux_scale", p["aux_scale"], [T, K]), ("final_scale", p["final_scale"], [T])]
+            if side:
+                t += [("side_aux_scale", p["side_aux_scale"], [S, K]), ("side_final_scale", p["side_final_scale"], [S])]
+        t += [("aux", p["aux"], [T, K, H]), ("final", p["final"], [T, H])]
+        if side:
+            t += [("side_aux", p["side_aux"], [S, K, H]), ("side_final", p["side_final"], [S, H])]
+        return t + [("loss_mask", p["loss_mask"], [T])]
 
     def close(self) -> None:
         """Commit the open shard, mark this rank's part file closed and (rank 0, after `barrier`) merge the manifest."""

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from hstap import dist as D
 from hstap.common import HstapError, atomic_write_bytes, atomic_write_json, publish_dir
 from hstap.models.drafter import Eagle3Drafter
-from hstap.train.plan import VocabMap
+from hstap.artifacts.vocab_map import VocabMap
 
 RESUME_KEYS = ("world_size", "grad_accum", "batch_tokens", "seed", "ttt", "eval_frac", "lr", "warmup_ratio",
                "min_lr_ratio", "ttt_decay", "loss", "loss_mix", "lk_decay")
@@ -103,7 +103,7 @@ def check_vocab_map(ckpt: Path, vocab: VocabMap) -> None:
     ids. Compared by `vocab_map_sha256`, before anything of the run is written."""
     from safetensors import safe_open
 
-    from hstap.artifacts.drafter_dir import vocab_map_sha256
+    from hstap.artifacts.vocab_map import vocab_map_sha256
 
     f = ckpt / "drafter.safetensors"
     with safe_open(str(f), framework="pt") as h:

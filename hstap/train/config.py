@@ -1,8 +1,20 @@
-"""`hstap train`'s config: `HyperParams`, the section that decides what a drafter learns and at what pace (the
-objective, the optimizer and its schedule, the batches, the steps, the evaluation and checkpoint cadence), and
-`TrainConfig`, which extends it with the run's inputs, devices and modes. Loops that train a drafter as one of their
-stages (`hstap serve-loop`, `hstap demo`) embed `HyperParams` as their `train` section (`--train.lr`) and state their
-own defaults as overrides of train's, in one place.
+"""`hstap train`'s config, `TrainConfig`: the run (its directory, target, seed and modes) and its sections, each
+handed whole to what reads it (`hstap.config`: a section checks its own fields; the run checks how they combine):
+
+- `hyper` (`HyperParams`): what a drafter learns and at what pace (the objective, the optimizer and its schedule, the
+  batches, the steps, the evaluation and checkpoint cadence): the trainer, the schedule and the loop;
+- `inputs` (`TrainInputs`): where the states come from (a store, or the live target on a prepared set), the draft
+  vocabulary, the aux layers and the eval split: `hstap.train.inputs`'s resolvers and the data builder;
+- `drafter` (`DrafterInit`): the drafter the run starts from (its decoder layers, lm_head init, or given weights);
+- `devices` (`Devices`): device, dtype, attention, compilation, sharding, loader workers, chunking;
+- `stream` (`StreamParams`): how a --follow run draws from the store being written (the window it keeps, replay,
+  the held-back fraction, an anchor store): `hstap.train.follow`.
+
+Every section is `FLAT` in `hstap train`: its fields keep their flag names (`--lr`, `--store`, `--keep-shards`); in
+config.json each is nested under its name (an earlier, flat config.json replays as well). Loops that train a drafter
+as one of their stages embed the sections as they are: `hstap serve-loop` and `hstap demo` take `HyperParams` as their
+`train` section (`--train.lr`) with their own defaults as overrides of train's, in one place; the serve loop also takes
+`StreamParams` (`--keep-shards`, `--holdout-frac`, ...).
 
 The config is what the user asked, as parsed (frozen); what a run resolves from it and its inputs (ce chunk, draft
 vocabulary, vocabulary map, layers, resume point) is `hstap.train.plan.TrainPlan`. The stage itself, the objective and
@@ -14,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hstap.common import HstapError
-from hstap.config import LAYERS, absolute, at_least, layer_list
+from hstap.config import FLAT, LAYERS, FieldError, absolute, at_least, fractions, layer_list, positive
 
 LOSS_TERMS = ("ce", "tv", "rkl", "hard", "topk")
 """Terms of `--loss`; "a+b" mixes two of them, "lk" is the adaptive ce/tv hybrid (`hstap.train.ttt.loss_core`)."""
@@ -51,6 +63,14 @@ class HyperParams:
     """Weight of the second term of an 'a+b' --loss."""
     lk_decay: float = 3.0
     """--loss lk: the cross-entropy's weight of a row is exp(-lk_decay * (1 - tv))."""
+    side_branches: int = 0
+    """A store with side branches (the rows of drafts the target rejected, `hstap serve-loop --side-rows`): train on
+    at most this many per sample, evenly spread over it, each as one more sequence of the sample's batch
+    (hstap/train/side.py: the accepted prefix, then the rejected drafts; only the rejected rows' distributions are
+    targets, with --loss and TTT's decay). 0: a store's side branches are not trained on."""
+    side_context: int = 64
+    """Tokens of the accepted sequence before a side branch that its training sequence keeps (what the drafter
+    attends to there; at least --ttt + 1, so the verify step's anchor is inside)."""
     lr: float = 3e-3
     """Peak learning rate (AdamW; RESULTS.md: with TTT 5, 3e-3 ~ 4e-3 > 2e-3 > 1e-3 on the reference drafter). Not
     measured at wide shapes, where a lower rate (SpecForge: 1e-4) may be safer."""
@@ -80,26 +100,26 @@ class HyperParams:
         w = "train"
         at_least(w, self, ("ttt", "grad_accum", "batch_tokens", "save_every", "keep", "log_every", "steps", "epochs"))
         at_least(w, self, ("eval_every",), lo=0)  # 0: at every checkpoint
-        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise HstapError(f"{w}: --warmup-ratio must be in [0, 1) and --min-lr-ratio in [0, 1]")
-        if self.lr <= 0 or self.grad_clip < 0:
-            raise HstapError(f"{w}: --lr must be > 0 and --grad-clip >= 0")
+        at_least(w, self, ("side_branches",), lo=0)
+        if self.side_context < self.ttt + 1:
+            raise FieldError(w, "side_context", f"must be >= --ttt + 1 = {self.ttt + 1}, got {self.side_context}")
+        fractions(w, self, ("warmup_ratio",))
+        for name in ("min_lr_ratio", "loss_mix"):  # 1.0: a flat schedule; the second term alone
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise FieldError(w, name, f"must be in [0, 1], got {getattr(self, name)}")
+        positive(w, self, ("lr",))
+        positive(w, self, ("ttt_decay", "grad_clip", "lk_decay", "weight_decay"), zero=True)
         try:
             loss_terms(self.loss)
         except ValueError as e:
-            raise HstapError(f"{w}: --{e}") from None
-        if not 0.0 <= self.loss_mix <= 1.0 or self.lk_decay < 0:
-            raise HstapError(f"{w}: --loss-mix must be in [0, 1] and --lk-decay >= 0")
+            raise FieldError(w, "loss", str(e).removeprefix("loss: ")) from None
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(HyperParams):
-    """`hstap train`: the hyper-parameters (`HyperParams`) and the run's inputs, devices and modes."""
+class TrainInputs:
+    """Where a training run's states come from, its draft vocabulary, aux layers and eval split (`hstap train`'s flags
+    of the same names)."""
 
-    out: str
-    """Run directory (config.json, metrics.jsonl, checkpoints/, best/)."""
-    target: str
-    """Target model directory (HF format): its config shapes the drafter; its embedding and lm_head are read from it."""
     store: str | None = None
     """Hidden-state store (hstap capture output) to train on (offline mode)."""
     data: str | None = None
@@ -116,17 +136,51 @@ class TrainConfig(HyperParams):
     aux_layers: str = field(default="", metadata=LAYERS)
     """fc inputs: '' = the store's layers (online: [1, N//2-1, N-4]); 'final' = final state only (EAGLE-1-style); or a
     comma list of canonical ids (offline: a subset of the store's layers)."""
-    draft_layers: int = 1
-    """Drafter decoder layers: 1 = the EAGLE-3 midlayer alone; N > 1 adds N-1 plain Llama layers (vLLM export)."""
     eval_store: str | None = None
     """Separate store for evaluation (offline); default: an --eval-frac split of the training samples."""
     eval_frac: float = 0.05
     """Fraction of samples held out for evaluation, chosen by a hash of the sample id (0 = no eval split)."""
-    resume: bool = False
-    """Continue from RUN's newest complete checkpoint (weights, optimizer, schedule, data position, RNG); a larger
-    --steps extends the run (the cosine schedule is then laid out over the new total)."""
     skip_verify: bool = False
     """Skip the pre-flight check that the store matches the target (hstap.verify.stage.quick_check)."""
+    allow_other_variant: bool = False
+    """Train on a store whose header's target fingerprint (config.json's sha256, the weight files' fingerprint) is
+    not --target's: a store captured from another variant of the model, e.g. its full-precision original when --target
+    is the INT4 or FP8 checkpoint that serves. Refused by default; the recomputation of the pre-flight check still has
+    to pass."""
+
+    def __post_init__(self):
+        w = "train"
+        if self.online and not self.data:
+            raise HstapError(f"{w}: --online needs --data PREPARED")
+        if self.online and self.eval_store:
+            raise HstapError(f"{w}: --eval-store: offline only (online mode evaluates on an --eval-frac split)")
+        at_least(w, self, ("draft_vocab",), lo=0)  # 0: the map's
+        fractions(w, self, ("eval_frac",))
+        layer_list(w, self, "aux_layers")
+        absolute(self, "store", "data", "vocab_map", "eval_store")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrafterInit:
+    """The drafter a training run starts from (`hstap train`'s flags of the same names)."""
+
+    draft_layers: int = 1
+    """Drafter decoder layers: 1 = the EAGLE-3 midlayer alone; N > 1 adds N-1 plain Llama layers (vLLM export)."""
+    init_lm_head: bool = True
+    """Initialise the drafter lm_head from the target lm_head's rows of the draft vocabulary."""
+    init_from: str | None = None
+    """Start from this hstap drafter's weights (RUN/best, RUN/checkpoints/step_*, export --to hf) instead of the init;
+    same config and vocab map as this run (`hstap serve-loop`: the served drafter trained on). Not with --resume's
+    checkpoint, which wins."""
+
+    def __post_init__(self):
+        at_least("train", self, ("draft_layers",))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Devices:
+    """Where and how a training run computes (`hstap train`'s flags of the same names)."""
+
     device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"]})
     """Device; under torchrun each rank takes GPU LOCAL_RANK."""
     dtype: str = field(default="auto", metadata={"choices": ["auto", "bf16", "fp32"]})
@@ -142,86 +196,104 @@ class TrainConfig(HyperParams):
     ce_chunk: int = 0
     """Rows per chunk of the target head and of the fused lm_head + cross-entropy (memory vs. kernel size); 0 = auto:
     16,384 when a chunk's target logits are at most 2^28 values (a vocab <= 16,384), else 4,096 (the 8B's setting)."""
-    init_lm_head: bool = True
-    """Initialise the drafter lm_head from the target lm_head's rows of the draft vocabulary."""
-    init_from: str | None = None
-    """Start from this hstap drafter's weights (RUN/best, RUN/checkpoints/step_*, export --to hf) instead of the init;
-    same config and vocab map as this run (`hstap serve-loop`: the served drafter trained on). Not with --resume's
-    checkpoint, which wins."""
-    seed: int = 0
-    """Seed of the drafter init and of the data order (the eval split is a hash of the sample ids)."""
     peak_tflops: float = 790.0
     """Peak bf16 TFLOP/s of one device for the MFU estimate (H200: 790)."""
-    tensorboard: bool = True
-    """Also log to RUN/tb when tensorboard is installed."""
-    follow: bool = False
-    """Train on --store while it is written: each shard once committed, waiting when caught up; ends at --steps or
-    when every writer closed the store and every sample was used --epochs times (module docstring)."""
-    consume: bool = False
-    """--follow: delete each shard once its last use is trained and checkpointed; the writers keep to --keep-shards."""
+
+    def __post_init__(self):
+        at_least("train", self, ("ce_chunk",), lo=0)  # 0: auto
+        at_least("train", self, ("workers",), lo=-1)  # -1: auto
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamParams:
+    """How a --follow run draws its samples from a store while it is written (`hstap train`'s flags of the same names;
+    `hstap serve-loop` embeds the section as it is, under the same flags, with its own defaults)."""
+
     keep_shards: int | None = None
-    """--consume: shard files the store may hold at once (all writer ranks together; each writer rank gets N // W)."""
+    """The window: shard files the store may hold at once (all writer ranks together; each writer rank gets N // W);
+    the consuming trainer (train --consume) deletes each shard once its last use is trained and checkpointed."""
     replay_fraction: float = 0.0
-    """--consume: fraction of each slot's samples drawn again from the earlier shards it still keeps (seeded)."""
+    """Fraction of each slot's samples drawn again from the earlier shards the window still keeps (seeded; train: with
+    --consume)."""
     holdout_frac: float = 0.0
-    """--follow: samples whose id falls in this fraction are never trained on (the same hash split as --eval-frac:
+    """Samples whose id falls in this fraction are never trained on (the same hash split as --eval-frac:
     `hstap.train.data.held_back`): held back, so that a gate (hstap serve-loop) can score candidate drafters on recent
-    traffic neither drafter trained on."""
+    traffic neither drafter trained on (serve-loop: 0 = no gate, every newer checkpoint is loaded)."""
     anchor_store: str | None = None
-    """--follow: a fixed store (e.g. the drafter's own offline training store, the domain it was trained on) from which
-    each slot also draws --anchor-fraction of its samples: rehearsal that keeps the drafter from forgetting that domain
-    while it follows served traffic. Complete, and of the followed store's target, layers, hidden size and dtype."""
+    """A fixed store (e.g. the drafter's own offline training store, the domain it was trained on) from which each slot
+    also draws --anchor-fraction of its samples: rehearsal that keeps the drafter from forgetting that domain while it
+    follows served traffic. Complete, and of the followed store's target, layers, hidden size and dtype."""
     anchor_fraction: float = 0.0
     """--anchor-store: each slot also draws round(n F / (1 - F)) samples of the anchor store (n: the slot's own regular
     samples), seeded by (--seed, slot, 2), without replacement within a slot."""
 
     def __post_init__(self):
         w = "train"
-        if self.online and not self.data:
-            raise HstapError(f"{w}: --online needs --data PREPARED")
-        if not self.online and not self.store:
+        at_least(w, self, ("keep_shards",))
+        fractions(w, self, ("replay_fraction", "holdout_frac", "anchor_fraction"))
+        if bool(self.anchor_fraction) != bool(self.anchor_store):
+            raise HstapError(f"{w}: --anchor-store and --anchor-fraction go together (the store each slot also draws "
+                             f"from, and how much of it: > 0)")
+        absolute(self, "anchor_store")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """`hstap train`: the run (its directory, target, seed and modes) and its sections (module docstring), each `FLAT`:
+    their fields keep their own flag names (`--lr`, `--store`, `--device`, `--keep-shards`)."""
+
+    out: str
+    """Run directory (config.json, plan.json, metrics.jsonl, checkpoints/, best/)."""
+    target: str
+    """Target model directory (HF format): its config shapes the drafter; its embedding and lm_head are read from it."""
+    inputs: TrainInputs = field(default_factory=TrainInputs, metadata=FLAT)
+    """Where the states come from, the draft vocabulary, the aux layers, the eval split."""
+    drafter: DrafterInit = field(default_factory=DrafterInit, metadata=FLAT)
+    """The drafter the run starts from."""
+    devices: Devices = field(default_factory=Devices, metadata=FLAT)
+    """Where and how the run computes."""
+    resume: bool = False
+    """Continue from RUN's newest complete checkpoint (weights, optimizer, schedule, data position, RNG); a larger
+    --steps extends the run (the cosine schedule is then laid out over the new total)."""
+    seed: int = 0
+    """Seed of the drafter init and of the data order (the eval split is a hash of the sample ids)."""
+    tensorboard: bool = True
+    """Also log to RUN/tb when tensorboard is installed."""
+    follow: bool = False
+    """Train on --store while it is written: each shard once committed, waiting when caught up; ends at --steps or
+    when every writer closed the store and every sample was used --epochs times (`hstap.train.follow`)."""
+    consume: bool = False
+    """--follow: delete each shard once its last use is trained and checkpointed; the writers keep to --keep-shards."""
+    stream: StreamParams = field(default_factory=StreamParams, metadata=FLAT)
+    """--follow: how the run draws from the store being written."""
+    hyper: HyperParams = field(default_factory=HyperParams, metadata=FLAT)
+    """What the drafter learns and at what pace."""
+
+    def __post_init__(self):
+        w = "train"
+        if not self.inputs.online and not self.inputs.store:
             raise HstapError(f"{w}: --store: required (or --online --data PREPARED)")
-        if self.online and self.eval_store:
-            raise HstapError(f"{w}: --eval-store: offline only (online mode evaluates on an --eval-frac split)")
-        if self.steps is not None and self.epochs is not None and not self.follow:
+        if self.hyper.steps is not None and self.hyper.epochs is not None and not self.follow:
             raise HstapError(f"{w}: give --steps or --epochs, not both")
-        if (self.follow or self.consume or self.keep_shards is not None or self.replay_fraction or self.holdout_frac
-                or self.anchor_store or self.anchor_fraction):
+        if self.follow or self.consume or self.stream != StreamParams():
             self._check_follow()
-        super().__post_init__()
-        at_least(w, self, ("draft_layers",))
-        at_least(w, self, ("draft_vocab", "ce_chunk"), lo=0)  # 0: auto
-        at_least(w, self, ("workers",), lo=-1)  # -1: auto
-        if not 0.0 <= self.eval_frac < 1.0:
-            raise HstapError(f"{w}: --eval-frac: must be in [0, 1), got {self.eval_frac}")
-        layer_list(w, self, "aux_layers")
-        absolute(self, "out", "target", "store", "data", "vocab_map", "eval_store", "anchor_store")
+        absolute(self, "out", "target")
 
     def _check_follow(self) -> None:
-        w = "train"
+        w, inp, st = "train", self.inputs, self.stream
         if not self.follow:
             raise HstapError(f"{w}: --consume, --keep-shards, --replay-fraction, --holdout-frac and --anchor-store "
                              f"need --follow")
-        if self.online:
+        if inp.online:
             raise HstapError(f"{w}: --follow follows a --store; it has no --online mode")
-        if self.consume != (self.keep_shards is not None):
+        if self.consume != (st.keep_shards is not None):
             raise HstapError(f"{w}: --consume and --keep-shards go together (the window the store's writers keep to)")
-        at_least(w, self, ("keep_shards",))
-        if not 0.0 <= self.replay_fraction < 1.0:
-            raise HstapError(f"{w}: --replay-fraction: must be in [0, 1), got {self.replay_fraction}")
-        if not 0.0 <= self.holdout_frac < 1.0:
-            raise HstapError(f"{w}: --holdout-frac: must be in [0, 1), got {self.holdout_frac}")
-        if not 0.0 <= self.anchor_fraction < 1.0:
-            raise HstapError(f"{w}: --anchor-fraction: must be in [0, 1), got {self.anchor_fraction}")
-        if bool(self.anchor_fraction) != bool(self.anchor_store):
-            raise HstapError(f"{w}: --anchor-store and --anchor-fraction (> 0) go together (the store each slot also "
-                             f"draws from, and how much)")
-        if self.replay_fraction and not self.consume:
+        if st.replay_fraction and not self.consume:
             raise HstapError(f"{w}: --replay-fraction draws from the shards --consume keeps: pass --consume "
                              f"--keep-shards N")
-        if not (self.vocab_map or self.data):
+        if not (inp.vocab_map or inp.data):
             raise HstapError(f"{w}: --follow: the draft vocabulary must be fixed before the store is complete: pass "
                              f"--vocab-map (or --data PREPARED, whose vocab map is used)")
-        if self.eval_frac > 0 and not self.eval_store:
+        if inp.eval_frac > 0 and not inp.eval_store:
             raise HstapError(f"{w}: --follow: evaluation needs a fixed held-out set: pass --eval-store STORE, or "
                              f"--eval-frac 0")

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from hstap.batching import Rows, eval_batches
 from hstap.common import HstapError, sha256_bytes
 from hstap.models.target import Target
-from hstap.train.config import TrainConfig
-from hstap.train.plan import VocabMap
+from hstap.train.config import TrainInputs
+from hstap.artifacts.vocab_map import VocabMap
 from hstap.train.ttt import plan_rows, target_distribution
 
 
@@ -78,56 +78,59 @@ def select_layers(spec: str, available: list[int] | None, num_layers: int) -> tu
 
 
 def auto_ce_chunk(target_vocab: int) -> int:
-    """--ce-chunk 0: 16,384 rows when their target logits are at most 2^28 values, else 4,096 (TrainConfig.ce_chunk)."""
+    """--ce-chunk 0: 16,384 rows when their target logits are at most 2^28 values, else 4,096 (Devices.ce_chunk)."""
     return 16384 if 16384 * target_vocab <= 1 << 28 else 4096
 
 
-def source_layers(cfg: TrainConfig, hf_cfg, store) -> tuple[list[int], list[int] | None]:
+def source_layers(inputs: TrainInputs, hf_cfg, store) -> tuple[list[int], list[int] | None]:
     """(the drafter's aux_layers, indices into the store's aux) for --aux-layers, after the store's cheap checks
     against the target (hidden size); `store` None: online."""
     if store is not None and store.hidden_size != int(hf_cfg.hidden_size):
-        raise HstapError(f"{cfg.store}: hidden_size {store.hidden_size} != the target's {hf_cfg.hidden_size}")
-    return select_layers(cfg.aux_layers, store.layers if store is not None else None, int(hf_cfg.num_hidden_layers))
+        raise HstapError(f"{inputs.store}: hidden_size {store.hidden_size} != the target's {hf_cfg.hidden_size}")
+    return select_layers(inputs.aux_layers, store.layers if store is not None else None,
+                         int(hf_cfg.num_hidden_layers))
 
 
-def build_data(cfg: TrainConfig, store, layers: list[int], sel: list[int] | None, vocab: VocabMap, rank: int,
-               world: int, dev: torch.device, bf16: bool) -> TrainData:
+def build_data(inputs: TrainInputs, target_dir: str, eval_tokens: int, follow: bool, store, layers: list[int],
+               sel: list[int] | None, vocab: VocabMap, rank: int, world: int, dev: torch.device,
+               bf16: bool) -> TrainData:
     """The sources (the opened store, or the prepared set and the live target with --online), provenance and splits,
-    from the resolved layers and vocab map (`hstap.train.inputs.resolve`)."""
+    from the resolved layers and vocab map (`hstap.train.inputs.resolve`). eval_tokens: tokens per eval batch
+    (--batch-tokens); follow: a followed store (its training split may still be empty)."""
     target = None
-    if cfg.online:
+    if inputs.online:
         from hstap.data.prepare import load_prepared
         from hstap.artifacts.model_dir import load_target, target_fingerprint
-        src = load_prepared(cfg.data)
+        src = load_prepared(inputs.data)
         ids_all, lengths_all = list(src["id"]), [len(x) for x in src["input_ids"]]
-        target, _ = load_target(cfg.target, device=dev, dtype="bf16" if bf16 else "fp32")
-        prov = {"target": target_fingerprint(cfg.target), "layers": layers, "engine": {"name": "hf-online"}}
+        target, _ = load_target(target_dir, device=dev, dtype="bf16" if bf16 else "fp32")
+        prov = {"target": target_fingerprint(target_dir), "layers": layers, "engine": {"name": "hf-online"}}
     else:
         src = store
         ids_all, lengths_all = list(store.ids), list(store.lengths)
         prov = {**store.header, "layers": layers, "captured_layers": store.layers, "path": str(store.path)}
     meta = {"store": prov, "vocab_map_sha256": vocab.sha256(), "vocab_map_source": vocab.source,
-            "embedding": {"from": "target", "path": cfg.target}}  # kept out of checkpoints (hstap/artifacts/drafter_dir.py)
+            "embedding": {"from": "target", "path": target_dir}}  # kept out of checkpoints (artifacts/drafter_dir.py)
 
-    if cfg.eval_store:
+    if inputs.eval_store:
         from hstap.store.reader import open_store
-        esrc = open_store(cfg.eval_store)
+        esrc = open_store(inputs.eval_store)
         if esrc.layers != store.layers or esrc.hidden_size != store.hidden_size:
-            raise HstapError(f"{cfg.eval_store}: layers/hidden_size differ from {cfg.store}")
+            raise HstapError(f"{inputs.eval_store}: layers/hidden_size differ from {inputs.store}")
         tr, ev, e_len = list(range(len(ids_all))), list(range(len(esrc))), list(esrc.lengths)
     else:
         esrc = src
-        tr = [i for i, s in enumerate(ids_all) if not is_eval(s, cfg.eval_frac)]
-        ev = [i for i, s in enumerate(ids_all) if is_eval(s, cfg.eval_frac)]
+        tr = [i for i, s in enumerate(ids_all) if not is_eval(s, inputs.eval_frac)]
+        ev = [i for i, s in enumerate(ids_all) if is_eval(s, inputs.eval_frac)]
         e_len = [lengths_all[i] for i in ev]
-    if not tr and not cfg.follow:  # before RUN is written (a followed store fills as it trains)
-        src_path = cfg.data if cfg.online else cfg.store
+    if not tr and not follow:  # before RUN is written (a followed store fills as it trains)
+        src_path = inputs.data if inputs.online else inputs.store
         raise HstapError(f"train: the training split is empty: {len(ids_all)} sample(s) in {src_path}"
-                         + (f", all held out by --eval-frac {cfg.eval_frac}" if ids_all else ""))
+                         + (f", all held out by --eval-frac {inputs.eval_frac}" if ids_all else ""))
     return TrainData(layers=layers, sel=sel, d2t=vocab.d2t, t2d=vocab.t2d, meta=meta, target=target,
-                     train_rows=Rows(src, tr, prepared=cfg.online), train_lengths=[lengths_all[i] for i in tr],
-                     eval_rows=Rows(esrc, ev, prepared=cfg.online),
-                     eval_batches=eval_batches(e_len, cfg.batch_tokens, rank, world))
+                     train_rows=Rows(src, tr, prepared=inputs.online), train_lengths=[lengths_all[i] for i in tr],
+                     eval_rows=Rows(esrc, ev, prepared=inputs.online),
+                     eval_batches=eval_batches(e_len, eval_tokens, rank, world))
 
 
 class Feed:

@@ -71,13 +71,14 @@ import numpy as np
 import torch
 
 from hstap import dist as D
-from hstap.batching import collate
+from hstap.train.side import SideCollate
 from hstap.common import HstapError
-from hstap.store.consumer import delete_consumed, is_consumed, own_shard_files, read_consumer, write_consumer
-from hstap.store.format import load_manifest, load_parts, union_entries, writing_state
+from hstap.store.consumer import (claim_store, delete_consumed, is_consumed, own_shard_files, read_consumer,
+                                  write_consumer)
+from hstap.store.manifest import load_manifest, load_parts, union_entries, writing_state
 from hstap.store.reader import Store, check_shard, open_store
 from hstap.train import checkpoint
-from hstap.train.config import TrainConfig
+from hstap.train.config import HyperParams, StreamParams
 from hstap.train.follow_plan import (ANCHOR, ANCHOR_UNIT, END, REGULAR, REPLAY, TAKE, StreamSpec, kept, next_unit,
                                      plan_slot)
 
@@ -106,48 +107,61 @@ def wait_for_store(path: Path) -> dict:
     return load_manifest(path)
 
 
-def claim_store(store: str, keep_shards: int, run: Path, resuming: bool) -> None:
-    """Rank 0 of a consuming run, before anything else: write STORE/consumer.json (active, the window), creating STORE
-    if no writer has yet, so that writers keep to the window from their first shard. Refuses a store another run
-    consumes, or a consumed store this run did not consume before (a resume must be of the run that consumed it)."""
-    path = Path(store)
-    path.mkdir(parents=True, exist_ok=True)
-    m = load_manifest(path) if (path / "manifest.json").is_file() else None
-    rec = read_consumer(path, m)
-    if rec is not None and rec["run"] != str(run):
-        raise HstapError(f"{path / 'consumer.json'}:1: run: the store is consumed by {rec['run']}; one consuming "
-                         f"trainer per store (resume that run)")
-    if rec is not None and any(rec["consumed"].values()) and not resuming:
-        raise HstapError(f"{path / 'consumer.json'}:1: consumed: {run} consumed shards of this store already: pass "
-                         f"--resume")
-    write_consumer(path, {"run": str(run), "store_created_unix": m.get("created_unix") if m else None, "active": True,
-                          "keep_shards": keep_shards, "consumed": rec["consumed"] if rec else {}})
-
-
-def open_followed_store(cfg: TrainConfig, run: Path, rank: int) -> None:
-    """With --consume, rank 0 claims the store (`claim_store`) first; then every rank waits until a writer created
-    it."""
-    err = None
-    if rank == 0 and cfg.consume:
+def open_followed_store(store: str, keep_shards: int | None, consume: bool, resume: bool, run: Path,
+                        rank: int) -> Callable[[], None]:
+    """With --consume, rank 0 claims the store (`claim_store`, the window --keep-shards) first; then every rank waits
+    until a writer created it. resume: --resume (a run with checkpoints resumes its claim). Returns the claim's undo
+    (a no-op where there is none), which this call runs itself when the wait is cut."""
+    err, undo = None, (lambda: None)
+    if rank == 0 and consume:
         try:
-            claim_store(cfg.store, cfg.keep_shards, run, resuming=bool(cfg.resume and checkpoint.complete(run)))
+            undo = claim_store(store, keep_shards, run, resuming=bool(resume and checkpoint.complete(run)))
         except HstapError as e:
             err = e
     if not D.agree(err is None):
-        raise err or HstapError(f"{cfg.store}: rank 0 could not claim the store (see its output)")
-    wait_for_store(Path(cfg.store))
+        raise err or HstapError(f"{store}: rank 0 could not claim the store (see its output)")
+    try:
+        wait_for_store(Path(store))
+    except BaseException:
+        undo()
+        raise
+    return undo
 
 
-def check_store_target(store: str, target: str) -> None:
-    """The follow pre-flight (the store may have no sample yet to recompute): its header's target config and weights
-    fingerprints must be the target's."""
+def stream_settings(stream: StreamParams, epochs: int | None, consume: bool) -> dict:
+    """The SETTINGS of a follow run (its stream section, --epochs, --consume), as its checkpoints record them."""
+    given = {"epochs": epochs or 1, "consume": consume}
+    return {k: given[k] if k in given else getattr(stream, k) for k in SETTINGS}
+
+
+def check_resume(run: Path, state: dict, settings: dict) -> dict:
+    """A --resume of a follow run against its checkpoint's trainer_state.json `state`, before anything is written:
+    the checkpoint is of a follow run, and it was trained with this run's SETTINGS (`stream_settings`). Returns its
+    stream position."""
+    st = state.get("follow")
+    if st is None:
+        raise HstapError(f"{run}: the checkpoint is of a run without --follow; resume it without --follow")
+    for k in SETTINGS:
+        was = st["settings"].get(k, BEFORE.get(k))
+        if was != settings[k]:
+            raise HstapError(f"{run}: --{k.replace('_', '-')} was {was}; resume with the same value")
+    return st
+
+
+def check_store_target(store: str, target: str, require: bool = False) -> None:
+    """The store was captured from `target` itself: its header's target config and weights fingerprints are the
+    target's (train's pre-flight; --follow's whole check, `require`d there: its store may have no sample yet to
+    recompute). Elsewhere a header without them (an imported store) is not refused here: the recomputation judges its
+    states."""
     from hstap.artifacts.model_dir import target_fingerprint
 
     have, want = load_manifest(Path(store)).get("target") or {}, target_fingerprint(target)
-    for k in ("config_sha256", "weights_fingerprint"):
-        if have.get(k) != want[k]:
-            raise HstapError(f"{store}/manifest.json:1: target.{k}: the store was captured from another target than "
-                             f"{target} (--skip-verify to train anyway)")
+    differ = [k for k in ("config_sha256", "weights_fingerprint") if (have.get(k) or require) and have.get(k) != want[k]]
+    if differ:
+        raise HstapError(f"{store}/manifest.json:1: target.{differ[0]}: the store was captured from another model or "
+                         f"another variant of it than {target} (a full-precision original, another quantization, "
+                         "re-saved weights): --allow-other-variant to train on it anyway, --skip-verify to skip the "
+                         "check")
 
 
 def open_anchor(anchor: str, store: str, header: dict) -> Store:
@@ -187,21 +201,26 @@ def open_anchor(anchor: str, store: str, header: dict) -> Store:
 class FollowBatches:
     """This rank's micro-batches of the follow stream, slot after slot (see the module docstring).
 
-    The loop calls `wait(save)` before each optimizer step (True: the step's micro-batches are planned; False: the
-    stream ended), takes grad_accum micro-batches with `next()`, calls `step_done(step)` after the step and
-    `committed(step)` after each checkpoint; `state()` goes into trainer_state.json; `finish()` at a normal end."""
+    `start()` once RUN is written; the loop calls `wait(save)` before each optimizer step (True: the step's
+    micro-batches are planned; False: the stream ended), takes grad_accum micro-batches with `next()`, calls
+    `step_done(step)` after the step and `committed(step)` after each checkpoint; `state()` goes into
+    trainer_state.json; `finish()` at a normal end."""
 
-    def __init__(self, cfg: TrainConfig, run: Path, rank: int, world: int, dev: torch.device, state: dict | None,
-                 pin: bool, workers: int):
-        self.path, self.run, self.rank, self.world, self.dev = Path(cfg.store), run, rank, world, dev
-        self.pin, self.workers, self.consume = pin, workers, cfg.consume
+    def __init__(self, stream: StreamParams, hyper: HyperParams, store: str, consume: bool, seed: int, run: Path,
+                 rank: int, world: int, dev: torch.device, state: dict | None, pin: bool, workers: int):
+        """stream: the run's follow section; hyper: its --epochs, --batch-tokens, --grad-accum; store: --store;
+        consume: --consume; seed: --seed."""
+        self.path, self.run, self.rank, self.world, self.dev = Path(store), run, rank, world, dev
+        self.pin, self.workers, self.consume = pin, workers, consume
+        self.collate_fn = SideCollate(hyper.side_branches, hyper.side_context)  # with a store's side branches
         self.manifest = load_manifest(self.path)
         self.header = {k: v for k, v in self.manifest.items() if k != "shards"}
         self.ranks = writing_state(self.manifest, load_parts(self.path))[0]
-        self.settings = {k: getattr(cfg, k) for k in SETTINGS} | {"epochs": cfg.epochs or 1}
-        self.spec = StreamSpec(self.settings["epochs"], self._retain(cfg), cfg.replay_fraction, cfg.seed,
-                               cfg.batch_tokens, world * cfg.grad_accum, cfg.holdout_frac, cfg.anchor_fraction)
-        self.anchor = open_anchor(cfg.anchor_store, cfg.store, self.header) if cfg.anchor_store else None
+        self.settings = stream_settings(stream, hyper.epochs, consume)
+        self.spec = StreamSpec(self.settings["epochs"], self._retain(stream), stream.replay_fraction, seed,
+                               hyper.batch_tokens, world * hyper.grad_accum, stream.holdout_frac,
+                               stream.anchor_fraction)
+        self.anchor = open_anchor(stream.anchor_store, store, self.header) if stream.anchor_store else None
         self.anchor_lengths = list(self.anchor.lengths) if self.anchor is not None else None
         a_entries = self.anchor.manifest["shards"] if self.anchor is not None else []
         self.anchor_shard = np.repeat(np.arange(len(a_entries), dtype=np.int64),
@@ -218,31 +237,29 @@ class FollowBatches:
                              f"already; a follower needs every shard from the first")
         if state is not None:
             self._restore(state)
-        if rank == 0 and self.consume:
-            self._consume()  # binds the record to this store; a resume redoes what a kill interrupted (idempotent)
+
+    def start(self) -> None:
+        """Once RUN is written (the stream is checked and planned, nothing written, until here): rank 0 binds the
+        consumer record to this store; a resume redoes what a kill interrupted (idempotent)."""
+        if self.rank == 0 and self.consume:
+            self._consume()
         D.barrier()
 
-    def _retain(self, cfg: TrainConfig) -> int:
+    def _retain(self, stream: StreamParams) -> int:
         """R: how many consecutive slots use a shard (see StreamSpec), checked against the window."""
-        E, W = cfg.epochs or 1, self.ranks
-        if not cfg.consume:
+        E, W = self.settings["epochs"], self.ranks
+        if not self.consume:
             return E  # replay needs --consume (TrainConfig): its pool is the retained window
-        quota = cfg.keep_shards // W
-        need, R = (E, E) if cfg.replay_fraction == 0 else (E + 2, quota - 1)
+        quota = stream.keep_shards // W
+        need, R = (E, E) if stream.replay_fraction == 0 else (E + 2, quota - 1)
         if quota < need:
-            raise HstapError(f"train: --keep-shards {cfg.keep_shards} is too small for {W} writer rank(s) and "
-                             f"--epochs {E}{' with replay' if cfg.replay_fraction else ''}: each writer rank gets "
-                             f"{cfg.keep_shards} // {W} = {quota} shards and needs >= {need}")
+            raise HstapError(f"train: --keep-shards {stream.keep_shards} is too small for {W} writer rank(s) and "
+                             f"--epochs {E}{' with replay' if stream.replay_fraction else ''}: each writer rank gets "
+                             f"{stream.keep_shards} // {W} = {quota} shards and needs >= {need}")
         return R
 
     def _restore(self, state: dict) -> None:
-        st = state.get("follow")
-        if st is None:
-            raise HstapError(f"{self.run}: the checkpoint is of a run without --follow; resume it without --follow")
-        for k in SETTINGS:
-            was = st["settings"].get(k, BEFORE.get(k))
-            if was != self.settings[k]:
-                raise HstapError(f"{self.run}: --{k.replace('_', '-')} was {was}; resume with the same value")
+        st = check_resume(self.run, state, self.settings)
         if st["store_created_unix"] != self.manifest.get("created_unix") or st["ranks"] != self.ranks:
             raise HstapError(f"{self.path}: not the store this run followed (re-created, or its writer ranks changed "
                              f"from {st['ranks']} to {self.ranks})")
@@ -368,7 +385,7 @@ class FollowBatches:
         if self.anchor is not None:
             data = torch.utils.data.ConcatDataset([data, self.anchor])
         mine = [[base[u] + j for u, j, _ in mb] for mb in todo]
-        self._it = iter(torch.utils.data.DataLoader(data, batch_sampler=mine, collate_fn=collate,
+        self._it = iter(torch.utils.data.DataLoader(data, batch_sampler=mine, collate_fn=self.collate_fn,
                                                     num_workers=self.workers, pin_memory=self.pin))
 
     def wait(self, save: Callable[[], object]) -> bool:

@@ -1,9 +1,9 @@
 """What a training run resolved from its config and inputs: `TrainPlan`, made once by `hstap.train.inputs.resolve`.
 
 The config (`hstap.train.config.TrainConfig`) stays what the user asked, as parsed: RUN/config.json. The plan is what
-ran: the ce chunk (--ce-chunk 0 resolved), the draft vocabulary map (`VocabMap`: an explicit map, the prepared set's,
-the store's copy of it or the store's token counts), the aux layers and their indices into the store, the resume point,
-the ranks and the compute dtype. It is frozen, handed to what builds the run, and recorded beside the config as
+ran: the ce chunk (--ce-chunk 0 resolved), the draft vocabulary map (`hstap.artifacts.vocab_map.VocabMap`: an explicit
+map, the prepared set's, the store's copy of it or the store's token counts), the aux layers and their indices into the
+store, the resume point, the ranks and the compute dtype. It is frozen, handed to what builds the run, and recorded beside the config as
 RUN/plan.json (`TrainPlan.record`).
 """
 
@@ -12,30 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-
-@dataclass(frozen=True, eq=False)
-class VocabMap:
-    """A draft vocabulary map, as EAGLE-3 drafters store it, and where it came from."""
-
-    d2t: torch.Tensor
-    """(Vd,) long: draft id -> the offset of its target id (target id = draft id + d2t[draft id])."""
-    t2d: torch.Tensor
-    """(V,) bool: target id is in the draft vocabulary."""
-    source: str
-    """Where it came from (a file, the prepared set's map copied by capture, the top N of the store's token counts)."""
-
-    @property
-    def size(self) -> int:
-        """Vd, the draft vocabulary's size."""
-        return int(self.d2t.numel())
-
-    def sha256(self) -> str:
-        """Its identity (`hstap.artifacts.drafter_dir.vocab_map_sha256`)."""
-        from hstap.artifacts.drafter_dir import vocab_map_sha256
-
-        return vocab_map_sha256(self.d2t, self.t2d)
+from hstap.artifacts.vocab_map import VocabMap
 
 
 @dataclass(frozen=True, eq=False)

@@ -61,8 +61,8 @@ bitwise on CPU fp32), slots and epochs, replay, consumption, exactly-once resume
 RUN/follow.jsonl are specified in `hstap.train.follow`'s docstring; the store side (writer ranks and the end of writing,
 consumer.json, the writers' back-pressure) in hstap/store/format.py. Without --steps the learning rate is constant.
 
-Layout: `hstap.train.config` holds the stage's config (`TrainConfig`, extending the `HyperParams` section); this module
-its entry and the loop; `hstap.train.inputs` resolves what a run needs (run directory and resume point, target head,
+Layout: `hstap.train.config` holds the stage's config (`TrainConfig` and its sections: `hyper`, `inputs`, `drafter`,
+`devices`, `stream`, each handed to what reads it); this module its entry and the loop; `hstap.train.inputs` resolves what a run needs (run directory and resume point, target head,
 vocab map, store and its checks: sizes, pre-flight, checksums; layers) once, into a frozen plan
 (`hstap.train.plan.TrainPlan`, RUN/plan.json beside the config as parsed in RUN/config.json), before anything is
 written (a refused run, or a --resume whose checkpoint does not fit, leaves RUN as it was);
@@ -83,11 +83,12 @@ import torch
 from hstap import dist as D
 from hstap.batching import TrainBatches
 from hstap.common import HstapError, atomic_write_json, write_run_config
-from hstap.artifacts.model_dir import auto_dtype
+from hstap.device import auto_dtype
 from hstap.train import checkpoint
 from hstap.train.config import TrainConfig
 from hstap.train.data import Feed, TrainData
 from hstap.train.follow import FollowBatches
+from hstap.train.side import SideCollate
 from hstap.train.inputs import resolve
 from hstap.train.plan import TrainPlan
 from hstap.train.log import CURVES, MetricsLog, Throughput, draw_curves, print_summary, train_line
@@ -100,7 +101,7 @@ TAU_DEFINITION = 2  # trainer_state.json: sim_tau = tokens per target forward, b
 
 def train(cfg: TrainConfig) -> dict:
     """Train a drafter (see the module docstring); returns the summary figures (also printed)."""
-    rank, world, _, dev = D.init_dist(cfg.device)
+    rank, world, _, dev = D.init_dist(cfg.devices.device)
     try:
         return _run(cfg, rank, world, dev)
     finally:
@@ -145,7 +146,7 @@ class _Run:
     """Offline: epochs over the training split; --follow: the follow stream."""
     schedule: Schedule
     run_config: dict
-    """trainer_state.json's "config": {"world_size": world, **the TrainConfig fields, as parsed}."""
+    """trainer_state.json's "config": {"world_size": world, **the TrainConfig's flags, as parsed}."""
     plan: TrainPlan
     """What the run resolved (`hstap.train.inputs.resolve`): ce chunk, vocab map, layers, resume point."""
 
@@ -161,7 +162,7 @@ def _run(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> dict:
                "tok_s": st.last.get("tok_s"), "mfu": st.last.get("mfu"), "sim_tau": st.ev_last.get("sim_tau"),
                "best_sim_tau": st.best if st.best >= 0 else None, "peak_mem_gb": st.last.get("peak_mem_gb"),
                "checkpoint": str(c[-1]) if c else None, "tokens": st.tokens_seen,
-               "tokens_this_run": st.tokens_seen - tokens0, "seconds": time.perf_counter() - t0, "ttt": cfg.ttt,
+               "tokens_this_run": st.tokens_seen - tokens0, "seconds": time.perf_counter() - t0, "ttt": cfg.hyper.ttt,
                "eval_samples": len(r.data.eval_rows),
                "curves": str(r.run / CURVES) if rank == 0 and (r.run / CURVES).is_file() else None}
     if rank == 0:
@@ -185,76 +186,92 @@ def _build(cfg: TrainConfig, rank: int, world: int, dev: torch.device) -> tuple[
     """Data, drafter, trainer and batch stream of this rank from the resolved inputs (`hstap.train.inputs.resolve`),
     restored from RUN's newest checkpoint with --resume."""
     run, cuda = Path(cfg.out), dev.type == "cuda"
-    bf16 = auto_dtype(cfg.dtype, dev) == "bf16"
+    bf16 = auto_dtype(cfg.devices.dtype, dev) == "bf16"
     if bf16 and not cuda:
         raise HstapError("train: --dtype bf16 needs CUDA (CPU training is fp32)")
     inp = resolve(cfg, rank, world, dev, bf16)
-    plan, data, state, run_config = inp.plan, inp.data, inp.state, inp.run_config
-    ckpt = plan.resume
-    drafter = init_drafter(inp.hf_cfg, plan.vocab, list(plan.layers), inp.embed, inp.head, seed=cfg.seed,
-                           draft_layers=cfg.draft_layers, init_lm_head=cfg.init_lm_head)
-    attn, why = ttt_attention(cfg.attn, dev.type, drafter.config.head_dim)
-    feed = Feed(data, inp.head, dev, torch.bfloat16 if bf16 else torch.float32, plan.ce_chunk, cfg.ttt,
-                pad_to=16 if cuda else 1)  # CUDA: T in steps of 16 bounds the TTT masks and compiled shapes
-    del inp  # the target's embedding and head: the drafter and the feed hold what they need
-    if ckpt and "follow" in state and not cfg.follow:
-        raise HstapError(f"{ckpt}/trainer_state.json: a --follow run; resume it with --follow")
-
-    # A resume loads the weights before wrapping and the optimizer and RNG after; both before RUN is written, so a
-    # checkpoint that does not fit leaves the run as it was.
-    if ckpt:
-        checkpoint.load_weights(ckpt, drafter)
-    elif cfg.init_from:
-        checkpoint.load_init(Path(cfg.init_from), drafter)
-    drafter.to(dev)
-    trainer = Trainer(cfg, drafter, world, dev, attn, bf16, plan.ce_chunk)
-    # best_sim_tau of a run saved before tau included the bonus token (no "tau_definition") is not comparable
-    best = state.get("best_sim_tau", -1.0) if state.get("tau_definition") == TAU_DEFINITION else -1.0
-    st = TrainState(step=state.get("step", 0), best=best, tokens_seen=state.get("tokens_seen", 0))
-    if ckpt:
-        trainer.load_rest(ckpt, state, rank)
-    _open_run(cfg, plan, run, rank)
+    release = inp.release  # the store's claim undone if the run is refused before RUN is written
+    try:
+        plan, data, state, run_config = inp.plan, inp.data, inp.state, inp.run_config
+        ckpt = plan.resume
+        drafter = init_drafter(inp.hf_cfg, plan.vocab, list(plan.layers), inp.embed, inp.head, seed=cfg.seed,
+                               draft_layers=cfg.drafter.draft_layers, init_lm_head=cfg.drafter.init_lm_head)
+        attn, why = ttt_attention(cfg.devices.attn, dev.type, drafter.config.head_dim)
+        feed = Feed(data, inp.head, dev, torch.bfloat16 if bf16 else torch.float32, plan.ce_chunk, cfg.hyper.ttt,
+                    pad_to=16 if cuda else 1)  # CUDA: T in steps of 16 bounds the TTT masks and compiled shapes
+        del inp  # the target's embedding and head: the drafter and the feed hold what they need
+        # A resume loads the weights before wrapping and the optimizer and RNG after, and the batch stream checks
+        # its position; all before RUN is written: a checkpoint that does not fit leaves the run and store as they were.
+        if ckpt:
+            checkpoint.load_weights(ckpt, drafter)
+        elif cfg.drafter.init_from:
+            checkpoint.load_init(Path(cfg.drafter.init_from), drafter)
+        drafter.to(dev)
+        trainer = Trainer(cfg.hyper, cfg.devices, drafter, world, dev, attn, bf16, plan.ce_chunk)
+        # best_sim_tau of a run saved before tau included the bonus token (no "tau_definition") is not comparable
+        best = state.get("best_sim_tau", -1.0) if state.get("tau_definition") == TAU_DEFINITION else -1.0
+        st = TrainState(step=state.get("step", 0), best=best, tokens_seen=state.get("tokens_seen", 0))
+        if ckpt:
+            trainer.load_rest(ckpt, state, rank)
+        batches, total, outline = _batches(cfg, data, run, rank, world, dev, state if ckpt else None)
+        _open_run(cfg, plan, run, rank)
+    except BaseException:
+        release()
+        raise
     if rank == 0 and (ckpt or cfg.follow):  # follow: also a restart before the first checkpoint starts clean
         checkpoint.truncate_metrics(run / "metrics.jsonl", st.step)
         if cfg.follow:
             checkpoint.truncate_metrics(run / "follow.jsonl", st.step)
-    workers = cfg.workers if cfg.workers >= 0 else (4 if cuda else 0)
     if cfg.follow:
-        batches = FollowBatches(cfg, run, rank, world, dev, state if ckpt else None, cuda, workers)
-        total, outline = cfg.steps, (f"following {cfg.store} ({batches.ranks} writer rank(s)), {cfg.epochs or 1} "
-                                     f"epoch(s), {f'{cfg.steps} steps' if cfg.steps else 'until writing ends'}")
-        if cfg.holdout_frac:
-            outline += f", {cfg.holdout_frac} of the ids held back"
-        if cfg.anchor_store:
-            outline += f", {cfg.anchor_fraction} of each slot from {cfg.anchor_store}"
-    else:
-        batches = TrainBatches(data.train_rows, data.train_lengths, cfg.batch_tokens, cfg.seed, rank, world,
-                               state.get("epoch", 0), state.get("batches_done", 0), cuda, workers)
-        per_epoch = math.ceil(len(batches.sampler) / cfg.grad_accum)
-        total = cfg.steps or (cfg.epochs or 1) * per_epoch
-        outline = (f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} steps/epoch, "
-                   f"{total} steps")
+        batches.start()
     D.print0(f"hstap train: {outline}, world {world}{' fsdp' if trainer.fsdp else ''}, "
-             f"{dev.type} {'bf16' if bf16 else 'fp32'}{' compiled' if cfg.compile and cuda else ''}, attn {attn}, "
-             f"ttt {cfg.ttt}, draft vocab {plan.vocab.size}, ce chunk {plan.ce_chunk}, "
+             f"{dev.type} {'bf16' if bf16 else 'fp32'}{' compiled' if cfg.devices.compile and cuda else ''}, "
+             f"attn {attn}, ttt {cfg.hyper.ttt}, draft vocab {plan.vocab.size}, ce chunk {plan.ce_chunk}, "
              f"aux layers {list(plan.layers) or 'final'}"
              + (f", resumed from {ckpt.name}" if ckpt else ""))
     D.print0(f"hstap train: TTT attention {attn}: {why}")
-    schedule = Schedule(cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio, total)
+    hp = cfg.hyper
+    schedule = Schedule(hp.lr, hp.warmup_ratio, hp.min_lr_ratio, total)
     return _Run(cfg, run, rank, world, dev, data, feed, trainer, batches, schedule, run_config, plan), st
+
+
+def _batches(cfg: TrainConfig, data, run: Path, rank: int, world: int, dev: torch.device, state: dict | None):
+    """(this rank's batch stream, its total steps, the outline line's figures): the follow stream of --follow (its
+    position restored from `state`, a resume's, and checked), else the store's shuffled epochs."""
+    cuda, hp, sp = dev.type == "cuda", cfg.hyper, cfg.stream
+    workers = cfg.devices.workers if cfg.devices.workers >= 0 else (4 if cuda else 0)
+    state = state or None
+    if cfg.follow:
+        batches = FollowBatches(sp, hp, cfg.inputs.store, cfg.consume, cfg.seed, run, rank, world, dev, state, cuda,
+                                workers)
+        outline = (f"following {cfg.inputs.store} ({batches.ranks} writer rank(s)), {hp.epochs or 1} epoch(s), "
+                   f"{f'{hp.steps} steps' if hp.steps else 'until writing ends'}")
+        if sp.holdout_frac:
+            outline += f", {sp.holdout_frac} of the ids held back"
+        if sp.anchor_store:
+            outline += f", {sp.anchor_fraction} of each slot from {sp.anchor_store}"
+        return batches, hp.steps, outline
+    state = state or {}
+    batches = TrainBatches(data.train_rows, data.train_lengths, hp.batch_tokens, cfg.seed, rank, world,
+                           state.get("epoch", 0), state.get("batches_done", 0), cuda, workers,
+                           SideCollate(hp.side_branches, hp.side_context))
+    per_epoch = math.ceil(len(batches.sampler) / hp.grad_accum)
+    total = hp.steps or (hp.epochs or 1) * per_epoch
+    return batches, total, (f"{len(data.train_rows)} train / {len(data.eval_rows)} eval samples, {per_epoch} "
+                            f"steps/epoch, {total} steps")
 
 
 def _loop(r: _Run, st: TrainState) -> None:
     """Optimizer steps until the schedule's total (--follow: or the stream's end): metrics lines, evaluations and
     checkpoints on the way."""
-    cfg, cuda, total, tr = r.cfg, r.dev.type == "cuda", r.schedule.total, r.trainer
+    cfg, hp, cuda, total, tr = r.cfg, r.cfg.hyper, r.dev.type == "cuda", r.schedule.total, r.trainer
     fol = r.batches if cfg.follow else None  # waits for shards; its stream may end before any total
-    eval_every = cfg.eval_every or cfg.save_every
+    eval_every = hp.eval_every or hp.save_every
     log = MetricsLog(r.run, r.rank, cfg.tensorboard)
     from tqdm import tqdm
     bar = tqdm(total=total, initial=st.step, disable=r.rank != 0, desc="train", dynamic_ncols=True, file=sys.stderr)
     it = iter(r.batches)
-    meter = Throughput(tr.drafter.config, cfg.ttt, tr.model.attn != "causal", cfg.peak_tflops * 1e12 * r.world)
+    meter = Throughput(tr.drafter.config, hp.ttt, tr.model.attn != "causal", cfg.devices.peak_tflops * 1e12 * r.world)
     if cuda:
         torch.cuda.reset_peak_memory_stats(r.dev)
     tr.wrapped.train()
@@ -264,7 +281,7 @@ def _loop(r: _Run, st: TrainState) -> None:
             if st.raw is not None:  # the stream ended: the end's metrics line, evaluation and checkpoint, if not done
                 _after_step(r, st, log, meter, bar, pos, eval_every, last=True)
             break
-        micro = [r.feed(next(it)) for _ in range(cfg.grad_accum)]  # targets of the whole step first: exact N_k
+        micro = [r.feed(next(it)) for _ in range(hp.grad_accum)]  # targets of the whole step first: exact N_k
         pos = (r.batches.epoch, r.batches.done) if fol is None else None
         lr = r.schedule.lr_at(st.step)
         stats, gn = tr.step(micro, lr)
@@ -276,8 +293,8 @@ def _loop(r: _Run, st: TrainState) -> None:
         epoch = fol.epochs_done() if fol is not None else pos[0] + pos[1] / len(r.batches.sampler)
         st.raw = (st.step, epoch, stats, lr, gn)  # read (a host sync) only when a metrics line is due
         bar.update(1)
-        if st.step % cfg.log_every == 0 or st.step == total:
-            _read_line(st, cfg.ttt_decay)
+        if st.step % hp.log_every == 0 or st.step == total:
+            _read_line(st, hp.ttt_decay)
             bar.set_postfix(loss=f"{st.last['loss']:.3f}", acc0=f"{st.last['acc'][0]:.3f}",
                             **(fol.progress() if fol is not None else {}), refresh=False)
         _after_step(r, st, log, meter, bar, pos, eval_every, last=st.step == total)
@@ -290,9 +307,9 @@ def _loop(r: _Run, st: TrainState) -> None:
 def _after_step(r: _Run, st: TrainState, log: MetricsLog, meter: Throughput, bar, pos: tuple[int, int] | None,
                 eval_every: int, last: bool) -> None:
     """The metrics line, evaluation and checkpoint of step st.step where due (all three when `last`), each once."""
-    cfg, tr = r.cfg, r.trainer
-    if (st.step % cfg.log_every == 0 or last) and st.logged != st.step:
-        _read_line(st, cfg.ttt_decay)
+    hp, tr = r.cfg.hyper, r.trainer
+    if (st.step % hp.log_every == 0 or last) and st.logged != st.step:
+        _read_line(st, hp.ttt_decay)
         tokens, tok_s, mfu = meter.window(r.dev)
         st.tokens_seen += tokens
         st.last |= {"tokens": st.tokens_seen, "tok_s": tok_s, "mfu": mfu}
@@ -306,11 +323,11 @@ def _after_step(r: _Run, st: TrainState, log: MetricsLog, meter: Throughput, bar
         log(st.ev_last)
         if r.rank == 0:
             bar.write(f"step {st.step}: sim tau {st.ev_last['sim_tau']:.3f} (tokens per target forward, chain of "
-                      f"{cfg.ttt} drafts replayed on the eval split), eval loss {st.ev_last['eval_loss']:.3f}, "
+                      f"{hp.ttt} drafts replayed on the eval split), eval loss {st.ev_last['eval_loss']:.3f}, "
                       f"acc_cond " + " ".join(f"{a:.2f}" for a in st.ev_last["acc_cond"]))
     is_best = bool(st.ev_last) and st.ev_last["step"] == st.step and st.ev_last["sim_tau"] > st.best
     st.best = st.ev_last["sim_tau"] if is_best else st.best
-    if (st.step % cfg.save_every == 0 or last or is_best) and (st.saved != st.step or is_best):
+    if (st.step % hp.save_every == 0 or last or is_best) and (st.saved != st.step or is_best):
         _save(r, st, pos, is_best)
     if r.rank == 0 and st.ev_last.get("step") == st.step and not last:  # the end draws it once, after the loop
         draw_curves(r.run)
@@ -336,8 +353,8 @@ def _save(r: _Run, st: TrainState, pos: tuple[int, int] | None, is_best: bool) -
               "tokens_seen": st.tokens_seen, "scheduler": r.schedule.state(st.step), "param_names": r.trainer.names,
               "config": r.run_config}
     tr = r.trainer
-    checkpoint.save(r.run, st.step, tr.drafter, tr.params, tr.opt, tstate, r.data.meta, r.cfg.keep, r.rank, tr.fsdp,
-                    is_best)
+    checkpoint.save(r.run, st.step, tr.drafter, tr.params, tr.opt, tstate, r.data.meta, r.cfg.hyper.keep, r.rank,
+                    tr.fsdp, is_best)
     st.saved = st.step
     if r.cfg.follow:
         r.batches.committed(st.step)

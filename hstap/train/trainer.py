@@ -19,9 +19,9 @@ from hstap.batching import collate
 from hstap.layers import fc_slots
 from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 from hstap.train import checkpoint
-from hstap.train.config import TrainConfig
+from hstap.train.config import Devices, HyperParams
 from hstap.train.data import Feed, TrainData
-from hstap.train.plan import VocabMap
+from hstap.artifacts.vocab_map import VocabMap
 from hstap.train.ttt import TTTModel, replay_chain
 
 
@@ -72,23 +72,24 @@ def init_drafter(hf_cfg, vocab: VocabMap, layers: list[int], embed: torch.Tensor
 class Trainer:
     """The TTT model of a drafter (already on `dev`) wrapped for this rank, and its optimizer."""
 
-    def __init__(self, cfg: TrainConfig, drafter: Eagle3Drafter, world: int, dev: torch.device, attn: str, bf16: bool,
-                 ce_chunk: int):
-        """ce_chunk: rows per chunk of the fused lm_head + cross-entropy (the plan's: --ce-chunk resolved)."""
+    def __init__(self, hyper: HyperParams, devices: Devices, drafter: Eagle3Drafter, world: int, dev: torch.device,
+                 attn: str, bf16: bool, ce_chunk: int):
+        """hyper: the objective and the optimizer's settings; devices: --compile, --fsdp; ce_chunk: rows per chunk of
+        the fused lm_head + cross-entropy (the plan's: --ce-chunk resolved)."""
         cuda = dev.type == "cuda"
         self.drafter, self.world, self.dev, self.bf16 = drafter, world, dev, bf16
-        self.ttt, self.decay, self.grad_clip = cfg.ttt, cfg.ttt_decay, cfg.grad_clip
-        self.model = TTTModel(drafter, ttt=cfg.ttt, decay=cfg.ttt_decay, attn=attn, ce_chunk=ce_chunk,
-                              compile=cfg.compile and cuda, loss=cfg.loss, loss_mix=cfg.loss_mix,
-                              lk_decay=cfg.lk_decay)
-        self.fsdp = cfg.fsdp and world > 1
+        self.ttt, self.decay, self.grad_clip = hyper.ttt, hyper.ttt_decay, hyper.grad_clip
+        self.model = TTTModel(drafter, ttt=hyper.ttt, decay=hyper.ttt_decay, attn=attn, ce_chunk=ce_chunk,
+                              compile=devices.compile and cuda, loss=hyper.loss, loss_mix=hyper.loss_mix,
+                              lk_decay=hyper.lk_decay)
+        self.fsdp = devices.fsdp and world > 1
         if self.fsdp:
             D.apply_fsdp(self.model, bf16=bf16)
         self.wrapped = D.wrap_ddp(self.model, dev) if world > 1 and not self.fsdp else self.model
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                                     weight_decay=cfg.weight_decay, fused=True if cuda and not self.fsdp else None)
+        self.opt = torch.optim.AdamW(self.params, lr=hyper.lr, betas=(0.9, 0.95), eps=1e-8,
+                                     weight_decay=hyper.weight_decay, fused=True if cuda and not self.fsdp else None)
         self._told_fallback = False
 
     def _tell_fallback(self) -> None:

@@ -28,11 +28,15 @@ class VerifyConfig:
     """Recomputation dtype: auto = fp32 on CPU, bf16 on CUDA. Tolerances follow the coarsest precision involved."""
     max_tokens: int = 1024
     """Recompute mode: compare the first max_tokens tokens of each sample (all layer outputs are held in memory)."""
+    load_gb: float | None = None
+    """Recompute mode: memory budget in GB for the target and its copy in the other precision. A target that does not
+    fit is checked on the layers that do (the embedding and the first layers, up to a stored aux layer; the others
+    and the final state are reported as not checked: hstap.verify.partial). Default: half the device's free memory."""
     report: str | None = None
-    """Also write the full report (per-layer metrics, problems) as JSON to this path (an existing file only when it is
-    an earlier verify report, or with --overwrite)."""
+    """Also write the full report (per-layer metrics, problems) as JSON to this path: a new file, or an earlier verify
+    report with --overwrite (any other file is never replaced)."""
     overwrite: bool = False
-    """Replace a --report file that is not an earlier verify report."""
+    """Replace an earlier verify report at --report (a file verify did not write is never replaced)."""
 
     def __post_init__(self):
         if (self.a is None) != (self.b is None):
@@ -44,5 +48,7 @@ class VerifyConfig:
         if self.a is None and self.store is None:
             raise HstapError("verify: nothing to verify: pass --store S [--target DIR] or --a S1 --b S2")
         at_least("verify", self, ("samples", "max_tokens"))
+        if self.load_gb is not None and not (self.load_gb > 0 and self.load_gb < float("inf")):
+            raise HstapError(f"verify: --load-gb: must be a number > 0, got {self.load_gb}")
         if self.compute_dtype not in ("auto", "fp32", "bf16"):
             raise HstapError(f"verify: compute_dtype: expected auto, fp32 or bf16, got {self.compute_dtype!r}")

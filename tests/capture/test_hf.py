@@ -1,4 +1,4 @@
-"""Embedded-engine capture in process (hstap.capture.hf, hstap.capture.stage): batching, padding, equality with HF
+"""Embedded-engine capture in process (hstap.capture.hf: forward, runner, driver; hstap.capture.stage): batching, padding, equality with HF
 output_hidden_states, dtypes, resume, refusals. The staging buffers are tests/capture/test_staging.py's, the model directory
 tests/test_model_dir.py's."""
 
@@ -16,7 +16,8 @@ import torch
 from helpers.capture import assert_same_store, corpus, make_prepared, store_samples
 
 from hstap.batching import pack_by_tokens
-from hstap.capture.hf import CaptureRunner, capture_batch, forward_packed
+from hstap.capture.hf.forward import capture_batch, forward_packed
+from hstap.capture.hf.runner import CaptureRunner
 from hstap.capture.config import CaptureConfig
 from hstap.capture.stage import capture
 from hstap.common import HstapError
@@ -161,7 +162,7 @@ def test_resume_skips_committed_and_refuses_other_target_or_layers(tiny_llama, t
 
 def test_zero_copy_only_when_a_shard_fits_the_limit(tmp_path, monkeypatch):
     """The CUDA path's choice between zero-copy and copying, decided from the writer's real shard limit."""
-    from hstap.capture import hf
+    from hstap.capture.hf import runner as hf
 
     header = {"target": {}, "engine": {}, "dtype": "bf16", "layers": [1, 2], "hidden_size": 64}
     with StoreWriter(tmp_path / "s", header, shard_tokens=1 << 20, shard_bytes=1000 * 100) as w:
@@ -182,14 +183,14 @@ def test_capture_runner_handles_writer_errors(tiny_llama, tmp_path):
         with CaptureRunner(target, [1, 2], writer, dtype="fp32", queue_size=1) as run:
             for _ in range(50):  # the writer fails on the second batch; submit/close must raise, not hang
                 run.submit(samples)
-    assert not run._thread.is_alive()
+    assert not run.queue.alive()
     with pytest.raises(HstapError, match="outside the target's vocabulary"):
         with CaptureRunner(target, [1, 2], writer, dtype="fp32") as run:
             run.submit([{"id": "big", "input_ids": [1, target.vocab_size], "loss_mask": [1, 1]}])
 
 
 def test_demux_drops_exactly_the_padding_and_leaves_an_unpadded_batch_uncopied():
-    from hstap.capture.hf import demux
+    from hstap.capture.hf.forward import demux
 
     B, T, K, H = 3, 5, 2, 4
     aux = torch.randn(B, T, K, H)
@@ -208,7 +209,7 @@ def test_demux_drops_exactly_the_padding_and_leaves_an_unpadded_batch_uncopied()
 def test_capture_profile_times_every_stage_of_a_cpu_pass(tiny_llama, tmp_path):
     """CaptureRunner(profile=...): every stage of both threads is timed, the batches counted, the store writer's own
     split filled; without a profile the same store results."""
-    from hstap.capture.hf import run_capture
+    from hstap.capture.hf.runner import run_capture
     from hstap.capture.profile import MAIN_STAGES, WRITER_STAGES, CaptureProfile
 
     target, _ = load_target(tiny_llama)

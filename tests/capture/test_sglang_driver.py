@@ -78,7 +78,7 @@ def _run(cfg):
 @pytest.mark.procs
 @pytest.mark.slow
 def test_capture_through_server_equals_hf_and_resumes(setup, tiny_llama):
-    from hstap.capture.hf import capture_batch
+    from hstap.capture.hf.forward import capture_batch
     from hstap.data.prepare import load_prepared
     from hstap.artifacts.model_dir import load_target
 

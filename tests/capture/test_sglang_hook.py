@@ -225,7 +225,7 @@ def test_restart_and_new_session_reopen(sg, tiny_llama, prepared, tmp_path):
 
 
 def test_fp8_store_is_quantized_before_the_copy(sg, tiny_llama, prepared, tmp_path):
-    from hstap.store.format import dequantize_fp8, quantize_fp8
+    from hstap.store.fp8 import dequantize_fp8, quantize_fp8
 
     rig = Rig(tmp_path, tiny_llama, prepared, dtype="fp8")
     rig.step("EXTEND", [(rig.rid(r), r, 0, rig.T(r)) for r in (0, 1)])

@@ -273,7 +273,7 @@ def test_a_writer_behind_drops_tapped_requests_never_stalls_the_scheduler(sg, ti
             self.open.wait(30)
 
     def drained():  # the writer took everything queued (queue_size 1: the next batch must find room)
-        while not rig.hook._q.empty():
+        while not rig.hook.queue.items.empty():
             time.sleep(0.001)
 
     rig = TapRig(tmp_path, tiny_llama, queue_size=1)
@@ -282,9 +282,9 @@ def test_a_writer_behind_drops_tapped_requests_never_stalls_the_scheduler(sg, ti
     rig.step("DECODE", [("ok", [3], 2), ("fin", [5], 2)])  # fin's last needed row: its answer is [5, 6]
     drained()
     gate = Gate()
-    rig.hook._q.put({"actions": [], "done": gate})  # the writer takes it and waits (then fails on it: an error event)
+    rig.hook.queue.items.put({"actions": [], "done": gate})  # the writer takes it and waits (then fails on it: an error event)
     drained()
-    rig.hook._q.put({"actions": []})  # the queue (size 1) is full now
+    rig.hook.queue.items.put({"actions": []})  # the queue (size 1) is full now
     rig.step("EXTEND", [("late", [1, 2], 0)])  # returns at once: late's rows are not taken
     rig.step("DECODE", [("ok", [4], 3), ("fin", [6], 3)])  # ok needs this row; fin's is the overlap's extra row
     rig.stream([make_req("ok", [1, 2], [3, 4, 7], FINISH_LENGTH(3)), make_req("fin", [1, 2], [5, 6], FINISH_LENGTH(2)),

@@ -70,6 +70,7 @@ def test_embedded_capture_equals_hf(uninterrupted, hf_store):
     assert len(part["shards"]) > 1  # --shard-tokens 300: several commits
     hello = json.loads(next((out / "vllm-events").glob("server-*.json")).read_text())
     assert hello["max_num_batched_tokens"] == 64 and hello["chunked_prefill"] is True
+    assert hello["model_runner"] == "v1"  # hstap's own launch pins V1 (hstap.engines.vllm_runner)
     longest = max(len(s["input_ids"]) for s in got.values())
     assert longest > 64  # so some prompts were prefilled in several chunks and stitched
 

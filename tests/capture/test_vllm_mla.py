@@ -2,7 +2,7 @@
 `--engine hf`. The model has the 576-wide latent vLLM's CPU MLA backend accepts (kv_lora_rank 512 + qk_rope_head_dim
 64), a q_lora, sigmoid/noaux_tc routing with a correction bias, and DeepSeek's yarn rope, as the real checkpoints'
 config.json has them (`hstap.demo.toy.DEEPSEEK_V3_FIELDS`; with a plain rope vLLM 0.32's CPU rotary kernel mis-rotates
-MLA's query: docs/engines.md, benchmarks/mla_vllm_vs_hf.py)."""
+MLA's query: docs/engines.md, benchmarks/research/mla_vllm_vs_hf.py)."""
 
 from __future__ import annotations
 

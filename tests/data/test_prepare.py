@@ -1,5 +1,5 @@
 """hstap.data.prepare (`hstap prepare`): loss masks under several chat templates, outputs, CLI. The readers are
-tests/data/test_conversations.py's, the vocab map rules tests/data/test_vocab.py's, the tokenizer hash tests/test_model_dir.py's."""
+tests/data/test_conversations.py's, the vocab map rules tests/test_vocab_map.py's, the tokenizer hash tests/test_model_dir.py's."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hstap.data.conversations import conversation_id, read_conversations
 from hstap.data.chat import assistant_spans, render_prompt, tokenize_conversation
 from hstap.data.prepare_config import PrepareConfig
 from hstap.data.prepare import load_prepared, prepare, read_meta
-from hstap.data.vocab import load_vocab_map
+from hstap.artifacts.vocab_map import load_vocab_map
 from hstap.artifacts.model_dir import chat_template_sha256, load_tokenizer, tokenizer_sha256
 
 REPO = Path(__file__).resolve().parents[2]

@@ -210,3 +210,29 @@ def test_fit_check_refuses_other_template_kwargs(reasoning_target, tmp_path, cap
     code = main(["prepare", "--tokenizer", str(target), "--data", str(answers), "--out", str(tmp_path / "p2"),
                  "--chat-template-kwargs", '{"enable_thinking":false}'])
     assert code == 0 and read_meta(tmp_path / "p2")["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_eval_renders_conversations_with_the_template_kwargs(reasoning_target, tmp_path, capsys):
+    """`hstap eval --chat-template-kwargs`, as generate and prepare take it: a conversations file's prompts are rendered
+    with it (thinking off here, as the server would run the target); a prepared set's must be the ones prepare used."""
+    from helpers.refusals import refused
+
+    from hstap.cli import main, make_config
+    from hstap.data.prompts import load_prompts
+    from hstap.speculative.config import EvalConfig
+
+    target, tok = reasoning_target
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "conversations": CONV[:3]}) + "\n")
+    argv = ["--target", str(target), "--data", str(src), "--out", str(tmp_path / "e"), "--chat-template-kwargs",
+            '{"enable_thinking": false}']
+    cfg = make_config("eval", EvalConfig, argv)
+    assert cfg.chat_template_kwargs == '{"enable_thinking":false}'
+    off = load_prompts(str(src), tok, None, {"enable_thinking": False})
+    assert off == [("a", render_prompt(tok, CONV[:2], {"enable_thinking": False}))] != load_prompts(str(src), tok)
+    assert main(["eval", *argv, "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["prepare", "--tokenizer", str(target), "--data", str(src), "--out", str(tmp_path / "p")]) == 0
+    refused(["eval", *argv[:2], "--data", tmp_path / "p", "--out", tmp_path / "e2", *argv[-2:]], capsys,
+            "meta.json (hstap prepare): chat_template_kwargs: made with none, this run renders with "
+            '{"enable_thinking": false}', untouched=[tmp_path / "e2"])

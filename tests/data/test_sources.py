@@ -102,7 +102,7 @@ def test_mtbench_turns_and_the_open_answer(tmp_path, tiny_llama):
     from hstap.data.generate_config import GenerateConfig
     from hstap.data.generate import generate
     from hstap.artifacts.model_dir import load_tokenizer
-    from hstap.speculative.evaluate import load_prompts
+    from hstap.data.prompts import load_prompts
     from hstap.data.chat import render_prompt
 
     q = tmp_path / "question.jsonl"

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hstap.common import HstapError
-from hstap.artifacts.drafter_dir import load_drafter, save_drafter, vocab_map_sha256
+from hstap.artifacts.drafter_dir import load_drafter, save_drafter
+from hstap.artifacts.vocab_map import vocab_map_sha256
 from hstap.export.engines import ENGINE_KEYS, SPECULATORS_KEYS, load_exported, vllm_aux_layers
 from hstap.export.config import ExportConfig
 from hstap.export.stage import export

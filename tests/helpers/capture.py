@@ -68,7 +68,7 @@ def committed_count(store) -> int:
     """Samples a store has committed so far, as a resumed capture counts them (`committed_ids_of`); 0 before its
     manifest exists. What the kill tests poll while a capture runs."""
     from hstap.common import HstapError
-    from hstap.store.format import committed_ids_of
+    from hstap.store.manifest import committed_ids_of
 
     try:
         return len(committed_ids_of(store))

@@ -18,7 +18,7 @@ from pathlib import Path
 PRELOAD = ["torch", "numpy", "datasets", "pyarrow", "safetensors", "tqdm", "transformers", "torch.distributed",
            "torch.distributed.fsdp", "torch.nn.parallel", "transformers.models.llama.modeling_llama",
            "transformers.models.llama.configuration_llama", "transformers.models.auto.modeling_auto",
-           "transformers.models.auto.tokenization_auto", "hstap.cli", "hstap.capture.stage", "hstap.capture.hf",
+           "transformers.models.auto.tokenization_auto", "hstap.cli", "hstap.capture.stage", "hstap.capture.hf.driver",
            "hstap.store.reader", "hstap.store.writer", "hstap.data.prepare", "hstap.models.target", "hstap.layers", "hstap.train.stage",
            "hstap.models.drafter", "hstap.export.stage", "hstap.dist", "helpers.capture", "helpers.train"]
 

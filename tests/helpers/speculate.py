@@ -19,7 +19,7 @@ from hstap.models.drafter import DrafterConfig, Eagle3Drafter
 
 
 def load_tiny_target(path):
-    """(Target, tokenizer) through capture/hf.py when it exists, else straight from transformers (fp32, CPU)."""
+    """(Target, tokenizer) through artifacts/model_dir.py when it exists, else straight from transformers (fp32, CPU)."""
     try:
         from hstap.artifacts.model_dir import load_target
     except ImportError:

@@ -79,3 +79,25 @@ def small_tmpfs(path: Path, size: str):
 def grow_tmpfs(path: Path, size: str) -> None:
     """Remount the tmpfs at `path` with `size`: space freed, as a user would after ENOSPC."""
     subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True)
+
+
+def rewrite(src: Path, dst: Path, layers=None, edit=None, keep=None, extra=()) -> Path:
+    """Copy a real store sample by sample with StoreWriter, optionally claiming other layers or editing samples."""
+    from hstap.store.reader import open_store
+    from hstap.store.writer import StoreWriter
+
+    s = open_store(src)
+    header = {k: v for k, v in s.header.items() if k not in ("format", "version", "created", "created_unix")}
+    if layers is not None:
+        header["layers"] = layers
+    with StoreWriter(dst, header) as w:
+        for i in range(len(s)):
+            x = s[i]
+            if keep is not None and x["id"] not in keep:
+                continue
+            if edit is not None:
+                x = edit(dict(x))
+            w.add(x["id"], x["input_ids"], x["loss_mask"], x["aux"], x["final"])
+        for x in extra:
+            w.add(**x)
+    return dst

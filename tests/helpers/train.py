@@ -173,8 +173,10 @@ def greedy_drafter(target_dir: Path, root: Path, ttt: int = 3, n_new: int = 24, 
     from hstap.data.prepare import load_prepared, prepare, record_batch
     from hstap.artifacts.model_dir import load_target
     from hstap.speculative.drivers import target_generate
-    from hstap.speculative.evaluate import eos_ids, prompt_from_mask
+    from hstap.data.prompts import prompt_from_mask
+    from hstap.speculative.evaluate import eos_ids
     from hstap.demo.toy import stdlib_conversations
+    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
     from hstap.train.stage import train
 
@@ -203,7 +205,7 @@ def greedy_drafter(target_dir: Path, root: Path, ttt: int = 3, n_new: int = 24, 
         capture(CaptureConfig(target=str(target_dir), data=str(greedy), out=str(root / "store"), layers=layers,
                               dtype="fp32", device="cpu"))
         run = root / "run"
-        train(TrainConfig(out=str(run), target=str(target_dir), store=str(root / "store"), eval_store=str(root / "store"),
-                          ttt=ttt, steps=steps, lr=5e-3, warmup_ratio=0.0, batch_tokens=4096, save_every=steps,
-                          device="cpu", tensorboard=False))
+        train(from_flags(TrainConfig, out=str(run), target=str(target_dir), store=str(root / "store"),
+                         eval_store=str(root / "store"), ttt=ttt, steps=steps, lr=5e-3, warmup_ratio=0.0,
+                         batch_tokens=4096, save_every=steps, device="cpu", tensorboard=False))
     return greedy, run

@@ -71,3 +71,45 @@ def test_num_aux_is_the_fc_slot_count():
     c = tiny_setup()[0].config
     with pytest.raises(HstapError, match="num_aux"):
         DrafterConfig.from_dict({**c.to_dict(), "num_aux": 0})
+
+
+@pytest.mark.parametrize("num_layers,variant,attention", [(1, False, "sdpa"), (1, True, "math"), (3, False, "sdpa"),
+                                                          (3, True, "math")])
+def test_fused_kernels_run_the_drafters_forward(num_layers, variant, attention):
+    """The drafter's one forward with FusedKernels (fused q/k/v and gate/up weights per layer, rotary tables, grouped
+    attention) equals it with its modules' kernels, speculators' variants and deeper drafters included, over the same
+    cache and mask; the forward reads the fused copies of every layer, and the drafter's own weights stay as they were."""
+    import dataclasses
+
+    from hstap.models.drafter import SPECULATORS_FLAGS, Eagle3Drafter, new_drafter_cache
+    from hstap.models.lean_drafter import FusedKernels, LeanDrafter
+
+    d, W, hot, t2d, ids, lm, L, aux, final = tiny_setup(seed=3, num_layers=num_layers)
+    if variant:  # the same weights plus input_norm, every flag on
+        cfg = dataclasses.replace(d.config, **{f: True for f in SPECULATORS_FLAGS})
+        v = Eagle3Drafter(cfg)
+        assert set(v.load_state_dict(d.state_dict(), strict=False).missing_keys) == {"input_norm.weight"}
+        with torch.no_grad():
+            v.input_norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+        d = v
+    lean = LeanDrafter(d, 16, attention)
+    assert isinstance(lean.kernels, FusedKernels) and len(lean.kernels.layers) == num_layers
+    ids, pos = ids[:1], torch.arange(10)[None]
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()  # (T, S)
+    with torch.no_grad():
+        hid, ref_hid = lean.project(aux[:1]), d.project(aux[:1])
+        torch.testing.assert_close(hid, ref_hid, rtol=1e-5, atol=1e-5)
+        got, want = [], []
+        for run, out in ((lean, got), (d, want)):  # a prefix of 6, then 4 tokens over the cache
+            cache = new_drafter_cache(d)
+            out.append(run(ids[:, :6], ref_hid[:, :6], pos[:, :6], cache, causal[:6, :6]))
+            out.append(run(ids[:, 6:], ref_hid[:, 6:], pos[:, 6:], cache, causal[6:]))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lean.compute_logits(g), d.compute_logits(w), rtol=1e-5, atol=1e-5)
+        before = d(ids, ref_hid, pos, None, causal)
+        for layer in lean.kernels.layers:  # each layer's fused copy is what its products read
+            layer.wqkv[0].mul_(0.5)
+            assert not torch.allclose(lean(ids, ref_hid, pos, None, causal), before, rtol=1e-3, atol=1e-3)
+            layer.wqkv[0].mul_(2.0)
+        assert torch.equal(d(ids, ref_hid, pos, None, causal), before)

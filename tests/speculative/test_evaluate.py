@@ -10,8 +10,10 @@ import pytest
 from hstap.common import HstapError
 from hstap.artifacts.drafter_dir import save_drafter
 from hstap.speculative.drivers import target_generate
+from hstap.config import from_flags
 from hstap.speculative.config import EvalConfig
-from hstap.speculative.evaluate import evaluate, prompt_from_mask, read_sim_tau, sim_chain_tau
+from hstap.data.prompts import prompt_from_mask
+from hstap.speculative.evaluate import evaluate, read_sim_tau, sim_chain_tau
 from helpers.speculate import load_tiny_target, random_drafter
 
 CONVERSATIONS = [
@@ -46,8 +48,8 @@ def test_eval_jsonl_chain_with_ngram(setup, tiny_llama, capsys):
 
     target, tok, jsonl, run, root = setup
     out = root / "report-chain"
-    summary = evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=3,
-                                  max_new_tokens=12, baseline="ngram", device="cpu"))
+    summary = evaluate(from_flags(EvalConfig, target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out),
+                                  k=3, max_new_tokens=12, baseline="ngram", device="cpu"))
     printed = capsys.readouterr()
     assert not [x for x in printed.out.splitlines() if x.lstrip().startswith("{")]  # a table, never a raw dict
     assert "method  tau" in printed.out and "speedup not representative" in printed.out
@@ -87,7 +89,7 @@ def test_eval_prepared_tree_sampled(setup, tiny_llama):
     prepare(PrepareConfig(tokenizer=str(tiny_llama), data=[str(jsonl)], out=str(prepared), draft_vocab=300))
     rows = {r["id"]: r for r in load_prepared(prepared)}
     out = root / "report-tree"
-    evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run / "best"), data=str(prepared), out=str(out),
+    evaluate(from_flags(EvalConfig, target=str(tiny_llama), drafter=str(run / "best"), data=str(prepared), out=str(out),
                         mode="tree", topk=2, depth=3, tokens=6, temperature=0.7, max_new_tokens=8, device="cpu"))
     rep = json.loads((out / "report.json").read_text())
     assert rep["lossless"] is None and rep["simulated"]["sim_tau"] == 0.52  # found from RUN/best's parent
@@ -112,7 +114,7 @@ def test_eval_sglang_export(setup, tiny_llama):
     export(ExportConfig(run=str(run), to="sglang", out=str(exported)))
     assert not (exported / "drafter.safetensors").exists()  # SGLang format: config.json + model.safetensors
     out = root / "report-sglang"
-    evaluate(EvalConfig(target=str(tiny_llama), drafter=str(exported), data=str(jsonl), out=str(out), k=2,
+    evaluate(from_flags(EvalConfig, target=str(tiny_llama), drafter=str(exported), data=str(jsonl), out=str(out), k=2,
                         max_new_tokens=8, num_prompts=1, device="cpu"))
     rep = json.loads((out / "report.json").read_text())
     assert rep["lossless"] is True and rep["drafter"]["aux_layers"] == [1, 2, 3]
@@ -140,7 +142,7 @@ def test_lossless_violation_fails_loudly(setup, tiny_llama, monkeypatch, capsys)
     monkeypatch.setattr(ev, "speculative_generate", broken)
     out = root / "report-broken"
     with pytest.raises(HstapError, match="lossless"):
-        evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
+        evaluate(from_flags(EvalConfig, target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
                             max_new_tokens=8, device="cpu", num_prompts=1))
     rep = json.loads((out / "report.json").read_text())  # the report is written before failing
     assert rep["lossless"] is False and len(rep["mismatches"]) == 1
@@ -163,7 +165,7 @@ def test_near_ties_are_one_line_and_still_lossless(setup, tiny_llama, monkeypatc
 
     monkeypatch.setattr(ev, "speculative_generate", swapped)
     out = root / "report-ties"
-    evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
+    evaluate(from_flags(EvalConfig, target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
                         max_new_tokens=8, device="cpu", tie_tol=1e9))
     rep = json.loads((out / "report.json").read_text())
     assert rep["lossless"] is True and len(rep["mismatches"]) == 2 and all(m["near_tie"] for m in rep["mismatches"])
@@ -193,17 +195,18 @@ def test_config_validation_and_cli_flags(tmp_path):
     argv = ["--target", "t", "--data", "d", "--out", "o", "--mode", "tree", "--topk", "4", "--eval.tokens", "20",
             "--num-prompts", "3", "--baseline", "ngram"]
     cfg = make_config("eval", EvalConfig, argv)
-    assert (cfg.mode, cfg.topk, cfg.tokens, cfg.num_prompts, cfg.baseline) == ("tree", 4, 20, 3, "ngram")
+    assert (cfg.decode.mode, cfg.decode.topk, cfg.decode.tokens, cfg.num_prompts, cfg.baseline) == (
+        "tree", 4, 20, 3, "ngram")
     assert cfg.drafter is None and cfg.target.startswith("/")
     docs = field_docs(EvalConfig)
     assert all(docs.get(f) for f in EvalConfig.__dataclass_fields__)  # every field has its help text
     for bad, match in ((dict(k=0), "--k"), (dict(tokens=1), "--tokens"), (dict(temperature=-1.0), "--temperature"),
                        (dict(mode="beam"), "--mode"), (dict(num_prompts=0), "--num-prompts")):
         with pytest.raises(HstapError, match=match):
-            EvalConfig(target="t", data="d", out="o", **bad)
+            from_flags(EvalConfig, target="t", data="d", out="o", **bad)
     with pytest.raises(HstapError, match="no usable prompt"):
         (tmp_path / "x.jsonl").write_text(json.dumps(CONVERSATIONS[2]) + "\n")
-        from hstap.speculative.evaluate import load_prompts
+        from hstap.data.prompts import load_prompts
         load_prompts(str(tmp_path / "x.jsonl"), object())
 
 
@@ -228,7 +231,7 @@ def test_training_sim_tau_is_the_tau_eval_measures(tiny_tokenizer, tmp_path):
     greedy, run = greedy_drafter(tmp_path / "target", tmp_path, K, n_new)
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        rep = evaluate(EvalConfig(target=str(tmp_path / "target"), drafter=str(run), data=str(greedy),
+        rep = evaluate(from_flags(EvalConfig, target=str(tmp_path / "target"), drafter=str(run), data=str(greedy),
                                   out=str(tmp_path / "rep"), k=K, max_new_tokens=n_new, device="cpu"))
     sim = metrics(run)[1][-1]["sim_tau"]
     assert rep["lossless"] is True and rep["simulated_tau"] == sim  # eval reports training's figure as is
@@ -298,12 +301,12 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, setup, other, tiny_llam
         (drafter / "best" / "drafter.json").write_text(json.dumps(meta))
         expect = [f"{drafter}/best/drafter.json: target.tokenizer_sha256", "another vocabulary's"]
     else:
-        evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
+        evaluate(from_flags(EvalConfig, target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
                             max_new_tokens=4, num_prompts=1, device="cpu"))
         expect = [f"{out}: --out: holds a report already", "--overwrite"]
     argv = ["eval", "--target", tiny_llama, "--drafter", drafter, "--data", data, "--out", out, "--k", "2",
             "--max-new-tokens", "4", "--num-prompts", "1", "--device", "cpu", *opts]
     refused(argv, capsys, *expect, untouched=[out])
     if case == "a finished report":  # --overwrite replaces it
-        evaluate(EvalConfig(target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
+        evaluate(from_flags(EvalConfig, target=str(tiny_llama), drafter=str(run), data=str(jsonl), out=str(out), k=2,
                             max_new_tokens=4, num_prompts=1, device="cpu", overwrite=True))

@@ -255,6 +255,7 @@ def test_unsupported_cache_falls_back_with_one_line(tiny_tokenizer, tmp_path):
 @pytest.mark.parametrize("kernels", ["standard", "fused"])
 def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys, kernels):
     from hstap.artifacts.drafter_dir import save_drafter
+    from hstap.config import from_flags
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
 
@@ -263,9 +264,9 @@ def test_eval_fast_engine_on_cpu(tiny_llama, tmp_path, capsys, kernels):
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"id": str(i), "messages": [{"role": "user", "content": c}]}) + "\n"
                             for i, c in enumerate(["def parse(s):", "json.dumps"])))
-    evaluate(EvalConfig(target=str(tiny_llama), drafter=str(tmp_path / "d"), data=str(data), out=str(tmp_path / "r"),
-                        mode="tree", topk=2, depth=3, tokens=6, max_new_tokens=10, baseline="ngram", device="cpu",
-                        engine="fast", kernels=kernels))
+    evaluate(from_flags(EvalConfig, target=str(tiny_llama), drafter=str(tmp_path / "d"), data=str(data),
+                        out=str(tmp_path / "r"), mode="tree", topk=2, depth=3, tokens=6, max_new_tokens=10,
+                        baseline="ngram", device="cpu", engine="fast", kernels=kernels))
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     assert rep["engine"] == "fast" and rep["lossless"] is True and set(rep["methods"]) == {"target", "ngram", "eagle"}
     assert rep["kernels"] == kernels and f"({kernels} kernels)" in (tmp_path / "r" / "report.md").read_text()

@@ -29,6 +29,7 @@ CPU_BLOCKERS = ("0 active drivers",  # triton: the KV-copy warm-up speculative d
 
 @pytest.fixture(scope="module")
 def report(vllm_llama, greedy_drafted, tmp_path_factory):
+    from hstap.config import from_flags
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
 
@@ -38,8 +39,8 @@ def report(vllm_llama, greedy_drafted, tmp_path_factory):
     printed, err = io.StringIO(), None
     with contextlib.redirect_stdout(printed):
         try:
-            evaluate(EvalConfig(target=str(vllm_llama), drafter=str(run), data=str(greedy), out=str(out), k=K,
-                                max_new_tokens=N_NEW, device="cpu", engine="sglang", num_prompts=PROMPTS,
+            evaluate(from_flags(EvalConfig, target=str(vllm_llama), drafter=str(run), data=str(greedy), out=str(out),
+                                k=K, max_new_tokens=N_NEW, device="cpu", engine="sglang", num_prompts=PROMPTS,
                                 sglang_python=python))
         except HstapError as e:
             err = str(e)
@@ -90,12 +91,13 @@ def test_accepted_by_position_from_sglangs_histogram():
 
 
 def test_a_missing_server_python_is_refused_before_the_long_runs(vllm_llama, greedy_drafted, tmp_path):
+    from hstap.config import from_flags
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
 
     greedy, run, _ = greedy_drafted
     with pytest.raises(HstapError, match=r"--sglang-python: .*/nowhere/python does not exist"):
-        evaluate(EvalConfig(target=str(vllm_llama), drafter=str(run), data=str(greedy), out=str(tmp_path / "r"),
-                            k=K, device="cpu", engine="sglang", num_prompts=2, sglang_python=str(tmp_path / "nowhere"
-                                                                                                  / "python")))
+        evaluate(from_flags(EvalConfig, target=str(vllm_llama), drafter=str(run), data=str(greedy),
+                            out=str(tmp_path / "r"), k=K, device="cpu", engine="sglang", num_prompts=2,
+                            sglang_python=str(tmp_path / "nowhere" / "python")))
     assert not (tmp_path / "r" / "report.json").exists()

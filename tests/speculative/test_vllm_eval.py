@@ -30,14 +30,16 @@ def drafted(greedy_drafted, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(vllm_llama, drafted):
+    from hstap.config import from_flags
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
 
     greedy, run, root = drafted
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        evaluate(EvalConfig(target=str(vllm_llama), drafter=str(run), data=str(greedy), out=str(root / "rep"), k=K,
-                            max_new_tokens=N_NEW, device="cpu", engine="vllm", num_prompts=8))
+        evaluate(from_flags(EvalConfig, target=str(vllm_llama), drafter=str(run), data=str(greedy),
+                            out=str(root / "rep"), k=K, max_new_tokens=N_NEW, device="cpu", engine="vllm",
+                            num_prompts=8))
     return json.loads((root / "rep" / "report.json").read_text()), out.getvalue(), root
 
 
@@ -69,13 +71,14 @@ def test_the_sglang_export_gives_vllm_the_same_taps(vllm_llama, drafted, report)
     with contextlib.redirect_stdout(io.StringIO()):
         export(ExportConfig(run=str(run), to="sglang", out=str(d), dtype="fp32", overwrite=True))
     prompts = [p["prompt_ids"] for p in rep["prompts"]]
-    outs, _, c = _run(str(vllm_llama), "fp32", prompts, N_NEW, 0.0, rep["eos_ids"], 0,
+    outs, _, c, _ = _run(str(vllm_llama), "fp32", prompts, N_NEW, 0.0, rep["eos_ids"], 0,
                       {"method": "eagle3", "model": str(d), "num_speculative_tokens": K}, "cpu")
     assert c[COUNTERS[0]] == rep["vllm"]["drafts"] and c[PER_POS] == rep["vllm"]["accepted_per_pos"]
     assert outs == [p["output_ids"] for p in rep["prompts"]]
 
 
 def test_a_directory_vllm_would_misread_is_refused(vllm_llama, drafted, report, tmp_path):
+    from hstap.config import from_flags
     from hstap.speculative.config import EvalConfig
     from hstap.speculative.evaluate import evaluate
 
@@ -86,6 +89,7 @@ def test_a_directory_vllm_would_misread_is_refused(vllm_llama, drafted, report, 
     del c["eagle_aux_hidden_state_layer_ids"]  # what SGLang-only checkpoints hold: SGLang's ids in eagle_config
     (bad / "config.json").write_text(json.dumps(c))
     with pytest.raises(HstapError, match=r"vLLM would tap layers \[0, 1, 2\].*trained on \[1, 2, 3\].*--to vllm"):
-        evaluate(EvalConfig(target=str(vllm_llama), drafter=str(bad), data=str(greedy), out=str(tmp_path / "r"),
-                            k=K, max_new_tokens=N_NEW, device="cpu", engine="vllm", num_prompts=2))
+        evaluate(from_flags(EvalConfig, target=str(vllm_llama), drafter=str(bad), data=str(greedy),
+                            out=str(tmp_path / "r"), k=K, max_new_tokens=N_NEW, device="cpu", engine="vllm",
+                            num_prompts=2))
     assert not (tmp_path / "r" / "report.json").exists()

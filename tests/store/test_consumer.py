@@ -13,7 +13,7 @@ from helpers.store import header, sample, sid, write
 
 from hstap.common import HstapError
 from hstap.store.consumer import read_consumer, wait_for_room, write_consumer
-from hstap.store.format import committed_ids_of, load_manifest, load_parts, merge_manifest, writing_state
+from hstap.store.manifest import committed_ids_of, load_manifest, load_parts, merge_manifest, writing_state
 from hstap.store.reader import open_store
 from hstap.store.writer import StoreWriter
 from hstap.train.follow_plan import END, TAKE, WAIT, StreamSpec, next_unit, plan_slot, slot_units
@@ -148,6 +148,7 @@ def test_slot_plans_are_seeded_use_each_sample_epochs_times_and_replay_from_the_
 
 
 def test_follow_config_errors_are_one_line_each(tmp_path):
+    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
 
     base = {"store": str(tmp_path / "s"), "target": str(tmp_path), "out": str(tmp_path / "r"), "follow": True,
@@ -163,13 +164,13 @@ def test_follow_config_errors_are_one_line_each(tmp_path):
              ({"online": True, "data": str(tmp_path), "store": None}, "no --online mode")]
     for over, msg in cases:
         with pytest.raises(HstapError, match=msg):
-            TrainConfig(**(base | over))
-    cfg = TrainConfig(**(base | {"steps": 5, "epochs": 2}))  # --follow: both (ends at whichever comes first)
-    assert cfg.steps == 5 and cfg.epochs == 2
+            from_flags(TrainConfig, **(base | over))
+    cfg = from_flags(TrainConfig, **(base | {"steps": 5, "epochs": 2}))  # --follow: both (ends at whichever first)
+    assert cfg.hyper.steps == 5 and cfg.hyper.epochs == 2
 
 
 def test_too_small_a_window_and_a_store_consumed_by_another_run(tmp_path):
-    from hstap.train.follow import claim_store
+    from hstap.store.consumer import claim_store
 
     p = tmp_path / "s"
     write(p, 6, shard_tokens=50)

@@ -16,7 +16,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hstap.common import HstapError, atomic_write_json
-from hstap.store.format import dequantize_fp8, merge_manifest, quantize_fp8, store_bytes_per_token
+from hstap.store.format import store_bytes_per_token
+from hstap.store.fp8 import dequantize_fp8, quantize_fp8
+from hstap.store.manifest import merge_manifest
 from hstap.store.reader import open_store
 from hstap.store.writer import StoreWriter
 
@@ -244,7 +246,7 @@ def test_a_creation_killed_before_its_manifest_rename_is_not_a_foreign_directory
     import pytest
 
     from hstap.common import HstapError
-    from hstap.store.format import check_store_dir
+    from hstap.store.manifest import check_store_dir
 
     d = tmp_path / "store"
     (d / "shards").mkdir(parents=True)

@@ -17,7 +17,8 @@ import torch
 from helpers.store import H, K, grow_tmpfs, header, raw, sample, sid, small_tmpfs, write
 
 from hstap.common import HstapError
-from hstap.store.format import merge_manifest, store_bytes_per_token
+from hstap.store.format import store_bytes_per_token
+from hstap.store.manifest import merge_manifest
 from hstap.store.reader import open_store
 from hstap.store.writer import StoreWriter
 

@@ -20,7 +20,7 @@ import pytest
 from helpers.capture import Run
 from helpers.train import Child, cli_argv, ids_log, metrics, ranks, train_lines
 
-from hstap.store.format import committed_ids_of, load_manifest, load_parts, union_entries
+from hstap.store.manifest import committed_ids_of, load_manifest, load_parts, union_entries
 
 pytestmark = pytest.mark.procs
 

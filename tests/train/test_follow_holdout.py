@@ -151,6 +151,7 @@ def test_a_killed_and_resumed_run_with_holdout_anchor_and_replay_equals_an_unint
 
 
 def test_bad_anchors_and_a_resume_with_another_holdout_are_refused_in_one_line(assets, tmp_path):
+    from hstap.config import from_flags
     from hstap.train.config import TrainConfig
 
     base = {"store": str(tmp_path / "s"), "target": str(tmp_path), "out": str(tmp_path / "r"), "follow": True,
@@ -162,7 +163,7 @@ def test_bad_anchors_and_a_resume_with_another_holdout_are_refused_in_one_line(a
                       ({"holdout_frac": -0.1}, "--holdout-frac: must be in"),
                       ({"follow": False, "holdout_frac": 0.1}, "need --follow")]:
         with pytest.raises(HstapError, match=msg):
-            TrainConfig(**(base | over))
+            from_flags(TrainConfig, **(base | over))
 
     store = tmp_path / "store"
     states_store(store, assets["target"], FOLLOWED, seed=0, shard_tokens=150)
@@ -190,3 +191,26 @@ def test_bad_anchors_and_a_resume_with_another_holdout_are_refused_in_one_line(a
         _train(assets, store, run, steps=3, holdout_frac=0.3, resume=True, anchor_store=anchor, anchor_fraction=AF)
     _train(assets, store, run, steps=3, holdout_frac=0.3, resume=True)  # the same settings: resumed
     assert [r["step"] for r in ids_log(run)] == [1, 2, 3]
+
+
+def test_a_refused_resume_or_anchor_leaves_the_run_and_the_store_as_they_were(assets, tmp_path):
+    """Every check of a resume (the stream's settings), and of an anchor store, comes before anything is written:
+    RUN/config.json and plan.json still describe the checkpoints, and the store's consumer.json holds no new claim."""
+    from helpers.refusals import snapshot
+
+    store, anchor = _stores(assets, tmp_path)
+    run, opts = tmp_path / "run", dict(consume=True, keep_shards=4, holdout_frac=0.3)
+    _train(assets, store, run, steps=2, **opts)
+    before = snapshot(run, store)
+    for over, msg in [(dict(holdout_frac=0.2), r"--holdout-frac was 0\.3"),
+                      (dict(anchor_store=anchor, anchor_fraction=AF), "--anchor-store was None")]:
+        with pytest.raises(HstapError, match=msg):
+            _train(assets, store, run, steps=3, resume=True, **(opts | over))
+        assert snapshot(run, store) == before, over
+    fresh, other = tmp_path / "fresh", tmp_path / "anchor-layers"
+    states_store(fresh, assets["target"], FOLLOWED, seed=0, shard_tokens=150)
+    states_store(other, assets["target"], ANCHORS, seed=1, layers=(1, 3))
+    before = snapshot(fresh)
+    with pytest.raises(HstapError, match="layers: the anchor store has"):
+        _train(assets, fresh, tmp_path / "run-fresh", steps=2, anchor_store=other, anchor_fraction=AF, **opts)
+    assert snapshot(fresh) == before and not (tmp_path / "run-fresh").exists()

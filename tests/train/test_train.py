@@ -15,7 +15,8 @@ from helpers.train import Child, metrics, ranks
 from safetensors.torch import load_file
 
 from hstap.common import HstapError
-from hstap.train.config import TrainConfig
+from hstap.config import from_flags
+from hstap.train.config import HyperParams, TrainConfig
 from hstap.train.stage import train
 from hstap.train.trainer import Schedule
 
@@ -44,7 +45,7 @@ def _argv(a, out, **kw) -> list[str]:
 def _cfg(a, out, **kw) -> TrainConfig:
     base = {"store": str(a["store"]), "target": str(a["target"]), "out": str(out), "batch_tokens": 600, "ttt": 3,
             "log_every": 1, "skip_verify": True, "device": "cpu"}
-    return TrainConfig(**(base | kw))
+    return from_flags(TrainConfig, **(base | kw))
 
 
 def test_offline_training_learns_and_checkpoints(assets, tmp_path, capsys):
@@ -59,7 +60,7 @@ def test_offline_training_learns_and_checkpoints(assets, tmp_path, capsys):
     assert [r["step"] for r in rows] == list(range(1, 25))
     for r in rows:
         assert len(r["acc"]) == 3 and len(r["loss_k"]) == 3 and r["tok_s"] > 0 and 0 < r["mfu"] < 1
-        assert r["loss"] == pytest.approx(sum(TrainConfig.ttt_decay ** k * x for k, x in enumerate(r["loss_k"])))
+        assert r["loss"] == pytest.approx(sum(HyperParams.ttt_decay ** k * x for k, x in enumerate(r["loss_k"])))
     first, last = rows[0]["loss"], sum(r["loss"] for r in rows[-4:]) / 4
     assert last < 0.8 * first, (first, last)
     assert sum(rows[-1]["acc"]) > sum(rows[0]["acc"])
@@ -75,11 +76,11 @@ def test_offline_training_learns_and_checkpoints(assets, tmp_path, capsys):
     conf = json.loads((run / "config.json").read_text())["config"]  # as asked: --ce-chunk 0 (auto)
     plan = json.loads((run / "plan.json").read_text())  # what ran: the value it resolved to
     vocab = json.loads((assets["target"] / "config.json").read_text())["vocab_size"]
-    assert conf["ce_chunk"] == 0 and plan["ce_chunk"] == (16384 if vocab <= 16384 else 4096)
+    assert conf["devices"]["ce_chunk"] == 0 and plan["ce_chunk"] == (16384 if vocab <= 16384 else 4096)
     assert "ce chunk 16384" in printed
 
     # The checkpoint is an hstap drafter; the vocab map derived from the store's counts is the prepared set's.
-    from hstap.data.vocab import load_vocab_map
+    from hstap.artifacts.vocab_map import load_vocab_map
     from hstap.artifacts.drafter_dir import load_drafter
     best, meta = load_drafter(run)
     assert meta["store"]["layers"] == [1, 3, 4] and best.config.aux_layers == [1, 3, 4]
@@ -239,11 +240,11 @@ def test_deeper_drafter_with_another_objective_trains_and_exports(assets, tmp_pa
     run = tmp_path / "run"
     cfg = make_config("train", TrainConfig, _argv(assets, run, steps=6, lr=3e-3, log_every=3, eval_frac=0.2,
                                                   draft_layers=2, loss="ce+tv", loss_mix=0.3, data=assets["prepared"]))
-    assert "train" in COMMANDS and cfg.draft_layers == 2 and cfg.loss == "ce+tv"
+    assert "train" in COMMANDS and cfg.drafter.draft_layers == 2 and cfg.hyper.loss == "ce+tv"
     out = train(cfg)
     rows, evals = metrics(run)
     assert [r["step"] for r in rows] == [3, 6] and evals and evals[-1]["sim_tau"] >= 0
-    assert rows[-1]["loss"] == pytest.approx(sum(TrainConfig.ttt_decay ** k * x for k, x in enumerate(rows[-1]["loss_k"])))
+    assert rows[-1]["loss"] == pytest.approx(sum(HyperParams.ttt_decay ** k * x for k, x in enumerate(rows[-1]["loss_k"])))
     d, _ = load_drafter(run)
     assert d.config.num_layers == 2 and out["steps"] == 6
     export(ExportConfig(run=str(run), to="vllm", out=str(tmp_path / "vl"), target=str(assets["target"])))
@@ -281,7 +282,7 @@ def test_the_prepared_draft_vocab_carries_through_capture_to_train(assets, tmp_p
     import shutil
 
     from hstap.common import sha256_bytes
-    from hstap.data.vocab import build_vocab_map
+    from hstap.artifacts.vocab_map import build_vocab_map
     from hstap.artifacts.drafter_dir import load_drafter
     from hstap.store.reader import open_store
 
@@ -319,7 +320,7 @@ def test_the_prepared_draft_vocab_carries_through_capture_to_train(assets, tmp_p
 def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
     """--draft-vocab N unlike the store's (prepared) map of 96: the top N of the store's counts, recorded in
     plan.json; unlike an explicit --vocab-map: one error, before the run exists; unset: the map's own size."""
-    from hstap.data.vocab import build_vocab_map, load_vocab_map
+    from hstap.artifacts.vocab_map import build_vocab_map, load_vocab_map
     from hstap.artifacts.drafter_dir import load_drafter
     from hstap.store.reader import open_store
 
@@ -330,7 +331,7 @@ def test_an_explicit_draft_vocab_is_never_ignored(assets, tmp_path):
 
     d, plan = run("unset")
     assert d.config.draft_vocab_size == 96 and plan["draft_vocab"] == 96  # the resolved size is recorded
-    assert json.loads((tmp_path / "unset" / "config.json").read_text())["config"]["draft_vocab"] == 0  # as asked
+    assert json.loads((tmp_path / "unset" / "config.json").read_text())["config"]["inputs"]["draft_vocab"] == 0  # as asked
     d, plan = run("fifty", draft_vocab=50)
     st = open_store(assets["store"])
     V = d.t2d.numel()
@@ -379,7 +380,7 @@ def _other_vocab_store(assets, dst):
     from safetensors.numpy import save_file
 
     from hstap.common import sha256_bytes
-    from hstap.data.vocab import build_vocab_map
+    from hstap.artifacts.vocab_map import build_vocab_map
 
     shutil.copytree(assets["store"], dst)
     d2t, t2d = build_vocab_map(np.arange(400)[::-1].astype(np.int64), 96)
@@ -420,7 +421,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(case, assets, tmp_path, capsy
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             train(_cfg(assets, run, steps=1, eval_frac=0.0, tensorboard=False))
         _other_vocab_store(assets, store)
-        opts = {"resume": True, "steps": 2}
+        opts = {"resume": True, "steps": 2, "eval_frac": 0.0}
         expect = ["step_00000001/drafter.safetensors: d2t/t2d: the run was trained on a draft vocabulary map of 96 ids",
                   f"from {assets['store']}", "this resume resolves another one of 96 ids", f"from {store}"]
     elif case == "empty training split":

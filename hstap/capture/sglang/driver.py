@@ -24,7 +24,7 @@ from hstap.capture.sglang.protocol import ENV_LAYERS, EVENTS_DIR, HOOK_FACTORY, 
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
 from hstap.layers import check_sglang_capturable, to_sglang
-from hstap.store.format import committed_ids_of, merge_manifest
+from hstap.store.manifest import committed_ids_of, merge_manifest
 from hstap.store.writer import StoreWriter
 
 

@@ -43,7 +43,6 @@ import collections
 import dataclasses
 import json
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -58,6 +57,7 @@ from hstap.capture.sglang.ranks import parallel_ranks
 from hstap.capture.sglang.tap import FINISH_SINKS, TapDemux, decode_graphs_on, install_finish_hooks, tap_target
 from hstap.capture.sglang.writer import HookWriter
 from hstap.capture.staging import PinnedPool, staging_layout, staging_pack
+from hstap.capture.writer_queue import WriterQueue
 from hstap.common import HstapError
 
 log = logging.getLogger("hstap.sglang")
@@ -151,8 +151,7 @@ class CaptureHook:
         self.session: str | None = None
         self.store_dtype: str | None = None
         self._last_gc = time.monotonic()
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, int(self.cfg.queue_size)))
-        self._thread: threading.Thread | None = None
+        self.queue = WriterQueue(self.cfg.queue_size, self._writer_loop, "hstap-sglang-writer")
         self._side = None
         self.pool = None
         self._disabled: str | None = None
@@ -203,7 +202,7 @@ class CaptureHook:
     def _forward(self, inputs) -> None:
         if self._disabled or self.ranks()[0] != 0:  # TP ranks replicate the residual stream: attention-TP rank 0 writes
             return
-        self._start_writer()  # now, not at the first sample: a DP rank without samples must still see a session end
+        self.queue.start()  # now, not at the first sample: a DP rank without samples must still see a session end
         if len(inputs) < 4:
             self._note("signature", f"logits_processor got {len(inputs)} positional inputs, expected >= 4 "
                                     "(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)")
@@ -273,7 +272,7 @@ class CaptureHook:
         actions: list = []
         ranges: list[tuple[int, int]] = []
         start = 0
-        full = self.tap is not None and self._q.full()  # tapped rows never make the scheduler wait
+        full = self.tap is not None and self.queue.full()  # tapped rows never make the scheduler wait
         for rid, n, p in zip(rids, ext, pre):
             lo, start = start, start + n
             if not isinstance(rid, str) or not rid.startswith(RID_PREFIX):
@@ -372,7 +371,7 @@ class CaptureHook:
             a = rows(aux).reshape(R, self.K, H)  # (R, K*H) -> (R, K, H)
         t = {"input_ids": rows(input_ids).to(torch.int32), "aux": a, "final": rows(hidden)}  # (R,), (R,K,H), (R,H)
         if self.store_dtype == "fp8":  # quantize where the data is: halves the D2H bytes
-            from hstap.store.format import quantize_fp8
+            from hstap.store.fp8 import quantize_fp8
 
             t["aux"], t["aux_scale"] = quantize_fp8(t["aux"])  # (R, K, H) fp8, (R, K)
             t["final"], t["final_scale"] = quantize_fp8(t["final"])  # (R, H) fp8, (R,)
@@ -395,33 +394,19 @@ class CaptureHook:
             done.record(self._side)
         return {"done": done, "buf": buf, "layout": layout}
 
-    def _start_writer(self) -> None:
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._writer_loop, name="hstap-sglang-writer", daemon=True)
-                    self._thread.start()
-
     def _put(self, item: dict) -> None:
-        self._start_writer()
+        self.queue.start()
         pending = self.take_pending()  # tap actions that found the queue full go first, in order
         if pending:
             item = {**item, "actions": pending + item["actions"]}
         if self.tap is not None and not any(a[0] in _DRIVEN for a in item["actions"]):
-            try:  # tap-only: never make the scheduler wait (no rows are taken while the queue is full: _demux)
-                self._q.put_nowait(item)
-            except queue.Full:  # an end or an event (no rows): the writer takes it when idle (take_pending)
+            # tap-only: never make the scheduler wait (no rows are taken while the queue is full: _demux)
+            if not self.queue.put(item, wait=False):  # an end or an event (no rows): the writer takes it when idle
                 with self._lock:
                     self._pending = item["actions"] + self._pending
             return
-        while True:  # blocks only while queue_size batches wait for storage (backpressure)
-            try:
-                self._q.put(item, timeout=1.0)
-                return
-            except queue.Full:
-                if not self._thread.is_alive():
-                    self._disabled = "writer thread stopped"
-                    return
+        if not self.queue.put(item):  # blocks only while queue_size batches wait for storage (back-pressure)
+            self._disabled = "writer thread stopped"
 
     def take_pending(self) -> list:
         """The tap actions waiting for queue space (emptied); the writer thread takes them when idle."""
@@ -434,13 +419,8 @@ class CaptureHook:
         after `timeout` s when the writer cannot drain (a store waiting for a consumer's room)."""
         if self.finished in FINISH_SINKS:
             FINISH_SINKS.remove(self.finished)
-        if self._thread is not None and self._thread.is_alive():
-            try:
-                self._q.put(None, timeout=timeout)
-            except queue.Full:
-                log.error("hstap capture hook: the writer did not drain in %.0f s; closing without it", timeout)
-                return
-            self._thread.join(timeout)
+        if not self.queue.close(timeout):
+            log.error("hstap capture hook: the writer did not drain in %.0f s; closing without it", timeout)
 
     # -- writer thread -------------------------------------------------------------------------------------------------
 
@@ -449,7 +429,7 @@ class CaptureHook:
 
         w = HookWriter(self)
         try:
-            drain(self._q, self.cfg.flush_s, w, w.handle)
+            drain(self.queue.items, self.cfg.flush_s, w, w.handle)
         except HstapError as e:  # the store writer stopped (a disk error): the hook stops handing work over
             self._disabled = str(e)
 

@@ -28,9 +28,10 @@ what is stored and how it is bounded: `tap_fraction`, `max_store_gb`, never maki
 failed request (client gone, engine error) is dropped, never half-written.
 
 Refused at start-up, with one line naming the fix: another speculative method than extract_hidden_states, ids whose
-last is not N, prefix caching on (a cached prefix would reuse another request's blocks), pipeline parallelism. The
-settings it started with go to STORE/vllm-events/server-<pid>.json, which `hstap capture --engine vllm --server`
-checks against the run.
+last is not N, prefix caching on (a cached prefix would reuse another request's blocks), pipeline parallelism; a
+subclass that reads V1's model runner (`V1_READS`) under Model Runner V2 (`hstap.engines.vllm_runner`), before
+anything is written. The settings it started with (the model runner among them) go to
+STORE/vllm-events/server-<pid>.json, which `hstap capture --engine vllm --server` checks against the run.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class _Save:
     block_ids: list[int]
     prompt_len: int = 0
     """Tapped requests: the prompt's tokens among token_ids (the loss mask starts after them)."""
+    side: dict | None = None
+    """Worker side, the tap beside EAGLE-3: the request's side branches (rows of rejected drafts), or None."""
 
 
 @dataclasses.dataclass
@@ -101,7 +104,16 @@ def settings_problems(vllm_config) -> list[str]:
 class HstapConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring. One instance per vLLM process and role (scheduler, worker)."""
 
+    V1_READS: str | None = None
+    """What of V1's model runner a subclass reads (it is refused under Model Runner V2); None: the KV-connector
+    interface and the `extract_hidden_states` cache only, which both runners serve."""
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        from hstap.engines.vllm_runner import configured_runner, require_v1
+
+        self.runner = configured_runner(vllm_config)
+        if self.V1_READS:  # before anything is written (the scheduler's hello, the worker's writer)
+            require_v1(self.runner, f"hstap {type(self).__name__}", self.V1_READS)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = ConnectorConfig.from_dict(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         self.vids, self.layers, self.N = self.layers_of(vllm_config)
@@ -143,7 +155,7 @@ class HstapConnector(KVConnectorBase_V1, SupportsHMA):
             "t": time.time(), "pid": os.getpid(), "vllm": vllm.__version__, "model": str(mc.model),
             "dtype": str(mc.dtype).replace("torch.", ""), "store": os.path.abspath(self.cfg.store),
             "data": os.path.abspath(self.cfg.data) if self.cfg.data else None, "tap": self.cfg.tap,
-            "layers": self.layers, "vllm_layers": self.vids,
+            "model_runner": self.runner, "layers": self.layers, "vllm_layers": self.vids,
             "tensor_parallel_size": int(vllm_config.parallel_config.tensor_parallel_size),
             "max_num_batched_tokens": int(vllm_config.scheduler_config.max_num_batched_tokens),
             "chunked_prefill": bool(vllm_config.scheduler_config.enable_chunked_prefill),

@@ -35,10 +35,11 @@ from hstap.capture.vllm.protocol import (EVENTS_DIR, HELLO_PREFIX, PARAMS_KEY, k
 from hstap.common import HstapError, write_run_config
 from hstap.data.prepare import prepared_columns
 from hstap.layers import to_vllm
-from hstap.artifacts.model_dir import auto_device, auto_dtype, load_config
-from hstap.store.format import committed_ids_of, merge_manifest
+from hstap.artifacts.model_dir import load_config
+from hstap.device import auto_device, auto_dtype
+from hstap.store.manifest import committed_ids_of, merge_manifest
 from hstap.store.writer import StoreWriter
-from hstap.engines.vllm import start_llm, stop_llm
+from hstap.engines.vllm import check_quantized_dtype, require_vllm, start_llm, stop_llm
 
 CHUNK = 256  # embedded: prompts handed to LLM.generate at a time (progress and commits are polled in between)
 
@@ -60,6 +61,7 @@ def run_vllm_capture(cfg: CaptureConfig, poll_s: float = 0.5, commit_timeout_s: 
         max_len = int(info["max_model_len"])
     else:
         dtype = auto_dtype(cfg.compute_dtype, cfg.device)
+        check_quantized_dtype(cfg.target, dtype, auto_device(cfg.device))  # before the store is created
         engine = {"name": "vllm", "version": _vllm_version(), "device": auto_device(cfg.device),
                   "compute_dtype": dtype, "model_path": cfg.target, "vllm_layers": vids}
         max_len = max((lens[i] for i in range(n)), default=1) + 1
@@ -146,11 +148,9 @@ def _finish(cfg: CaptureConfig, run: Requests, engine: dict, server: str | None,
 
 
 def _vllm_version() -> str:
-    try:
-        import vllm
-    except ImportError:
-        raise HstapError("--engine vllm: the vllm package is not installed (CPU: pip install --no-deps -r "
-                         "requirements-vllm.txt; GPU: pip install vllm)") from None
+    require_vllm("--engine vllm")
+    import vllm
+
     return vllm.__version__
 
 

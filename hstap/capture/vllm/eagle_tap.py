@@ -22,12 +22,21 @@ This module keeps them, per request and position, and stores each finished reque
   `tap_token_mismatch`); the writer thread (capture/vllm/writer.py, bounded and never making serving wait) stores
   them: aux = the captured layer inputs, `final` = the model's own final-norm output (no norm to apply). Books of
   requests that finished without being stored are discarded.
+- Rejected drafts (`side_rows` "first" | "all", `side_max_accepted`; off by default): a verify step of request r
+  fed rows a..b-1 (its last token, then its drafts); when r's next step starts at s0 inside that span, rows a..s0-1
+  were accepted (s0-a-1 drafts) and rows s0..b-1, fed the drafts the target rejected, are about to be overwritten:
+  they are copied first (the first of them, or all), with the draft token, the position, the parent (s0-1, then the
+  row before), the step and the accepted count, and stored as the sample's side branches (a store of format version
+  2, hstap/store/side.py); the target's distribution at a row is its stored final state through the target's
+  lm_head, as for the accepted rows. Left out: the rows of a request's last step (it ended there: which drafts were
+  rejected is not known) and a branch whose parent token is not the stored sequence's (a recomputed request).
 
 What is stored equals the connector's tap mode sample for sample (sample id, input_ids, loss_mask, header contents;
 `engine.device` says "server (tap beside EAGLE-3)"); only the capture layers differ: they are the drafter's own
 (vLLM's `eagle_aux_hidden_state_layer_ids` of the served drafter, canonical ids in the store), so a drafter trained
 on the store has the served drafter's shape. Settings refused at start-up: another speculative method than eagle3,
-prefix caching (a cached prefix is never computed), pipeline or data parallelism; `"tap": true` is required.
+prefix caching (a cached prefix is never computed), pipeline or data parallelism, Model Runner V2 (the tap reads V1's
+runner: `V1_READS`; `hstap.engines.vllm_runner`); `"tap": true` is required.
 Launch: hstap.serve_loop.stage.server_args (docs/engines.md).
 """
 
@@ -44,27 +53,72 @@ from hstap.common import HstapError
 
 log = logging.getLogger("hstap.vllm")
 
-CONNECTOR = "HstapEagleTapConnector"
-CONNECTOR_MODULE = "hstap.capture.vllm.eagle_tap"
+V1_READS = "model_runner._model_forward, input_batch, query_start_loc"
+"""What of vLLM's V1 model runner the tap reads (Model Runner V2 has none of them: docs/engines.md)."""
 
 
 class _Rows:
-    """One request's states by position: (capacity, L, H) and the token fed at each position (-1: not computed)."""
+    """One request's states by position: (capacity, L, H), the token fed at each position (-1: not computed), the
+    span of its last step and the side rows kept so far (the rejected drafts; module docstring)."""
 
     def __init__(self, L: int, H: int, dtype: torch.dtype, cap: int):
         self.states = torch.empty(cap, L, H, dtype=dtype)  # (cap, L, H)
         self.ids = torch.full((cap,), -1, dtype=torch.long)  # (cap,)
+        self.last: tuple[int, int] | None = None  # [start, end) positions of the request's last step
+        self.steps = 0  # target forwards that computed rows of this request so far
+        self.side: list[dict] = []  # one entry per kept step: its rejected rows (`put`)
 
-    def put(self, pos: torch.Tensor, ids: torch.Tensor, states: torch.Tensor) -> None:
+    def put(self, pos: torch.Tensor, ids: torch.Tensor, states: torch.Tensor, side_rows: str = "none",
+            side_max_accepted: int = -1) -> None:
+        s0, n = int(pos[0]), int(pos.numel())
+        if side_rows != "none" and self.last is not None and self.last[0] < s0 < self.last[1]:
+            self._keep_rejected(s0, side_rows, side_max_accepted)
         need = int(pos.max()) + 1
         if need > self.ids.numel():
             cap = max(need, 2 * self.ids.numel())
             grown = _Rows(states.shape[1], states.shape[2], states.dtype, cap)
-            n = self.ids.numel()
-            grown.states[:n], grown.ids[:n] = self.states, self.ids
+            m = self.ids.numel()
+            grown.states[:m], grown.ids[:m] = self.states, self.ids
             self.states, self.ids = grown.states, grown.ids
         self.states[pos] = states  # the latest write at a position wins (a rejected draft's row is overwritten)
         self.ids[pos] = ids
+        self.last, self.steps = (s0, s0 + n), self.steps + 1
+
+    def _keep_rejected(self, s0: int, side_rows: str, side_max_accepted: int) -> None:
+        """This step starts at s0 inside the last step's span [a, b): the last step verified its drafts, the rows
+        a..s0-1 were accepted (the token it was fed and `accepted` = s0-a-1 drafts) and rows s0..b-1, fed the drafts
+        the target rejected, are about to be overwritten: copy them (a recompute, s0 <= a, keeps nothing)."""
+        a, b = self.last
+        accepted = s0 - a - 1
+        if 0 <= side_max_accepted < accepted:
+            return
+        hi = b if side_rows == "all" else s0 + 1
+        self.side.append({"start": s0, "ids": self.ids[s0:hi].clone(), "states": self.states[s0:hi].clone(),
+                          "step": self.steps - 1, "accepted": accepted, "parent_id": int(self.ids[s0 - 1])})
+
+    def side_branches(self, tokens: torch.Tensor) -> dict | None:
+        """The kept rows of a request whose accepted sequence is `tokens` (T,), flat (`hstap.store.side` layout):
+        rows at positions >= T are left out (the request ended in that step: whether the target rejected them is
+        unknown), and a branch whose parent token is not the sequence's (a recomputed request) is dropped. None: no
+        rows."""
+        T = int(tokens.numel())
+        cols: dict[str, list] = {k: [] for k in ("input_ids", "pos", "parent", "step", "accepted", "states")}
+        S = 0
+        for br in self.side:
+            s0, m = br["start"], min(int(br["ids"].numel()), T - br["start"])
+            if m <= 0 or int(tokens[s0 - 1]) != br["parent_id"]:
+                continue
+            parent = torch.arange(-S - 1, -S - m, -1, dtype=torch.long)  # (m-1,): row j's previous row is S+j-1
+            cols["parent"].append(torch.cat([torch.tensor([s0 - 1]), parent]))  # then -1-r: the previous side row r
+            cols["input_ids"].append(br["ids"][:m])
+            cols["pos"].append(torch.arange(s0, s0 + m))
+            cols["step"].append(torch.full((m,), br["step"], dtype=torch.long))
+            cols["accepted"].append(torch.full((m,), br["accepted"], dtype=torch.long))
+            cols["states"].append(br["states"][:m])
+            S += m
+        if not S:
+            return None
+        return {k: torch.cat(v) for k, v in cols.items()}  # (S,) each, states (S, L, H)
 
 
 class RowBook:
@@ -74,6 +128,7 @@ class RowBook:
         self.reqs: dict[str, _Rows] = {}
         self.installed = False
         self.in_step = False
+        self.side_rows, self.side_max_accepted = "none", -1  # the connector's settings (ConnectorConfig)
         self.stats: collections.Counter = collections.Counter()
 
     def record(self, req_ids: list[str], starts: list[int], positions: torch.Tensor, ids: torch.Tensor,
@@ -86,18 +141,20 @@ class RowBook:
             rows = self.reqs.get(rid)
             if rows is None:
                 rows = self.reqs[rid] = _Rows(states.shape[1], states.shape[2], states.dtype, max(64, 2 * (b - a)))
-            rows.put(positions[a:b], ids[a:b], states[a:b])
+            rows.put(positions[a:b], ids[a:b], states[a:b], self.side_rows, self.side_max_accepted)
         self.stats["steps"] += 1
 
-    def take(self, req_id: str, tokens: list[int]) -> tuple[torch.Tensor | None, str]:
-        """(rows (T, L, H), '') of a finished request whose positions 0..T-1 hold `tokens`; (None, why) otherwise."""
+    def take(self, req_id: str, tokens: list[int]) -> tuple[torch.Tensor | None, dict | None, str]:
+        """(rows (T, L, H), side branches or None, '') of a finished request whose positions 0..T-1 hold `tokens`;
+        (None, None, why) otherwise."""
         rows = self.reqs.pop(req_id, None)
         T = len(tokens)
         if rows is None or rows.ids.numel() < T or bool((rows.ids[:T] < 0).any()):
-            return None, "tap_incomplete"
-        if not torch.equal(rows.ids[:T], torch.as_tensor(tokens, dtype=torch.long)):
-            return None, "tap_token_mismatch"
-        return rows.states[:T], ""
+            return None, None, "tap_incomplete"
+        toks = torch.as_tensor(tokens, dtype=torch.long)
+        if not torch.equal(rows.ids[:T], toks):
+            return None, None, "tap_token_mismatch"
+        return rows.states[:T], (rows.side_branches(toks) if rows.side else None), ""
 
     def discard(self, req_ids) -> None:
         for r in req_ids:
@@ -112,6 +169,9 @@ def install(model_runner) -> dict:
     Idempotent. Refuses a runner whose target does not return EAGLE-3's aux states."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+    from hstap.engines.vllm_runner import require_v1, runner_of
+
+    require_v1(runner_of(model_runner), "hstap tap beside EAGLE-3", V1_READS)  # before anything is wrapped
     if BOOK.installed:
         return {"installed": True, "already": True}
     if get_tensor_model_parallel_rank() != 0:
@@ -186,13 +246,25 @@ class EagleTapWriter(VllmWriter):
     def _header(self) -> dict:
         h = super()._header()
         h["engine"]["device"] = "server (tap beside EAGLE-3)"
+        if self.cfg.side_rows != "none":  # a store that carries side branches (hstap.store.format, version 2)
+            h["side_branches"] = {"producer": "vllm tap beside EAGLE-3", "rows": self.cfg.side_rows,
+                                  "max_accepted": int(self.cfg.side_max_accepted)}
         return h
+
+    def _side(self, save):
+        """The side branches of a tapped request: the flat rows (`hstap.store.side`), aux and final split."""
+        side = getattr(save, "side", None)
+        if side is None or self.cfg.side_rows == "none":
+            return None
+        st = side.pop("states")  # (S, L, H)
+        return {**side, "aux": st[:, :-1], "final": st[:, -1]}
 
 
 class HstapEagleTapConnector(HstapConnector):
     """See the module docstring: the connector's tap rules and writer, the states from `BOOK`."""
 
     layers_of = staticmethod(eagle_layers)
+    V1_READS = V1_READS
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -215,6 +287,7 @@ class HstapEagleTapConnector(HstapConnector):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self._rank0 = get_tensor_model_parallel_rank() == 0
+        BOOK.side_rows, BOOK.side_max_accepted = self.cfg.side_rows, int(self.cfg.side_max_accepted)
         if self._rank0:
             mc = self._vllm_config.model_config
             self._writer = EagleTapWriter(self.cfg, self.layers, str(mc.model), str(mc.dtype).replace("torch.", ""))
@@ -234,10 +307,11 @@ class HstapEagleTapConnector(HstapConnector):
                     "the tap beside EAGLE-3 records nothing until the worker's hstap_tap_start runs "
                     "(POST /collective_rpc {\"method\": \"hstap_tap_start\"}; hstap serve-loop does it)")})
             return
-        rows, why = BOOK.take(s.req_id, s.token_ids)
+        rows, side, why = BOOK.take(s.req_id, s.token_ids)
         if rows is None:
             self._writer.stats[why] += 1
             self._writer.served.event({"event": "dropped", "reason": why, "req_id": str(s.req_id)[:200],
                                        "tokens": len(s.token_ids)})
             return
+        s.side = side
         self._writer.put((s, rows, None))

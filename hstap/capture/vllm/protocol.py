@@ -3,7 +3,9 @@ vLLM through `kv_connector_module_path`) and the driver in the hstap process (ca
 module and never the other; neither needs the other's process.
 
 - `CONNECTOR`, `CONNECTOR_MODULE` and `kv_transfer_config(...)`: the `--kv-transfer-config` that loads the connector;
-  its `kv_connector_extra_config` names the store and the prepared set (`ConnectorConfig`'s fields);
+  its `kv_connector_extra_config` names the store and the prepared set (`ConnectorConfig`'s fields); `TAP_CONNECTOR`,
+  `TAP_CONNECTOR_MODULE` and `tap_transfer_config(...)`: the same for the tap beside EAGLE-3 (capture/vllm/eagle_tap.py,
+  the serve loop's); both built by `hstap.engines.vllm.kv_transfer_config`;
 - `speculative_config(vllm_ids)`: vLLM's `extract_hidden_states` method with the ids to capture (vLLM's convention,
   the last one N: the last layer's output before the final norm);
 - `EVENTS_DIR`: the connector's events (drops, errors) and its `server-<pid>.json` (the settings it started with,
@@ -21,12 +23,17 @@ import os
 import shlex
 
 from hstap.common import HstapError
+from hstap.config import FieldError, positive
+from hstap.engines.vllm import kv_transfer_config as producer_config
 
 CONNECTOR = "HstapConnector"
 CONNECTOR_MODULE = "hstap.capture.vllm.connector"
+TAP_CONNECTOR = "HstapEagleTapConnector"
+TAP_CONNECTOR_MODULE = "hstap.capture.vllm.eagle_tap"
 EVENTS_DIR = "vllm-events"  # inside the store; the store's reader ignores other files
 HELLO_PREFIX = "server-"
 PARAMS_KEY = "hstap"
+SIDE_ROWS = ("none", "first", "all")
 
 
 def speculative_config(vllm_ids: list[int]) -> dict:
@@ -37,8 +44,14 @@ def speculative_config(vllm_ids: list[int]) -> dict:
 
 def kv_transfer_config(store: str, data: str, **extra) -> dict:
     """The `kv_transfer_config` that loads hstap's connector writing into `store` (samples checked against `data`)."""
-    return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"store": os.path.abspath(store), "data": os.path.abspath(data), **extra}}
+    return producer_config(CONNECTOR, CONNECTOR_MODULE,
+                           {"store": os.path.abspath(store), "data": os.path.abspath(data), **extra})
+
+
+def tap_transfer_config(store: str, **extra) -> dict:
+    """The `kv_transfer_config` that loads the tap beside EAGLE-3 writing the served requests into `store` (`extra`:
+    the connector's other settings, `ConnectorConfig`'s: shard_tokens, flush_s, tap_dtype, max_store_gb)."""
+    return producer_config(TAP_CONNECTOR, TAP_CONNECTOR_MODULE, {"store": str(store), "tap": True, **extra})
 
 
 def serve_command(target: str, store: str, data: str, vllm_ids: list[int], port: int = 8000,
@@ -73,6 +86,13 @@ class ConnectorConfig:
     """Tap mode: the store's dtype when the connector creates it (bf16, fp8, fp32)."""
     max_store_gb: float | None = None
     """Tap mode: stop capturing (dropping, counted) once the store's shards hold this many GB."""
+    side_rows: str = "none"
+    """Tap beside EAGLE-3 only: the rows of rejected drafts each verify step keeps, as side branches of the stored
+    sample (hstap/capture/vllm/eagle_tap.py): "none" (a plain store), "first" (the first rejected draft of a step),
+    "all" (every draft past the accepted prefix)."""
+    side_max_accepted: int = -1
+    """Tap beside EAGLE-3, with side_rows: keep only the steps that accepted at most this many drafts (the worst
+    steps); -1: every step with a rejection."""
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ConnectorConfig":
@@ -85,4 +105,11 @@ class ConnectorConfig:
         c = cls(**{"data": "", **cfg})
         if not 0.0 < c.tap_fraction <= 1.0 or c.tap_dtype not in ("bf16", "fp8", "fp32"):
             raise HstapError("--kv-transfer-config: hstap: tap_fraction must be in (0, 1], tap_dtype bf16|fp8|fp32")
+        try:
+            positive("", c, ("flush_s", "max_store_gb"))
+        except FieldError as e:  # a key of the JSON, not a flag
+            raise HstapError(f"--kv-transfer-config: hstap: kv_connector_extra_config: {e.name}: {e.reason}") from None
+        if c.side_rows not in SIDE_ROWS or int(c.side_max_accepted) < -1:
+            raise HstapError(f"--kv-transfer-config: hstap: side_rows must be one of {', '.join(SIDE_ROWS)} (got "
+                             f"{c.side_rows!r}), side_max_accepted >= -1 (got {c.side_max_accepted})")
         return c

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import uuid
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 from hstap.capture.session import decode_rid, exclusive_lock, sample_digest
 from hstap.capture.tap import TapBudget
 from hstap.capture.vllm.protocol import EVENTS_DIR, ConnectorConfig
+from hstap.capture.writer_queue import WriterQueue
 
 log = logging.getLogger("hstap.vllm")
 
@@ -54,30 +54,20 @@ class VllmWriter:
         self.session = uuid.uuid4().hex[:12]  # tapped sample ids: unique across server restarts
         self.budget = TapBudget(cfg.store, cfg.max_store_gb)
         self._lock = _rank_lock(cfg.store)
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, int(cfg.queue_size)))
-        self._thread = threading.Thread(target=self._loop, name="hstap-vllm-writer", daemon=True)
-        self._thread.start()
+        self.queue = WriterQueue(cfg.queue_size, self._loop, "hstap-vllm-writer")
+        self.queue.start()
 
     def put(self, item) -> None:
         if item[0].rid is None:  # tapped: never make the server wait
-            try:
-                self._q.put_nowait(item)
-            except queue.Full:
+            if not self.queue.put(item, wait=False):
                 self.stats["tap_dropped_queue_full"] += 1
             return
-        while self._thread.is_alive():
-            try:
-                self._q.put(item, timeout=1.0)
-                return
-            except queue.Full:
-                continue
-        log.error("hstap: the writer thread stopped; request %s is not stored", item[0].rid)
+        if not (self.queue.alive() and self.queue.put(item)):  # a driver's request waits for room
+            log.error("hstap: the writer thread stopped; request %s is not stored", item[0].rid)
 
     def close(self, timeout: float = 60.0) -> None:
         """Commit everything queued so far and stop the thread (vLLM's shutdown)."""
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join(timeout)
+        self.queue.close(timeout)
 
     def _loop(self) -> None:
         from hstap.capture.served import drain
@@ -86,7 +76,7 @@ class VllmWriter:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         except (OSError, AttributeError):
             pass
-        drain(self._q, self.cfg.flush_s, self.served, self._handle)
+        drain(self.queue.items, self.cfg.flush_s, self.served, self._handle)
 
     def _handle(self, item) -> None:
         save, rows, event = item
@@ -119,14 +109,19 @@ class VllmWriter:
     def _tapped(self, save, rows) -> None:
         from hstap.store.format import store_bytes_per_token
 
-        T = len(save.token_ids)
+        side = self._side(save)
+        T = len(save.token_ids) + (0 if side is None else int(side["input_ids"].numel()))  # rows stored
         if not self.budget.take(T * store_bytes_per_token(len(self.layers), int(rows.shape[-1]), self.cfg.tap_dtype)):
             self.stats["tap_dropped_store_full"] += 1
             return
-        mask = torch.zeros(T, dtype=torch.uint8)
+        mask = torch.zeros(len(save.token_ids), dtype=torch.uint8)
         mask[save.prompt_len:] = 1
         self.served.add_traffic(f"tap-{self.session}-{save.req_id}", torch.as_tensor(save.token_ids), mask,
-                                rows[:, :-1], self._final(rows), self._header)
+                                rows[:, :-1], self._final(rows), self._header, side=side)
+
+    def _side(self, save) -> dict | None:
+        """A tapped request's side branches for the store (the tap beside EAGLE-3 keeps them); here none."""
+        return None
 
     def _header(self) -> dict:
         import vllm

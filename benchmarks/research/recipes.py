@@ -1,12 +1,12 @@
-"""The drafter recipes that benchmarks/quality_variants.py trains, by name: train's defaults (`base`) and variants
-built on the recipe of train's defaults before today's (`OLD`), so that a name means the same training
-whatever train's defaults become. Each name maps to (train flags, the store it trains on)."""
+"""The drafter recipes that benchmarks/research/quality_variants.py trains, by name: train's defaults (`base`) and
+variants built on the recipe of train's earlier defaults (`OLD`), so that a name means the same training whatever
+train's defaults become. Each name maps to (train flags, the store it trains on)."""
 
 from __future__ import annotations
 
 OLD = {"--lr": "2e-3", "--ttt": "7", "--ttt-decay": "0.8", "--loss": "ce"}
-"""The recipe of train's defaults before today's (`42f1a69`): every variant but base is built on it, so a
-name means the same training whatever train's defaults are today."""
+"""The recipe of train's earlier defaults (lr 2e-3, TTT 7, decay 0.8, soft CE: `defaults-before`): every variant but
+base is built on it, so a name means the same training whatever train's defaults are."""
 
 
 def old(*flags: str) -> list[str]:
@@ -20,8 +20,8 @@ R = ("--lr", "3e-3", "--ttt", "5")  # the best pair of a search at lr and TTT (R
 HARD = ("--loss", "ce+hard", "--loss-mix", "0.5")
 VARIANTS = {  # name -> (train flags, store); every variant but base is OLD with the changes its name says
     "base": ([], "store"),  # train's defaults (lr 3e-3, TTT 5, decay 0.6, ce+hard)
-    "defaults-42f1a69": (old(), "store"),  # the defaults before: "base" of the earlier tables
-    "seed2": (old("--seed", "2"), "store"),  # defaults-42f1a69's other seed: how far two runs of one recipe differ
+    "defaults-before": (old(), "store"),  # train's earlier defaults: "base" of the earlier tables
+    "seed2": (old("--seed", "2"), "store"),  # defaults-before's other seed: how far two runs of one recipe differ
     "lr1e-4": (old("--lr", "1e-4"), "store"),  # the default lr before 2e-3
     "lr1e-3": (old(*LR), "store"),  # the recipe of the 2.268 baseline
     "lr3e-3": (old("--lr", "3e-3"), "store"),

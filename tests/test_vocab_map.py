@@ -1,4 +1,4 @@
-"""hstap.data.vocab: the draft vocabulary map's selection rule (frequency, ties, fill, clamping) and its validity check."""
+"""hstap.artifacts.vocab_map: the draft vocabulary map's selection rule (frequency, ties, fill, clamping) and its validity check."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hstap.common import HstapError
-from hstap.data.vocab import build_vocab_map, check_vocab_map
+from hstap.artifacts.vocab_map import build_vocab_map, check_vocab_map
 
 
 def test_vocab_map_rules():

@@ -1,8 +1,11 @@
-"""The draft vocabulary map: which target token ids the drafter predicts, and how its logits map back.
+"""The draft vocabulary map: which target token ids the drafter predicts, and how its logits map back. Its one home:
+the rule that builds it, the check, the file (PREPARED/ and a store's copy), its identity and `VocabMap`, the map a
+training run resolved.
 
 `hstap prepare` picks the N = min(--draft-vocab, V) most frequent loss-masked tokens of the prepared set
-(`build_vocab_map`) and writes them to PREPARED/vocab_map.safetensors; training reads it back (`load_vocab_map`) and
-export checks the map a drafter carries (`check_vocab_map`). Two tensors, as EAGLE-3 drafters store them:
+(`build_vocab_map`) and writes them to PREPARED/vocab_map.safetensors (`write_vocab_map`, as the serve loop writes its
+trainer's map); training reads it back (`load_vocab_map`) and export checks the map a drafter carries
+(`check_vocab_map`). Two tensors, as EAGLE-3 drafters store them:
 
     d2t int64 [N]  draft index k -> target id k + d2t[k] (the hot ids, strictly increasing)
     t2d bool  [V]  target id -> whether it is a hot id
@@ -10,19 +13,59 @@ export checks the map a drafter carries (`check_vocab_map`). Two tensors, as EAG
 `check_vocab_map` is the one validity rule (hot ids strictly increasing inside [0, V), t2d true exactly there).
 
 Capture copies the prepared set's file into the store and records it in the store header (`vocab_map_record`:
-{"file", "sha256", "size"}); `load_store_vocab_map` is how training finds it there.
+{"file", "sha256", "size"}); `load_store_vocab_map` is how training finds it there. A drafter carries the map it was
+trained with as buffers, and its drafter.json records the map's identity (`vocab_map_sha256`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hstap.common import HstapError, one_line, sha256_bytes
+from hstap.common import HstapError, atomic_write_bytes, one_line, sha256_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 VOCAB_MAP_FILE = "vocab_map.safetensors"
+
+
+@dataclass(frozen=True, eq=False)
+class VocabMap:
+    """A draft vocabulary map, as EAGLE-3 drafters store it, and where it came from (what a training run resolved,
+    `hstap.train.plan.TrainPlan.vocab`)."""
+
+    d2t: torch.Tensor
+    """(Vd,) long: draft id -> the offset of its target id (target id = draft id + d2t[draft id])."""
+    t2d: torch.Tensor
+    """(V,) bool: target id is in the draft vocabulary."""
+    source: str
+    """Where it came from (a file, the prepared set's map copied by capture, the top N of the store's token counts)."""
+
+    @property
+    def size(self) -> int:
+        """Vd, the draft vocabulary's size."""
+        return int(self.d2t.numel())
+
+    def sha256(self) -> str:
+        """Its identity (`vocab_map_sha256`)."""
+        return vocab_map_sha256(self.d2t, self.t2d)
+
+
+def vocab_map_sha256(d2t: torch.Tensor, t2d: torch.Tensor) -> str:
+    """Identity of a draft vocabulary map: sha256 over d2t as little-endian int64 and t2d as uint8 bytes."""
+    import torch
+
+    h = hashlib.sha256()
+    h.update(d2t.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8").tobytes())
+    h.update(b"|")
+    h.update(t2d.detach().to("cpu", torch.bool).contiguous().numpy().astype("u1").tobytes())
+    return h.hexdigest()
 
 
 def build_vocab_map(freq: np.ndarray, draft_vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,6 +99,15 @@ def check_vocab_map(d2t, t2d, vocab_size: int) -> None:
         raise HstapError("vocab map: hot ids (arange + d2t) are not strictly increasing")
     if int(t.sum()) != len(hot) or not t[hot].all():
         raise HstapError("vocab map: t2d is not true exactly at the hot ids (arange + d2t)")
+
+
+def write_vocab_map(path: str | os.PathLike, d2t, t2d) -> None:
+    """The map (d2t [N] and t2d [V], numpy arrays or tensors) as the vocab_map.safetensors file `path`, written
+    atomically (temp file, fsync, rename): d2t int64, t2d bool."""
+    from safetensors.numpy import save
+
+    atomic_write_bytes(path, save({"d2t": np.ascontiguousarray(_numpy(d2t), dtype=np.int64),
+                                   "t2d": np.ascontiguousarray(_numpy(t2d), dtype=np.bool_)}))
 
 
 def load_vocab_map(path: str | os.PathLike):

@@ -1,7 +1,7 @@
 """Which first shapes make compiling TTT's flex_attention fail, each in a fresh process.
 
-    python benchmarks/repro_flex.py            # CUDA: every case, forward + backward under bf16 autocast (~1-2 min, H200)
-    python benchmarks/repro_flex.py --tiny     # CPU: two cases through the same harness (eager flex, forward only)
+    python benchmarks/research/repro_flex.py         # CUDA: every case, forward + backward, bf16 autocast (~1-2 min, H200)
+    python benchmarks/research/repro_flex.py --tiny  # CPU: two cases through the same harness (eager flex, forward only)
 
 The recorded failure: a run resumed after SIGKILL died compiling flex_attention (inductor NoValidChoicesError, query
 (7, 4, 79, 16)). Every case runs the real code path in a new interpreter with its own inductor cache (one case shares a
@@ -18,8 +18,7 @@ TTTModel recomputes the batch with SDPA (the guarded fallback): `fallback` says 
 
 Prints a table, then one JSON line {"cases": [...], "predicted_all": bool, "fix_ok": bool (head_dim >= 16),
 "narrow_head_fix": {case: status} (head_dim 8: decides whether train's up-front SDPA rule for head_dim < 16 is
-needed), "fallback_ok": bool}. With $OUT set, every case's
-log goes to $OUT/repro_flex_logs.txt.
+needed), "fallback_ok": bool}. With --out-dir DIR, every case's log goes to DIR/repro_flex_logs.txt.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RESUMED = [(7, 79)]  # the recorded failure's first batch: what a resumed run saw first
 UNINTERRUPTED = [(4, 160), (7, 79)]  # a long batch first, then (7, 79) with another batch size
 SAME_B = [(7, 160), (7, 79)]  # a long batch first, but of the same batch size
@@ -200,6 +199,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU: two cases, eager flex, forward only (a harness check)")
     ap.add_argument("--jobs", type=int, default=min(10, os.cpu_count() or 1), help="cases run at once")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per case process")
+    ap.add_argument("--out-dir", default=None, help="write every case's log to OUT_DIR/repro_flex_logs.txt")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.case:
@@ -213,9 +213,9 @@ def main() -> int:
         r["predicted"] = predicted(c)
         r["matches"] = None if r["predicted"] == "?" else (r["status"] == "ok") == (r["predicted"] == "ok") and (
             r["predicted"] == "ok" or r.get("at") == r["predicted"].split("@")[1])
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "repro_flex_logs.txt").write_text("".join(log))
+    if a.out_dir:
+        Path(a.out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(a.out_dir) / "repro_flex_logs.txt").write_text("".join(log))
     print(f"{'case':24s} {'hd':>3s} {'G':>2s} {'dtype':5s} {'dynamic':7s} {'kernel':6s} {'batches':30s} "
           f"{'result':16s} {'at':7s} {'fallback':8s} {'predicted':18s} match")
     for c, r in zip(todo, results):

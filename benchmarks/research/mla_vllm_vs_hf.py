@@ -1,7 +1,7 @@
 """vLLM-CPU against HF transformers on a tiny DeepSeek-V3 (MLA + MoE) model, layer by layer: vLLM alone, no hstap.
 
-    python benchmarks/mla_vllm_vs_hf.py                       # every case, vLLM's CPU rotary kernel and the native one
-    python benchmarks/mla_vllm_vs_hf.py --case full --rope kernel
+    python benchmarks/research/mla_vllm_vs_hf.py              # every case, vLLM's CPU rotary kernel and the native one
+    python benchmarks/research/mla_vllm_vs_hf.py --case full --rope kernel
 
 First, vLLM's CPU rotary kernel alone, on the tensors vLLM's MLA layer hands it, against vLLM's own forward_native.
 Then each case builds a random-weight `DeepseekV3ForCausalLM` with the latent vLLM's CPU MLA backends accept

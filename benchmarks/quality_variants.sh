@@ -1,9 +1,0 @@
-#!/usr/bin/env bash
-# Recipe variants on the reference target, one GPU, one table and one JSON line (see benchmarks/quality_variants.py).
-#   REF=.carry/reference REGEN=DIR OUT=/tmp/qv bash benchmarks/quality_variants.sh     # H200, ~6 min
-#   bash benchmarks/quality_variants.sh --tiny                                         # CPU smoke run
-# Env: REF REGEN OUT W VARIANTS MEASURE PAR EPAR EPOCHS STEPS BT EV NP EP NT VAL_FRAC DEV CE_CHUNK COMPILE ENGINE WORKERS
-#      TP TC TT TE (documented in the .py's docstring).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-exec python3 benchmarks/quality_variants.py "$@"
