@@ -2,9 +2,11 @@
 served in vLLM on that INT4 target, vLLM's own acceptance counters.
 
     flock /tmp/hstap-engine.lock python benchmarks/bench_target_mismatch.py --out /tmp/mismatch
-    # or: what needs no engine first, outside the lock, then the rest under it
+    # or part by part, the vLLM parts alone under the lock:
     python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage prep
-    flock /tmp/hstap-engine.lock python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage engine
+    flock /tmp/hstap-engine.lock python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage capture
+    python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage train
+    flock /tmp/hstap-engine.lock python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage serve
     python benchmarks/bench_target_mismatch.py --tiny --out /tmp/mismatch-tiny      # random tiny target, a smoke run
 
 The served target: --target (default the reference target) quantized to INT4 W4A16 (compressed-tensors
@@ -202,25 +204,39 @@ def prep(a, work: Path) -> dict:
     return out
 
 
-def engine(a, work: Path) -> dict:
-    """The part that runs vLLM (under the engine lock): capture (a), drafter (a), the parity tables, every drafter
-    served on the INT4 target."""
+def _record(work: Path, key: str, figures: dict) -> None:
+    """Add a stage's figures to WORK/stages.json (the stages may run as separate commands)."""
+    f = work / "stages.json"
+    done = json.loads(f.read_text()) if f.is_file() else {}
+    done[key] = figures
+    f.write_text(json.dumps(done, indent=2))
+
+
+def capture_a(a, work: Path) -> None:
+    """(a): vLLM's states of the INT4 model (runs vLLM: under the engine lock)."""
+    _record(work, "capture a", _capture(work / "target-int4", work / "p-train", work / "store-a", "vllm", "bf16"))
+    print("capture (a) vllm bf16 done", flush=True)
+
+
+def train_a(a, work: Path) -> None:
+    """(a)'s drafter and its export (no engine)."""
+    _record(work, "train a", _train(work / "store-a", work / "target-int4", work / "run-a", a))
+    _export(work / "run-a", work / "target-int4", work / "vllm-a")
+    print("train (a) done", flush=True)
+
+
+def serve(a, work: Path) -> dict:
+    """The parity tables and every drafter served on the INT4 target (runs vLLM: under the engine lock)."""
     from hstap.artifacts.model_dir import load_target
     from hstap.data.prompts import load_prompts
     from hstap.speculative.evaluate import eos_ids
 
     t0 = time.perf_counter()
-    pre = json.loads((work / "prep.json").read_text())
-    stage, int4 = pre["stages"], work / "target-int4"
-    stage["capture a"] = _capture(int4, work / "p-train", work / "store-a", "vllm", "bf16")
-    print(f"capture (a) vllm bf16: {stage['capture a']}", flush=True)
+    int4 = work / "target-int4"
     parity = {"vllm bf16 vs hf fp32 (same INT4 checkpoint)": _parity(work / "store-a", work / "store-b"),
               "vllm bf16 vs hf bf16 (same INT4 checkpoint)": _parity(work / "store-a", work / "store-b16"),
               "vllm bf16 INT4 vs hf fp32 original": _parity(work / "store-a", work / "store-c"),
               "hf fp32 INT4 vs hf fp32 original": _parity(work / "store-b", work / "store-c")}
-    stage["train a"] = _train(work / "store-a", int4, work / "run-a", a)
-    print(f"train (a): {stage['train a']}", flush=True)
-    _export(work / "run-a", int4, work / "vllm-a")
     drafters = {k: work / f"vllm-{k}" for k in ("a", "b", "c", "d")}
     tgt, tok = load_target(int4, dtype="fp32")
     eos = eos_ids(tok, tgt)
@@ -234,10 +250,12 @@ def engine(a, work: Path) -> dict:
         served[key] = r
         print(f"served ({key}): acceptance {r['acceptance']:.3f}, tau {r['tau']:.3f}, {r['rounds']} rounds, accepted "
               f"{r['accepted_per_pos']}, outputs = target-only {r['lossless']}/{len(prompts)}", flush=True)
-    return {"parity": parity, "served": served, "stages": stage, "prompts": len(prompts),
+    stages = json.loads((work / "stages.json").read_text()) if (work / "stages.json").is_file() else {}
+    pre = json.loads((work / "prep.json").read_text())
+    stages.update(pre["stages"])
+    return {"parity": parity, "served": served, "stages": stages, "prompts": len(prompts),
             "generated_tokens_target_only": sum(map(len, ref["outputs"])),
-            "minutes": pre["prep_minutes"] + (time.perf_counter() - t0) / 60,
-            "engine_minutes": (time.perf_counter() - t0) / 60}
+            "serve_minutes": (time.perf_counter() - t0) / 60, "prep_minutes": pre["prep_minutes"]}
 
 
 def report(res: dict, a) -> None:
@@ -245,7 +263,8 @@ def report(res: dict, a) -> None:
 
     print(f"\nvLLM {vllm.__version__} (bf16) on {platform.processor() or platform.machine()} ({os.cpu_count()} CPUs); "
           f"{a.train_samples} training conversations, {a.steps} steps x {a.batch_tokens} tokens, k={a.k}, "
-          f"{res['prompts']} prompts x {a.max_new} new tokens; {res['minutes']:.1f} min in all")
+          f"{res['prompts']} prompts x {a.max_new} new tokens; stages (s): "
+          + ", ".join(f"{k} {v['seconds']}" for k, v in res["stages"].items()))
     print("\n| drafter trained on | vLLM acceptance (accepted / drafted) | vLLM tau | accepted by position | rounds | "
           "outputs = target-only |\n|---|---|---|---|---|---|")
     for key, r in res["served"].items():
@@ -274,13 +293,14 @@ def main(argv=None) -> int:
     ap.add_argument("--group-size", type=int, default=128, help="INT4 group size")
     ap.add_argument("--out", required=True, help="directory for results.json and the work files (kept)")
     ap.add_argument("--tiny", action="store_true", help="a random tiny target, 24 conversations, 4 steps (smoke run)")
-    ap.add_argument("--stage", default="all", choices=["all", "prep", "engine"],
-                    help="prep: what needs no engine (run it outside the engine lock); engine: the rest, on prep's --out")
+    ap.add_argument("--stage", default="all", choices=["all", "prep", "capture", "train", "serve"],
+                    help="one part, on the same --out, in this order: prep (no engine), capture (vLLM), train (no "
+                         "engine), serve (vLLM); run the vLLM parts under the engine lock")
     a = ap.parse_args(argv)
     work = Path(a.out).absolute()
-    work.mkdir(parents=True, exist_ok=a.stage == "engine")
+    work.mkdir(parents=True, exist_ok=a.stage not in ("all", "prep"))
     if a.tiny:
-        if a.stage != "engine":
+        if a.stage in ("all", "prep"):
             from hstap.demo.toy import build_random_target, build_tokenizer, sample_texts, stdlib_conversations
 
             tok = build_tokenizer(sample_texts(), vocab_size=400, out_dir=work / "tok")
@@ -292,11 +312,12 @@ def main(argv=None) -> int:
         a.target, a.train, a.eval, a.train_samples, a.eval_prompts = (str(work / "tiny"), str(work / "c.jsonl"),
                                                                       str(work / "e.jsonl"), 24, 8)
         a.steps, a.batch_tokens, a.max_new, a.group_size = 4, 1024, 16, 32
-    if a.stage in ("all", "prep"):
-        prep(a, work)
-    if a.stage == "prep":
+    for name, part in (("prep", prep), ("capture", capture_a), ("train", train_a)):
+        if a.stage in ("all", name):
+            part(a, work)
+    if a.stage not in ("all", "serve"):
         return 0
-    res = engine(a, work)
+    res = serve(a, work)
     report(res, a)
     res["args"] = vars(a)
     (work / "results.json").write_text(json.dumps(res, indent=2))

@@ -23,7 +23,7 @@ import os
 import shlex
 
 from hstap.common import HstapError
-from hstap.config import positive
+from hstap.config import FieldError, positive
 from hstap.engines.vllm import kv_transfer_config as producer_config
 
 CONNECTOR = "HstapConnector"
@@ -105,7 +105,10 @@ class ConnectorConfig:
         c = cls(**{"data": "", **cfg})
         if not 0.0 < c.tap_fraction <= 1.0 or c.tap_dtype not in ("bf16", "fp8", "fp32"):
             raise HstapError("--kv-transfer-config: hstap: tap_fraction must be in (0, 1], tap_dtype bf16|fp8|fp32")
-        positive("--kv-transfer-config: hstap: kv_connector_extra_config", c, ("flush_s", "max_store_gb"))
+        try:
+            positive("", c, ("flush_s", "max_store_gb"))
+        except FieldError as e:  # a key of the JSON, not a flag
+            raise HstapError(f"--kv-transfer-config: hstap: kv_connector_extra_config: {e.name}: {e.reason}") from None
         if c.side_rows not in SIDE_ROWS or int(c.side_max_accepted) < -1:
             raise HstapError(f"--kv-transfer-config: hstap: side_rows must be one of {', '.join(SIDE_ROWS)} (got "
                              f"{c.side_rows!r}), side_max_accepted >= -1 (got {c.side_max_accepted})")
