@@ -26,7 +26,8 @@ Stages (each a `python -m hstap.cli` process; one vLLM server at a time):
      drafter on N more linuxdocs prompts, its trainer stopped after one step so that the store is kept), then the
      offline drafter trained --offline-side-steps on it with and without its side branches (`hstap train
      --side-branches`), each run's sim tau on the same held-back 15% of that store.
---runs picks the stream runs (target, fixed, window, anchor, side; target is the reference and always runs first);
+--runs picks the stream runs (target, fixed, window, anchor, side; default all but side; target is the reference and
+always runs first);
 --train-steps caps every loop trainer at that many steps (constant learning rate), so that loop runs are compared at
 equal trainer steps on the same stream.
 Every serve-loop run: the same server settings (fp32, enforce_eager on the CPU, prefix caching off) and client load;
@@ -144,7 +145,7 @@ def main() -> None:
     ap.add_argument("--server-cpus", default="0")
     ap.add_argument("--trainer-cpus", default="1")
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--runs", default="target,fixed,window,anchor,side", help="stream runs (see above)")
+    ap.add_argument("--runs", default="target,fixed,window,anchor", help="stream runs (see above; side: add it)")
     ap.add_argument("--side-rows", default="all", choices=["first", "all"])
     ap.add_argument("--side-branches", type=int, default=2, help="side branches trained on per sample")
     ap.add_argument("--side-context", type=int, default=32)
