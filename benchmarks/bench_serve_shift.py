@@ -26,7 +26,8 @@ Stages (each a `python -m hstap.cli` process; one vLLM server at a time):
      drafter on N more linuxdocs prompts, its trainer stopped after one step so that the store is kept), then the
      offline drafter trained --offline-side-steps on it with and without its side branches (`hstap train
      --side-branches`), each run's sim tau on the same held-back 15% of that store.
---runs picks the stream runs (target, fixed, window, anchor, side; target is the reference and always runs first);
+--runs picks the stream runs (target, fixed, window, anchor, side; default all but side; target is the reference and
+always runs first);
 --train-steps caps every loop trainer at that many steps (constant learning rate), so that loop runs are compared at
 equal trainer steps on the same stream.
 Every serve-loop run: the same server settings (fp32, enforce_eager on the CPU, prefix caching off) and client load;
@@ -144,15 +145,17 @@ def main() -> None:
     ap.add_argument("--server-cpus", default="0")
     ap.add_argument("--trainer-cpus", default="1")
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--runs", default="target,fixed,window,anchor,side", help="stream runs (see above)")
+    ap.add_argument("--runs", default="target,fixed,window,anchor", help="stream runs (see above; side: add it)")
     ap.add_argument("--side-rows", default="all", choices=["first", "all"])
     ap.add_argument("--side-branches", type=int, default=2, help="side branches trained on per sample")
     ap.add_argument("--side-context", type=int, default=32)
     ap.add_argument("--train-steps", type=int, default=0, help="cap every loop trainer (0: no cap)")
     ap.add_argument("--offline-side", type=int, default=0, help="prompts of the offline side-branch comparison")
     ap.add_argument("--offline-side-steps", type=int, default=60)
-    ap.add_argument("--stage", default="all", choices=["all", "offline", "served"],
-                    help="offline: the offline drafter only (no server); served: the rest, reusing it from --work")
+    ap.add_argument("--stage", default="all", choices=["all", "offline", "served", "offline-side", "report"],
+                    help="offline: the offline drafter only (no server); served: the rest, reusing it from --work; "
+                         "offline-side: stage 8's training on the served stores in --work, then the report; report: "
+                         "the report of the runs in --work")
     a = ap.parse_args()
     work = Path(a.work or tempfile.mkdtemp(prefix="hstap-serve-shift-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -182,13 +185,17 @@ def main() -> None:
     n = len(before) + len(after)
 
     t = time.monotonic()  # 0. the offline drafter, on the first domain
-    if a.stage != "served":
+    if a.stage in ("all", "offline"):
         offline_drafter(a, work, target, other)
     if a.stage == "offline":
         return
     offline_s = time.monotonic() - t
-    summaries, forgetting, loads = stream_runs(a, work, target, stream, held)
-    side_offline = offline_side(a, work, target, ssrc, second, len(after)) if a.offline_side else None
+    if a.stage in ("offline-side", "report"):  # the stream runs of an earlier --stage served in --work
+        summaries, forgetting, loads = earlier_runs(a, work)
+    else:
+        summaries, forgetting, loads = stream_runs(a, work, target, stream, held)
+    side_offline = offline_side(a, work, target, ssrc, second, len(after)) if a.offline_side and \
+        a.stage != "report" else None
     report(a, work, n, len(before), summaries, forgetting, loads, offline_s, time.monotonic() - t0, side_offline)
     if not a.keep and a.work is None:
         shutil.rmtree(work, ignore_errors=True)
@@ -247,28 +254,45 @@ def stream_runs(a, work: Path, target: Path, stream: Path, held: Path):
     return summaries, forgetting, loads
 
 
+def earlier_runs(a, work: Path):
+    """(summaries, forgetting, loads) of the stream and forgetting runs an earlier --stage served left in --work."""
+    names = ["target only"] + [k for k in ("fixed", "loop, window", "loop, anchor replay", "loop, side branches")
+                               if {"fixed": "fixed", "loop, window": "window", "loop, anchor replay": "anchor",
+                                   "loop, side branches": "side"}[k] in a.runs.split(",")]
+    summaries = {k: json.loads((work / f"run{i}" / "summary.json").read_text()) for i, k in enumerate(names)}
+    forgetting = {k: json.loads((work / f"forget{i}" / "summary.json").read_text())["acceptance"]
+                  for i, k in enumerate(names[1:], 1)}
+    return summaries, forgetting, {k: float("nan") for k in names}
+
+
 def offline_side(a, work: Path, target: Path, ssrc, second, skip: int) -> dict:
     """Stage 8: a served store with side branches, then the offline drafter trained on it with and without them; each
-    run's last eval line (sim tau on the same held-back samples)."""
+    run's last eval line (sim tau on the same held-back samples). --stage offline-side: the training only, on the
+    served stores an earlier run left in --work."""
     rows = first_turns(ssrc, second, skip, a.offline_side) if second else first_turns(ssrc, None, 0, a.offline_side)
     prompts = write_jsonl(work / "side-prompts.jsonl", rows)
     tap = {}
     for name, side in (("plain tap", "none"), ("side rows", a.side_rows)):  # the same drafter, served fixed: the
-        out = work / f"side-served-{side}"  # tap's cost is the only difference (its trainer stops after one step)
-        _cli(work / f"side-served-{side}.log", "serve-loop", "--target", target, "--concurrency", a.concurrency,
-             "--max-tokens", a.max_tokens, "--k", a.k, "--max-model-len", a.max_model_len, "--device", "cpu",
-             "--server-cpus", a.server_cpus, "--prompts", prompts, "--mode", "loop", "--drafter",
-             work / "offline-run", "--side-rows", side, "--keep-shards", 1000, "--shard-tokens", a.shard_tokens,
-             "--train.steps", 1, "--update-every", 10 ** 9, "--holdout-frac", 0, "--trainer-cpus", a.trainer_cpus,
-             "--out", out, prefix=["taskset", "-c", a.trainer_cpus] if a.trainer_cpus else [])
+        if a.stage == "offline-side":
+            out = work / f"side-served-{side}"
+        else:
+            out = work / f"side-served-{side}"  # tap's cost is the only difference (its trainer stops after a step)
+            _cli(work / f"side-served-{side}.log", "serve-loop", "--target", target, "--concurrency", a.concurrency,
+                 "--max-tokens", a.max_tokens, "--k", a.k, "--max-model-len", a.max_model_len, "--device", "cpu",
+                 "--server-cpus", a.server_cpus, "--prompts", prompts, "--mode", "loop", "--drafter",
+                 work / "offline-run", "--side-rows", side, "--keep-shards", 1000, "--shard-tokens", a.shard_tokens,
+                 "--train.steps", 1, "--update-every", 10 ** 9, "--holdout-frac", 0, "--trainer-cpus", a.trainer_cpus,
+                 "--out", out, prefix=["taskset", "-c", a.trainer_cpus] if a.trainer_cpus else [])
         sm = json.loads((out / "summary.json").read_text())
         tap[name] = {"tokens_per_s": sm["tokens_per_s"], "acceptance": sm["acceptance"],
                      "store_bytes": sm["store"].get("bytes_at_end"), "samples": sm["store"].get("samples_committed")}
+    from hstap.artifacts.drafter_dir import resolve_drafter_dir
+
     res = {}
     for name, nb in (("without side branches", 0), ("with side branches", a.side_branches)):
         run = work / f"side-train-{nb}"
         _cli(work / f"side-train-{nb}.log", "train", "--store", out / "store", "--target", target, "--out", run,
-             "--init-from", work / "offline-run", "--steps", a.offline_side_steps, "--ttt", a.k, "--lr", a.loop_lr,
+             "--init-from", resolve_drafter_dir(work / "offline-run"), "--steps", a.offline_side_steps, "--ttt", a.k, "--lr", a.loop_lr,
              "--warmup-ratio", 0, "--min-lr-ratio", 1, "--batch-tokens", a.batch_tokens, "--eval-frac", 0.15,
              "--save-every", a.offline_side_steps, "--device", "cpu", "--tensorboard", "false", "--side-branches", nb,
              "--side-context", a.side_context, "--vocab-map", out / "vocab_map.safetensors")

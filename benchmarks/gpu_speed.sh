@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Capture and decoding speed at the Llama-3.1-8B shape on one H200, each figure beside its own baseline in the same
-# run, with where the time goes. Three parts, each one command under 10 minutes (~18 minutes of machine time for the
-# three), run from the repository root, in this order:
+# run, with where the time goes. Three parts of a few minutes each (~18 minutes for the three), run from the
+# repository root, in this order:
 #
-#   bash benchmarks/gpu_speed.sh wheels         # beforehand, on a machine with the registry: the datasets, dill and
-#                                               # multiprocess wheels into .whl (the GPU image lacks them; carry .whl)
+#   bash benchmarks/gpu_speed.sh wheels         # for a GPU machine without datasets, dill and multiprocess and
+#                                               # without a package index: their wheels into .whl/ on a machine with
+#                                               # network access; copy .whl/ with the checkout (installed offline)
 #   bash benchmarks/gpu_speed.sh capture        # ~5 min: the goal's passes (benchmarks/bench_capture.py)
 #   bash benchmarks/gpu_speed.sh capture-where  # ~4.5 min: where the rest goes (CLI, trace, the mask sync)
 #   bash benchmarks/gpu_speed.sh decode         # ~8 min: benchmarks/bench_decode.py, the 8B target and its spec loop
-#   bash benchmarks/gpu_speed.sh all            # the three, one after the other (no per-command limit)
+#   bash benchmarks/gpu_speed.sh all            # the three, one after the other
 #   SMOKE=1 bash benchmarks/gpu_speed.sh all    # the same commands in their --tiny forms on the CPU (a minute or two)
 #
 # capture: the CUDA test of the zero-copy pipeline (tests/test_cuda.py -k zero_copy); then bench_capture.py, 512 x 2048
@@ -46,7 +47,7 @@ SMOKE=${SMOKE:-0}
 mkdir -p "$OUT" "$W" "$DISK"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-wheels() {  # the packages the prepared set (--cli) needs and the GPU image lacks, for Python 3.12
+wheels() {  # the packages the prepared set (--cli) needs beyond the GPU requirements, for Python 3.12
   local v
   mkdir -p .whl
   for pkg in datasets dill multiprocess; do
@@ -57,7 +58,7 @@ wheels() {  # the packages the prepared set (--cli) needs and the GPU image lack
   ls -l .whl
 }
 
-have_datasets() {  # import datasets, installing the carried wheels when the image lacks it
+have_datasets() {  # import datasets, installing the wheels of .whl/ offline when it is missing
   python3 -c "import datasets" 2>/dev/null && return 0
   ls .whl/*.whl >/dev/null 2>&1 || return 1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hstap-site .whl/*.whl >/dev/null 2>&1
@@ -103,7 +104,7 @@ capture_where() {
   local cli="--cli"
   if ! have_datasets; then
     cli=""
-    echo "gpu_speed: no \`datasets\` (carry .whl: bash benchmarks/gpu_speed.sh wheels): the CLI pass is left out"
+    echo "gpu_speed: no \`datasets\` (offline wheels: bash benchmarks/gpu_speed.sh wheels): the CLI pass is left out"
   fi
   bench capture_where --no-fp8 $cli --trace-batches 4 --out-dir "$W" --ab-mask-sync
   [ -f "$W/capture_trace.json" ] && gzip -c "$W/capture_trace.json" > "$OUT/capture_trace.json.gz"

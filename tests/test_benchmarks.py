@@ -1,6 +1,6 @@
 """The GPU benchmarks' CPU smoke modes run end to end: bench_train.py --tiny (both shapes, profile; --store-checks) and
 research/quality_variants.sh --tiny (toy target; prepare, capture bf16 + fp8, train, replay, hstap eval of a 2-layer drafter);
-bench_ngram.py on a few streams (its index and its scan propose the same drafts); peer_speculators.py --tiny
+bench_ngram.py on a few streams (its index and its scan propose the same drafts); research/peer_speculators.py --tiny
 (speculators' trainer on a tiny store, hstap's reading of its checkpoints equal to speculators' model); bench_wide.py
 --tiny (a SmolLM2-like tiny target widened, every method lossless); bench_capture.py --tiny (every pass profiled, the
 stores bitwise equal to the old gather path's); bench_decode.py --tiny --big-spec (every step split against the bound);
@@ -88,8 +88,8 @@ def peer_tiny(tmp_path_factory):
     pytest.importorskip("speculators.train.trainer")
     out_dir = tmp_path_factory.mktemp("peer")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peer_speculators.py"), "--tiny", "--out",
-                        str(out_dir), "--epochs", "1", "--parity-samples", "2"], env=env, cwd=REPO,
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "research" / "peer_speculators.py"), "--tiny",
+                        "--out", str(out_dir), "--epochs", "1", "--parity-samples", "2"], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1]), out_dir
@@ -134,7 +134,7 @@ def test_peer_replay_equals_hstap_train_replay(peer_tiny, tmp_path):
                            timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
     ev = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"eval": true' in x][-1]
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "research"))
     try:
         import peer_speculators as P
     finally:

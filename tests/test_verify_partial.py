@@ -84,3 +84,23 @@ def test_a_budget_below_the_lowest_stored_layer_is_one_error(sharded):
     too_small = (sharded["rest"] + sharded["layer"][0]) / 1e9  # layer 1 does not fit
     with pytest.raises(HstapError, match=r"even its stored layer 1 cannot be checked within the .* GB budget"):
         recompute(str(sharded["right"]), str(sharded["target"]), samples=1, load_gb=too_small)
+
+
+def test_the_twin_is_left_out_when_only_it_keeps_a_stored_layer_from_fitting(sharded, tmp_path):
+    from helpers.store import rewrite
+
+    # a store that says it was computed in bf16: the check would hold a bf16 twin (2 bytes an element) beside fp32
+    def bf16_header(src, dst):
+        out = rewrite(src, dst)
+        import json as _json
+
+        man = _json.loads((out / "manifest.json").read_text())
+        man["engine"]["compute_dtype"] = "bf16"
+        (out / "manifest.json").write_text(_json.dumps(man))
+        return out
+
+    store = bf16_header(sharded["right"], tmp_path / "bf16-says")
+    fits_alone = (sharded["rest"] + sum(sharded["layer"][:2]) * 1.01) / 1e9  # layers 0-1 in fp32, no room for a twin
+    rep = recompute(str(store), str(sharded["target"]), samples=1, load_gb=fits_alone)
+    assert rep["loaded"]["layers"] == 2 and rep["compute"]["served_activations"] is None
+    assert any("no twin" in n for n in rep["notes"]) and all("noise_floor" not in m for m in rep["metrics"])

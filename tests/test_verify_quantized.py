@@ -120,6 +120,7 @@ def test_the_twin_rounds_activations_where_the_serving_engine_does():
     assert served_activations(fp8, {"name": "vllm", "device": "cuda:0"}) == "fp8-group"  # W8A8
     assert served_activations(fp8, {"name": "vllm", "device": "cpu"}) is None  # W8A16
     assert served_activations(None, {"name": "vllm", "device": "cpu"}) is None
+    assert served_activations(fp8, {"name": "vllm", "device": "server (tap)"}) == "fp8-group"  # unknown: the coarser
     x = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))  # (T, I)
     q8 = quantize_activations(x, "int8-token")
     assert float(((q8 - x).abs() / x.abs().amax(-1, keepdim=True)).max()) <= 0.5 / 127 + 1e-6  # half a step per token

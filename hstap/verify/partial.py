@@ -83,6 +83,9 @@ class Plan:
     """The memory budget the plan fits."""
     skipped: list[str] = field(default_factory=list)
     """Slots not checked ("layer 57", "final")."""
+    twin: bool = True
+    """The twin (hstap.verify.twin) fits beside the loaded layers; False: left out so that a stored layer fits at all
+    (no noise floor, no routing-flip count: the static tolerances alone)."""
 
     @property
     def whole(self) -> bool:
@@ -91,7 +94,9 @@ class Plan:
     def note(self) -> str:
         return (f"only the embedding and layers 0-{self.layers - 1} of {self.total} were loaded: the whole target needs "
                 f"{self.need_gb:.1f} GB for this check, over the {self.budget_gb:.1f} GB budget (--load-gb); not "
-                f"checked: {', '.join(self.skipped)} (they need the layers above)")
+                f"checked: {', '.join(self.skipped)} (they need the layers above)"
+                + ("" if self.twin else "; no twin in the other precision fits beside them: no noise floor and no "
+                   "routing-flip count, the static tolerances alone"))
 
 
 def plan(target_dir: str, num_layers: int, stored: list[int], elem_bytes: float, budget: float) -> Plan:
@@ -162,11 +167,17 @@ def load_for_check(target_dir: str, stored: list[int], device: str, compute_dtyp
     dev = resolve_device(device)
     dt = auto_dtype(compute_dtype, dev)
     elem = 4 if dt == "fp32" else 2
-    if compute_class(store_compute, dt) == "bf16":  # the twin: a copy in the other precision
-        elem += 2 if dt == "fp32" else 4
+    twin = compute_class(store_compute, dt) == "bf16"  # the twin: a copy in the other precision
     budget = load_gb * 1e9 if load_gb else free_bytes(dev) / 2
     N = int(load_config(target_dir).num_hidden_layers)
-    p = plan(target_dir, N, [L for L in stored if 0 <= L < N] or [0], elem, budget)
+    layers = [L for L in stored if 0 <= L < N] or [0]
+    try:
+        p = plan(target_dir, N, layers, elem + ((2 if dt == "fp32" else 4) if twin else 0), budget)
+    except HstapError:
+        if not twin:
+            raise
+        p = plan(target_dir, N, layers, elem, budget)  # without the twin, the lowest stored layer may fit
+        p = Plan(p.layers, p.total, p.need_gb, p.budget_gb, p.skipped, twin=False)
     if p.whole:
         target, tok = load_target(target_dir, device=device, dtype=compute_dtype)
         return target, tok, p

@@ -248,7 +248,12 @@ def _verdicts(sums: _Sums, claimed: list[int], N: int, tol: dict, problems: list
         row["ok"] = not bad
         if bad:
             best_ok = bj != claimed[k] and float(sums.cosmin[k, best]) >= tol["cos_min"]
-            if k == K:
+            if bj == claimed[k] and "noise_limit" in row and m["rel_l2"] > row["noise_limit"]:
+                msg = (f"{name}: the target's state as another variant of the model computes it: relative L2 error "
+                       f"{m['rel_l2']:.3g} = {m['rel_l2'] / row['noise_floor']:.1f}x the bf16 noise floor (limit "
+                       f"{row['noise_limit'] / row['noise_floor']:.1f}x): another quantization or the full-precision "
+                       "original of the target, or arithmetic its engines do not do")
+            elif k == K:
                 if best_ok and bj == last_layer(N):
                     msg = "final matches pre-norm output of the last layer: missing final norm"
                 elif best_ok:
@@ -287,7 +292,7 @@ def recompute(store_path: str, target_dir: str, samples: int = 4, device: str = 
     problems: list[str] = []
     picked = _pick(len(s), samples)
     twin = None
-    if compute == "bf16":
+    if compute == "bf16" and (plan is None or plan.twin):
         from hstap.artifacts.quantization import quantization_of
         from hstap.verify.twin import served_activations
 

