@@ -298,8 +298,10 @@ def offline_side(a, work: Path, target: Path, ssrc, second, skip: int) -> dict:
              "--side-context", a.side_context, "--vocab-map", out / "vocab_map.safetensors")
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         ev, st = [x for x in lines if x.get("eval")], [x for x in lines if "tokens" in x]
-        res[name] = {"sim_tau": ev[-1]["sim_tau"], "eval_positions": ev[-1]["eval_positions"], "steps": st[-1]["step"],
-                     "tokens_per_step": sum(x["tokens"] for x in st) / len(st)}
+        last = ev[-1] if ev else {}  # a store too small for a held-back split (--tiny) has no eval line
+        res[name] = {"sim_tau": last.get("sim_tau"), "eval_positions": last.get("eval_positions", 0),
+                     "steps": st[-1]["step"] if st else 0,
+                     "tokens_per_step": sum(x["tokens"] for x in st) / len(st) if st else 0}
     from hstap.store.reader import open_store
     s = open_store(out / "store")
     res["store"] = {"samples": len(s), "tokens": sum(s.lengths),
