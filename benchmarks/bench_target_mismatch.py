@@ -131,36 +131,24 @@ def _sglang_ids_for_vllm(export_dir: Path, out: Path) -> Path:
     return out
 
 
-def _counters(llm) -> dict:
-    from hstap.speculative.vllm import COUNTERS, PER_POS
-
-    out: dict = {}
-    for m in llm.get_metrics():
-        if m.name in COUNTERS:
-            out[m.name] = out.get(m.name, 0) + int(m.value)
-        elif m.name == PER_POS:
-            out[PER_POS] = [a + b for a, b in zip(out.get(PER_POS, [0] * len(m.values)), map(int, m.values))]
-    return out
-
-
 def _serve(target: Path, prompts: list[list[int]], eos: list[int], a, drafter: Path | None) -> dict:
     """vLLM on the INT4 target (bf16), greedy, all prompts at once: outputs and, with a drafter, its counters."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from hstap.engines.vllm import start_llm, stop_llm
-    from hstap.speculative.vllm import COUNTERS, PER_POS
+    from hstap.engines.vllm import eagle3_config, start_llm, stop_llm
+    from hstap.speculative.vllm import COUNTERS, PER_POS, counters
 
-    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": a.k} if drafter else None
+    spec = eagle3_config(drafter, a.k) if drafter else None
     llm = start_llm(str(target), "bf16", "cpu", max(map(len, prompts)) + a.max_new + 8, speculative_config=spec,
                     seed=0, disable_log_stats=False)
     try:
-        before = _counters(llm)
+        before = counters(llm)
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                             SamplingParams(max_tokens=a.max_new, temperature=0.0, stop_token_ids=eos), use_tqdm=False)
         wall = time.perf_counter() - t0
-        after = _counters(llm)
+        after = counters(llm)
     finally:
         stop_llm(llm)
     r = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(wall, 1)}

@@ -45,7 +45,8 @@ def vllm_drafter_dir(drafter: str, target: str, out_dir: Path, dtype: str, num_l
     return d
 
 
-def _counters(llm) -> dict:
+def counters(llm) -> dict:
+    """vLLM's speculative-decoding counters of an offline `LLM`, summed over its engines (COUNTERS; PER_POS a list)."""
     out: dict = {}
     for m in llm.get_metrics():
         if m.name in COUNTERS:
@@ -72,11 +73,11 @@ def _run(target: str, dtype: str, prompts: list[list[int]], max_new: int, temper
     runner = configured_runner(getattr(llm.llm_engine, "vllm_config", None))
     try:
         params = SamplingParams(max_tokens=max_new, temperature=temperature, stop_token_ids=list(eos), seed=seed)
-        before = _counters(llm)
+        before = counters(llm)
         t0 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         wall = time.perf_counter() - t0
-        after = _counters(llm)
+        after = counters(llm)
     finally:
         stop_llm(llm)
     diff = {k: (after[k] - before.get(k, 0)) if k in COUNTERS else
