@@ -225,7 +225,8 @@ def test_capture_profile_times_every_stage_of_a_cpu_pass(tiny_llama, tmp_path):
         if prof is not None:
             d = prof.as_dict()
             assert d["batches"] == 4 and "device_s" not in d  # device times are CUDA events: none on the CPU
-            assert all(d["host_s"][k] > 0 for k in ("inputs", "forward", "convert", "store"))
+            # the unrounded seconds: the report rounds to 0.1 ms, which a tiny batch's stage can stay under
+            assert all(prof.host_s[k] > 0 for k in ("inputs", "forward", "convert", "store")), prof.host_s
             assert set(d["host_s"]) == set(MAIN_STAGES + WRITER_STAGES)
             st = w.stats
             assert st["samples"] == 12 and st["shards"] >= 2 and st["bytes"] > 0
