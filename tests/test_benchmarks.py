@@ -157,6 +157,23 @@ def test_peer_replay_equals_hstap_train_replay(peer_tiny, tmp_path):
     assert ev["sim_chain_tau"][0] > 1.0  # drafts were accepted: the comparison counts something
 
 
+@pytest.mark.procs
+@pytest.mark.slow
+def test_bench_wide_tiny():
+    """The widened target decodes what the reference decodes, and every drafting method is lossless on both."""
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_wide.py"), "--tiny"], capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads([x for x in p.stdout.splitlines() if x.startswith('{"bench": "wide"')][-1])
+    # the widened target's greedy outputs equal the reference's on every prompt
+    assert out["target_only_outputs_equal"] == out["prompts"] > 0
+    assert [t["name"] for t in out["targets"]] == ["reference", "wide"]
+    for t in out["targets"]:
+        drafted = {name: m for name, m in t["methods"].items() if name != "target"}
+        assert "ngram" in drafted and len(drafted) >= 2
+        assert all(m["lossless"] is True for m in drafted.values()), (t["name"], drafted.keys())
+
+
 def test_bench_generate_tiny():
     """bench_generate.py --tiny: the continuous engine and the lockstep batches over the same multi-turn conversations
     give the same answers (fp32, CPU), and the continuous engine prefills fewer tokens (its rows kept across turns)."""
